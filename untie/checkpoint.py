@@ -1,0 +1,109 @@
+"""Checkpoint awareness: make a model's tied/untied structure match the checkpoint it is about to load."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
+
+logger = logging.getLogger(__name__)
+
+CALLBACK_STATE_KEY = "UntieCallback"
+_GUARD_ATTR = "_untie_resume_guard"
+
+
+def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
+    """Whether a checkpoint folder holds an untied model: True, False, or None when it does not say.
+
+    Reads, in order: the UntieCallback state in `trainer_state.json`, the untie marker in `config.json`, and the
+    `tie_word_embeddings` flag (only where the config has no marker; T5/BART keep that flag True even untied).
+    """
+    state_file = os.path.join(checkpoint_dir, "trainer_state.json")
+    if os.path.isfile(state_file):
+        with open(state_file) as f:
+            callbacks = json.load(f).get("stateful_callbacks") or {}
+        state = callbacks.get(CALLBACK_STATE_KEY)
+        if isinstance(state, list):  # Trainer stores a list when several instances of a callback exist
+            state = state[-1] if state else None
+        if state and "untied" in state.get("attributes", {}):
+            return bool(state["attributes"]["untied"])
+    config_file = os.path.join(checkpoint_dir, "config.json")
+    if os.path.isfile(config_file):
+        with open(config_file) as f:
+            config = json.load(f)
+        if config.get(UNTIED_MARKER):
+            return True
+        text = config.get("text_config") or {}
+        if config.get("tie_word_embeddings") is False or text.get("tie_word_embeddings") is False:
+            return True
+        if "tie_word_embeddings" in config:
+            return False
+    return None
+
+
+def prepare_for_resume(model: nn.Module, checkpoint_dir: str | os.PathLike) -> nn.Module:
+    """Give `model` the tied/untied structure of `checkpoint_dir` before its weights and optimizer are loaded.
+
+    Call it before `trainer.train(resume_from_checkpoint=checkpoint_dir)` when the Trainer has no `UntieCallback`
+    (which does this by itself), or before loading a checkpoint's state dict in your own loop.
+    """
+    untied = checkpoint_is_untied(checkpoint_dir)
+    if untied is None:
+        raise ValueError(
+            f"{checkpoint_dir} does not say whether its model is tied (no trainer_state.json with UntieCallback state "
+            "and no config.json). Pass the checkpoint folder written by Trainer or save_pretrained."
+        )
+    if untied and is_tied(model):
+        untie_embeddings(model)
+    elif not untied and not is_tied(model):
+        tie_embeddings(model, init="input")
+    return model
+
+
+def install_resume_guard(model: nn.Module) -> None:
+    """Make `model.load_state_dict` adapt the model to the checkpoint's structure first (idempotent).
+
+    Trainer loads a resumed checkpoint with `model.load_state_dict(sd, strict=False)` before any callback event;
+    into a still-tied model an untied checkpoint would silently overwrite the embedding with the head (both keys
+    land in one shared parameter) and then fail on the optimizer state. With the guard:
+    - an untied checkpoint (separate LM-head key) into a tied model unties the model first;
+    - a complete tied checkpoint (no LM-head key) into an untied model gives the head a copy of the shared matrix,
+      instead of keeping the head's current values next to an old embedding (`load_best_model_at_end`).
+    """
+    if getattr(model, _GUARD_ATTR, None) is not None:
+        return
+    setattr(model, _GUARD_ATTR, model.register_load_state_dict_pre_hook(_match_structure_to_state_dict))
+
+
+def _match_structure_to_state_dict(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    if prefix:  # only when the guarded model itself is the one being loaded
+        return
+    layout = embedding_layout(module)
+    if is_tied(module):
+        if layout.output_weight in state_dict:
+            logger.warning("untie: the checkpoint being loaded has an untied LM head; untying the model first.")
+            untie_embeddings(module)
+        return
+    if layout.output_weight in state_dict or layout.input_weight not in state_dict:
+        return
+    tie_targets = set(getattr(module, "all_tied_weights_keys", None) or {})
+    head_keys = {layout.output_weight, layout.output_bias, *layout.bias_aliases}
+    expected = set(module.state_dict()) - head_keys - tie_targets
+    if not expected <= set(state_dict):
+        return  # one shard of a sharded checkpoint: the head may be in another shard
+    warnings.warn(
+        "untie: loading a tied checkpoint into an untied model; the LM head gets a copy of the checkpoint's shared "
+        "matrix (the model stays untied).",
+        stacklevel=2,
+    )
+    state_dict[layout.output_weight] = state_dict[layout.input_weight].clone()
+    if layout.output_bias is not None and layout.output_bias not in state_dict:
+        source = next((a for a in layout.bias_aliases if a in state_dict), None)
+        if source is not None:
+            state_dict[layout.output_bias] = torch.as_tensor(state_dict[source]).clone()

@@ -1,0 +1,65 @@
+"""`UntieConfig`: every setting of `UntieCallback`, as a dataclass that round-trips to JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from untie.surgery import _STATE_INITS, _TIE_INITS
+
+#: Default schedule: untie after 30% of the run's optimizer steps. Tying speeds up the start of training and the
+#: untie leaves 70% of the budget for the input and output spaces to separate (see README, "Defaults").
+DEFAULT_UNTIE_AT = 0.3
+
+
+@dataclass
+class UntieConfig:
+    """Settings of `UntieCallback`.
+
+    untie_at: optimizer step to untie at: an int is a global step (0 = before the first step), a float in (0, 1) a
+        fraction of `max_steps`; None never unties (a tied baseline that still logs `untie/tied`).
+    optimizer_state: what the untied head's optimizer state starts from: "copy" (the shared matrix's moments: the
+        head continues smoothly) or "reset" (fresh state, as for a new parameter).
+    tie_init: when the model arrives untied, the Trainer's model is tied at construction from this matrix:
+        "input", "output" or "mean".
+    save_at_untie: ask Trainer for a checkpoint at the untie step.
+    """
+
+    untie_at: int | float | None = DEFAULT_UNTIE_AT
+    optimizer_state: str = "copy"
+    tie_init: str = "input"
+    save_at_untie: bool = True
+
+    def __post_init__(self) -> None:
+        at = self.untie_at
+        if isinstance(at, bool) or not (at is None or isinstance(at, (int, float))):
+            raise ValueError(f"untie_at={at!r}: pass an int step, a float fraction in (0, 1), or None (never).")
+        if isinstance(at, int) and at < 0:
+            raise ValueError(f"untie_at={at} is negative: pass a global step >= 0 or a fraction in (0, 1).")
+        if isinstance(at, float) and not 0.0 < at < 1.0:
+            raise ValueError(
+                f"untie_at={at} is a float outside (0, 1): floats are fractions of max_steps; pass an int for a step."
+            )
+        if self.optimizer_state not in _STATE_INITS:
+            raise ValueError(f"optimizer_state={self.optimizer_state!r} is not one of {_STATE_INITS}.")
+        if self.tie_init not in _TIE_INITS:
+            raise ValueError(f"tie_init={self.tie_init!r} is not one of {_TIE_INITS}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> UntieConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown UntieConfig keys {unknown}; known keys: {sorted(known)}.")
+        return cls(**data)
+
+    @classmethod
+    def from_json(cls, text: str) -> UntieConfig:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,383 @@
+"""Model and optimizer surgery: tie and untie the input embedding and the LM head of a Hugging Face model.
+
+Everything here is pure tensor/module bookkeeping with no Trainer dependency, so it can be used to convert
+checkpoints, to prepare a model for fine-tuning, or from a training callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+#: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
+#: where the `tie_word_embeddings` flag cannot record it (T5 and BART share that flag with encoder/decoder ties).
+UNTIED_MARKER = "untied_output_embeddings"
+
+TieInit = Literal["input", "output", "mean"]
+StateInit = Literal["copy", "reset"]
+_TIE_INITS = ("input", "output", "mean")
+_STATE_INITS = ("copy", "reset")
+
+
+@dataclass(frozen=True)
+class EmbeddingLayout:
+    """Where the input embedding, the LM head and any output bias live inside a model (parameter names)."""
+
+    input_weight: str
+    output_weight: str
+    output_bias: str | None
+    bias_aliases: tuple[str, ...]
+    """Other names registered for the output bias while tied (BERT's `cls.predictions.bias`): unused in forward."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Discovery
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _embedding_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    if not hasattr(model, "get_input_embeddings") or not hasattr(model, "get_output_embeddings"):
+        raise TypeError(
+            f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no get_input_embeddings / "
+            "get_output_embeddings). Pass the model itself, not a wrapper such as DDP, or unwrap it first "
+            "(accelerator.unwrap_model(model))."
+        )
+    input_emb = model.get_input_embeddings()
+    output_emb = model.get_output_embeddings()
+    if output_emb is None:
+        raise ValueError(
+            f"{type(model).__name__} has no output embeddings (get_output_embeddings() returned None), so there is "
+            "nothing to tie or untie. Load the model with a language-modeling head, e.g. AutoModelForCausalLM or "
+            "AutoModelForMaskedLM instead of AutoModel."
+        )
+    if input_emb is None or not hasattr(input_emb, "weight") or not hasattr(output_emb, "weight"):
+        raise ValueError(
+            f"{type(model).__name__}: input or output embedding module has no `weight` "
+            f"(input: {type(input_emb).__name__}, output: {type(output_emb).__name__}); untie supports models whose "
+            "LM head is a linear projection onto the vocabulary."
+        )
+    return input_emb, output_emb
+
+
+def _names_of(model: nn.Module, param: nn.Parameter) -> list[str]:
+    return [n for n, p in model.named_parameters(remove_duplicate=False) if p is param]
+
+
+def embedding_layout(model: nn.Module) -> EmbeddingLayout:
+    """Find the parameter names of the input embedding, the LM head weight and its bias (if any)."""
+    input_emb, output_emb = _embedding_modules(model)
+    module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    out_prefix = module_names[id(output_emb)]
+    in_prefix = module_names[id(input_emb)]
+    output_weight = f"{out_prefix}.weight" if out_prefix else "weight"
+    input_weight = f"{in_prefix}.weight" if in_prefix else "weight"
+    bias = getattr(output_emb, "bias", None)
+    output_bias = aliases = None
+    if isinstance(bias, nn.Parameter):
+        output_bias = f"{out_prefix}.bias" if out_prefix else "bias"
+        aliases = tuple(n for n in _names_of(model, bias) if n != output_bias)
+        # An alias registered only while tied (BERT's `cls.predictions.bias`) is still a declared bias source after
+        # the untie; find it through the tied-weights mapping so that the layout is the same before and after.
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for target, source in _declared_ties(model).items():
+            if target == output_bias and source in params and source not in aliases:
+                aliases = (*aliases, source)
+    return EmbeddingLayout(input_weight, output_weight, output_bias, tuple(aliases or ()))
+
+
+def _declared_ties(model: nn.Module) -> dict[str, str]:
+    """The class-level tied-weights mapping of `model` and its PreTrainedModel submodules, with full names."""
+    mapping: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        keys = _class_tied_keys(type(module))
+        if not isinstance(keys, dict):
+            continue
+        dot = f"{prefix}." if prefix else ""
+        mapping.update({f"{dot}{target}": f"{dot}{source}" for target, source in keys.items()})
+    return mapping
+
+
+def _class_tied_keys(cls: type) -> dict[str, str] | None:
+    for klass in cls.__mro__:
+        keys = klass.__dict__.get("_tied_weights_keys")
+        if keys is not None:
+            return keys
+    return None
+
+
+def _get(model: nn.Module, name: str) -> nn.Parameter:
+    return model.get_parameter(name)
+
+
+def _set(model: nn.Module, name: str, value: nn.Parameter) -> None:
+    module_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module_name) if module_name else model, attr, value)
+
+
+def is_tied(model: nn.Module) -> bool:
+    """True when the LM head's weight *is* the input embedding's parameter (shared storage, not equal values)."""
+    input_emb, output_emb = _embedding_modules(model)
+    return output_emb.weight is input_emb.weight
+
+
+def _check_shapes(model: nn.Module, layout: EmbeddingLayout) -> None:
+    w_in, w_out = _get(model, layout.input_weight), _get(model, layout.output_weight)
+    if w_in.shape != w_out.shape:
+        raise ValueError(
+            f"{type(model).__name__}: input embedding {layout.input_weight} has shape {tuple(w_in.shape)} but the "
+            f"LM head {layout.output_weight} has shape {tuple(w_out.shape)}; they cannot share one matrix. "
+            "Resize one of them (model.resize_token_embeddings) or keep this model untied."
+        )
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor" or hasattr(param, "ds_id"):
+            raise RuntimeError(
+                f"{name} is sharded (FSDP2 DTensor or DeepSpeed ZeRO). untie cannot change the embedding structure "
+                "of a sharded model: a live untie under FSDP2 is silently reverted and DeepSpeed cannot take new "
+                "parameters. Untie before sharding (untie_embeddings on the plain model, then prepare/wrap it), or "
+                "train with DDP."
+            )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tied-weights bookkeeping (config flag, instance mapping, marker)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _configs(model: nn.Module) -> list:
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    configs = [config]
+    if hasattr(config, "get_text_config"):
+        text = config.get_text_config(decoder=True)
+        if text is not None and text is not config:
+            configs.append(text)
+    return configs
+
+
+def _drop_head_ties(model: nn.Module, layout: EmbeddingLayout) -> None:
+    """Remove the LM-head entries (weight and bias) from every module's tied-weights mapping, on the instance."""
+    head_names = {layout.output_weight, layout.output_bias} - {None}
+    for prefix, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if not isinstance(keys, dict) or not keys:
+            continue
+        dot = f"{prefix}." if prefix else ""
+        kept = {t: s for t, s in keys.items() if f"{dot}{t}" not in head_names}
+        if len(kept) != len(keys):
+            module._tied_weights_keys = kept
+
+
+def _restore_head_ties(model: nn.Module) -> None:
+    """Undo `_drop_head_ties`: fall back to the class-level tied-weights mapping."""
+    for module in model.modules():
+        if "_tied_weights_keys" in vars(module):
+            del module._tied_weights_keys
+
+
+def _refresh_tied_cache(model: nn.Module) -> None:
+    if hasattr(model, "get_expanded_tied_weights_keys"):
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+
+
+def _mark_untied(model: nn.Module, layout: EmbeddingLayout) -> None:
+    _drop_head_ties(model, layout)
+    remaining_ties = _remaining_ties(model)
+    for config in _configs(model):
+        # The flag is all-or-nothing: where it also ties encoder/decoder embeddings (T5, BART) it must stay True,
+        # and the instance mapping above plus the load-time "both present and different" rule keep the head free.
+        if not remaining_ties and hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = False
+        setattr(config, UNTIED_MARKER, True)
+    _refresh_tied_cache(model)
+
+
+def _remaining_ties(model: nn.Module) -> bool:
+    for module in model.modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if isinstance(keys, dict) and keys:
+            return True
+    return False
+
+
+def _mark_tied(model: nn.Module) -> None:
+    _restore_head_ties(model)
+    for config in _configs(model):
+        if hasattr(config, "tie_word_embeddings"):
+            config.tie_word_embeddings = True
+        if hasattr(config, UNTIED_MARKER):
+            delattr(config, UNTIED_MARKER)
+    _refresh_tied_cache(model)
+
+
+def was_untied(model: nn.Module) -> bool:
+    """True when the model's config records a deliberate untie (by this library), e.g. after a reload."""
+    return any(getattr(c, UNTIED_MARKER, False) for c in _configs(model))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public surgery
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def untie_embeddings(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    optimizer_state: StateInit = "copy",
+) -> nn.Module:
+    """Give the LM head its own parameter, an exact copy of the shared matrix, and update the model's bookkeeping.
+
+    With `optimizer`, the new head joins the param group of the shared matrix (so LR schedulers keep working) and
+    its optimizer state starts as a copy of the shared matrix's state (`optimizer_state="copy"`, a smooth fork)
+    or empty (`"reset"`, the head re-warms its moments like a fresh parameter).
+
+    On a model that is already untied this only re-applies the bookkeeping (idempotent, with a warning), which is
+    what a reloaded T5/BART checkpoint needs before `tie_weights()` / `resize_token_embeddings()`.
+    """
+    if optimizer_state not in _STATE_INITS:
+        raise ValueError(f"optimizer_state={optimizer_state!r} is not one of {_STATE_INITS}.")
+    layout = embedding_layout(model)
+    if not is_tied(model):
+        if not was_untied(model):
+            warnings.warn(
+                f"{type(model).__name__} is already untied; untie_embeddings() only updated its config so that it "
+                "saves, reloads and resizes untied. Nothing was copied.",
+                stacklevel=2,
+            )
+        _freeze_bias_aliases(model, layout)
+        _mark_untied(model, layout)
+        return model
+    _refuse_sharded(model)
+    _check_shapes(model, layout)
+
+    shared = _get(model, layout.input_weight)
+    head = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+    _set(model, layout.output_weight, head)
+    # The bias used in forward keeps its identity (and its optimizer state and DDP registration); any other name it
+    # was registered under while tied gets its own frozen copy, so both keys save and reload without a dropped bias.
+    if layout.output_bias is not None:
+        bias = _get(model, layout.output_bias)
+        for alias in layout.bias_aliases:
+            if _get(model, alias) is bias:
+                _set(model, alias, nn.Parameter(bias.detach().clone(), requires_grad=False))
+    _mark_untied(model, layout)
+    assert head is not shared and head.data_ptr() != shared.data_ptr()
+    if optimizer is not None:
+        add_param_like(optimizer, new=head, like=shared, state=optimizer_state)
+        sort_param_groups(optimizer, model)
+    return model
+
+
+def _freeze_bias_aliases(model: nn.Module, layout: EmbeddingLayout) -> None:
+    """After a reload, bias aliases are trainable again; freeze them so optimizers are built as before the save."""
+    for alias in layout.bias_aliases:
+        _get(model, alias).requires_grad_(False)
+
+
+def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
+    """Tie an untied model: the shared matrix becomes the input embedding, initialised from `init`.
+
+    `init="input"` keeps the input embedding, `"output"` keeps the LM head, `"mean"` averages them. Any output bias
+    keeps its trained values. The config is updated so the model saves and reloads tied. Call this before the
+    optimizer is built: the dropped head's parameter would otherwise stay in the optimizer.
+    """
+    if init not in _TIE_INITS:
+        raise ValueError(f"init={init!r} is not one of {_TIE_INITS}: choose which matrix the tied weight starts from.")
+    layout = embedding_layout(model)
+    if is_tied(model):
+        warnings.warn(f"{type(model).__name__} is already tied; tie_embeddings() did nothing.", stacklevel=2)
+        return model
+    _refuse_sharded(model)
+    _check_shapes(model, layout)
+    w_in, w_out = _get(model, layout.input_weight), _get(model, layout.output_weight)
+    with torch.no_grad():
+        if init == "output":
+            w_in.copy_(w_out)
+        elif init == "mean":
+            w_in.copy_((w_in.float() + w_out.float()).div_(2).to(w_in.dtype))
+    # The head's trained bias must survive the re-tie: tie_weights() copies the alias (source) into the head.
+    if layout.output_bias is not None:
+        bias = _get(model, layout.output_bias)
+        for alias in layout.bias_aliases:
+            alias_param = _get(model, alias)
+            with torch.no_grad():
+                alias_param.copy_(bias)
+            alias_param.requires_grad_(bias.requires_grad)
+    _mark_tied(model)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if not is_tied(model):  # models without a declared mapping: tie by hand
+        _set(model, layout.output_weight, w_in)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Optimizer surgery
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer behind accelerate's AcceleratedOptimizer (which proxies the same groups and state)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def add_param_like(
+    optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter, state: StateInit = "copy"
+) -> None:
+    """Put `new` in the param group that holds `like`, with a copy of `like`'s optimizer state or none.
+
+    Appending to an existing group (instead of `add_param_group`) keeps LR schedulers valid: torch >= 2.13
+    schedulers raise on a group they did not see at construction.
+    """
+    opt = _inner(optimizer)
+    group = next((g for g in opt.param_groups if any(p is like for p in g["params"])), None)
+    if group is None:
+        raise ValueError(
+            "The shared embedding parameter is not in the optimizer, so the untied head would not train. Build the "
+            "optimizer from model.parameters() (Trainer does), or untie before creating it."
+        )
+    if any(p is new for g in opt.param_groups for p in g["params"]):
+        return
+    group["params"].append(new)
+    old_state = opt.state.get(like)
+    if state == "copy" and old_state:
+        if _copyable(old_state, like):
+            opt.state[new] = {k: v.clone() if torch.is_tensor(v) else v for k, v in old_state.items()}
+        else:
+            logger.warning(
+                "untie: %s keeps optimizer state that is not per-element (keys %s); the untied head starts with "
+                "fresh optimizer state instead of a copy.",
+                type(opt).__name__,
+                sorted(old_state),
+            )
+
+
+def _copyable(state: dict, like: nn.Parameter) -> bool:
+    """Only copy state made of per-element tensors (Adam moments) and scalars (step); quantised state is not."""
+    for value in state.values():
+        if torch.is_tensor(value) and value.numel() > 1 and (value.shape != like.shape or value.dtype.itemsize < 2):
+            return False
+    return True
+
+
+def sort_param_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Order each group's params as `model.named_parameters()` does, like a freshly built optimizer.
+
+    `Optimizer.load_state_dict` matches parameters by position, so a resumed run (whose optimizer Trainer builds
+    from the untied model) only restores the right moments if the live-untied optimizer saved them in that order.
+    State is keyed by parameter, so reordering changes nothing else.
+    """
+    rank = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
+    for group in _inner(optimizer).param_groups:
+        group["params"].sort(key=lambda p: rank.get(id(p), len(rank)))
