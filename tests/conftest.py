@@ -1,0 +1,36 @@
+"""Shared fixtures: a Trainer factory on tiny models and toy data (CPU, no download)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import transformers as tf
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+tf.logging.set_verbosity_error()
+
+
+def training_args(default_dir, **overrides) -> tf.TrainingArguments:
+    settings = dict(
+        output_dir=str(overrides.pop("output_dir", default_dir)),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=5e-3,
+        weight_decay=0.1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+    )
+    settings.update(overrides)
+    return tf.TrainingArguments(**settings)
+
+
+@pytest.fixture
+def make_args(tmp_path):
+    return lambda **overrides: training_args(tmp_path / "run", **overrides)

@@ -1,0 +1,47 @@
+"""Worker for test_ddp.py: run under `torchrun --nproc_per_node 2`; each rank dumps its final parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import transformers as tf
+
+import untie
+import untie.callback
+from untie.testing import ToyLMDataset, tiny_model
+
+
+def main(out_dir: str, arch: str, sync: bool) -> None:
+    tf.logging.set_verbosity_error()
+    if not sync:  # negative control: show that without the hook the ranks drift apart
+        untie.callback.sync_grads_across_ranks = lambda param: None
+    model = tiny_model(arch)
+    args = tf.TrainingArguments(
+        output_dir=out_dir, max_steps=10, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        seed=0, ddp_backend="gloo",
+    )
+    callback = untie.UntieCallback(untie_at=4)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=128), callbacks=[callback])
+    trainer.train()
+    rank = int(os.environ["RANK"])
+    layout = untie.embedding_layout(model)
+    torch.save(
+        {
+            "distributed_type": trainer.accelerator.distributed_type.name,
+            "untie_step": callback.untie_step,
+            "tied": untie.is_tied(model),
+            "input": model.get_parameter(layout.input_weight).detach(),
+            "output": model.get_parameter(layout.output_weight).detach(),
+            "params": {n: p.detach() for n, p in model.named_parameters()},
+        },
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
+    print(json.dumps({"rank": rank, "untie_step": callback.untie_step}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sync=sys.argv[3] == "sync")

@@ -1,0 +1,283 @@
+"""UntieCallback with Trainer: the tied phase, the untie, logging, checkpoints, resume and fine-tuning."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers as tf
+
+import untie
+from untie.distributed import refuse_unsupported_engines
+from untie.testing import ToyLMDataset, tiny_model
+
+
+def _train(model, args, callbacks=(), resume=None):
+    trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _eval_loss(model, batch):
+    """Loss without dropout (and without consuming the training RNG's state in a way that matters)."""
+    model.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+    model.train()
+    return loss
+
+
+class _Recorder(tf.TrainerCallback):
+    """Stands in for a reporting integration (TensorBoard, W&B): it is registered before UntieCallback."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def test_tied_phase_equals_plain_tied_run_then_head_and_embedding_drift(make_args):
+    plain = _train(tiny_model("gpt2"), make_args())
+    model = tiny_model("gpt2")
+    cb = untie.UntieCallback(untie_at=6)
+    grads = {}
+
+    class GradProbe(tf.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads[state.global_step] = (model.get_input_embeddings().weight.grad, model.get_output_embeddings().weight.grad)
+
+    run = _train(model, make_args(), [cb, GradProbe()])
+    assert cb.untie_step == 6 and not untie.is_tied(model)
+    assert _losses(run)[:7] == _losses(plain)[:7]  # steps 1..7: loss of step 7 is computed before its update
+    emb_grad, head_grad = grads[10]
+    assert emb_grad is not None and head_grad is not None and emb_grad.abs().sum() > 0 and head_grad.abs().sum() > 0
+    assert (model.get_output_embeddings().weight - model.get_input_embeddings().weight).abs().max() > 1e-3
+
+
+def test_untie_is_loss_preserving(make_args):
+    """The untie itself does not change the function: loss on a fixed batch is bit-identical across it."""
+    model = tiny_model("gpt2")
+    data = ToyLMDataset(n=8)
+    batch = {"input_ids": data.ids, "labels": data.ids.clone()}
+    seen = {}
+
+    class AroundUntie(tf.TrainerCallback):
+        """Measures after the optimizer update (before the untie) and at step end (UntieCallback runs first)."""
+
+        def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+            seen["before"] = _eval_loss(model, batch)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 6:
+                assert not untie.is_tied(model)
+                seen["after"] = _eval_loss(model, batch)
+                seen["before_at_6"] = seen["before"]
+
+    run = _train(model, make_args(), [untie.UntieCallback(untie_at=6), AroundUntie()])
+    assert seen["after"] == seen["before_at_6"]
+    losses = _losses(run)
+    jumps = [abs(b - a) for a, b in zip(losses[:6], losses[1:7])]
+    assert abs(losses[6] - losses[5]) <= max(jumps)  # the step after the untie continues the curve
+
+
+def test_class_passed_without_arguments_uses_default_schedule(make_args):
+    model = tiny_model("gpt2")
+    trainer = tf.Trainer(model=model, args=make_args(max_steps=20), train_dataset=ToyLMDataset(),
+                         callbacks=[untie.UntieCallback])
+    trainer.train()
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
+    assert cb.untie_step == 6  # 0.3 * 20
+    assert not untie.is_tied(model)
+
+
+def test_logs_reach_integrations_registered_before_the_callback(make_args):
+    recorder = _Recorder()
+    _train(tiny_model("gpt2"), make_args(), [recorder, untie.UntieCallback(untie_at=4)])
+    train_logs = [log for log in recorder.logs if "loss" in log]
+    # A log is written after its step's on_step_end: the log of step 4 already reports the untie.
+    assert [log["untie/tied"] for log in train_logs[:3]] == [1.0] * 3
+    assert all(log["untie/tied"] == 0.0 and log["untie/untie_step"] == 4 for log in train_logs[3:])
+
+
+def test_checkpoint_at_untie_and_state_in_trainer_state(make_args):
+    args = make_args()
+    _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=5)])
+    ckpt = os.path.join(args.output_dir, "checkpoint-5")
+    assert os.path.isdir(ckpt)
+    state = json.load(open(os.path.join(ckpt, "trainer_state.json")))["stateful_callbacks"]["UntieCallback"]
+    assert state["attributes"] == {"untied": True, "untie_step": 5}
+    assert untie.UntieConfig.from_dict(state["args"]) == untie.UntieConfig(untie_at=5)
+    assert untie.checkpoint_is_untied(ckpt) is True
+    assert json.load(open(os.path.join(ckpt, "config.json")))["tie_word_embeddings"] is False
+
+
+def test_no_checkpoint_at_untie_when_disabled(make_args):
+    args = make_args()
+    _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=5, save_at_untie=False)])
+    assert not os.path.exists(os.path.join(args.output_dir, "checkpoint-5"))
+
+
+def test_config_round_trips_through_json():
+    config = untie.UntieConfig(untie_at=0.25, optimizer_state="reset", tie_init="mean", save_at_untie=False)
+    assert untie.UntieConfig.from_json(config.to_json()) == config
+    with pytest.raises(ValueError, match="Unknown UntieConfig keys"):
+        untie.UntieConfig.from_dict({"untie_step": 3})
+
+
+# -------------------------------------------------------------------------------------------------------------- resume
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("state", ["copy", "reset"])
+def test_resume_before_at_and_after_untie_matches_uninterrupted_run(arch, state, make_args, tmp_path):
+    def run(resume=None):
+        args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4)
+        model = tiny_model(arch)
+        _train(model, args, [untie.UntieCallback(untie_at=6, optimizer_state=state)], resume=resume)
+        return model
+
+    reference = _params(run())
+    for ckpt in ("checkpoint-4", "checkpoint-6", "checkpoint-8"):  # before, at, after the untie (step 6)
+        resumed = run(resume=str(tmp_path / "full" / ckpt))
+        assert not untie.is_tied(resumed)
+        params = _params(resumed)
+        assert params.keys() == reference.keys()
+        worst = max((params[n] - reference[n]).abs().max().item() for n in reference)
+        assert worst <= 1e-6, (ckpt, worst)
+
+
+def test_resume_without_callback_uses_prepare_for_resume(make_args, tmp_path):
+    args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=8)
+    reference_model = tiny_model("gpt2")
+    _train(reference_model, args, [untie.UntieCallback(untie_at=4)])
+    ckpt = str(tmp_path / "full" / "checkpoint-8")
+
+    model = untie.prepare_for_resume(tiny_model("gpt2"), ckpt)
+    assert not untie.is_tied(model)
+    _train(model, args, resume=ckpt)  # plain Trainer: the model already has the checkpoint's structure
+    ref = _params(reference_model)
+    assert max((p - ref[n]).abs().max().item() for n, p in _params(model).items()) <= 1e-6
+
+
+def test_resume_guard_never_overwrites_the_embedding_with_the_head(make_args, tmp_path):
+    """An untied checkpoint loaded into a tied model: the guard unties first, so both matrices are restored."""
+    args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=12)
+    trained = tiny_model("gpt2")
+    _train(trained, args, [untie.UntieCallback(untie_at=3)])
+    fresh = tiny_model("gpt2")
+    untie.install_resume_guard(fresh)
+    from safetensors.torch import load_file
+
+    fresh.load_state_dict(load_file(str(tmp_path / "full" / "checkpoint-12" / "model.safetensors")), strict=False)
+    assert not untie.is_tied(fresh)
+    assert torch.equal(fresh.transformer.wte.weight, trained.transformer.wte.weight)
+    assert torch.equal(fresh.lm_head.weight, trained.lm_head.weight)
+
+
+def test_tied_checkpoint_into_untied_model_gives_head_the_shared_matrix(tmp_path):
+    tied = tiny_model("bert", seed=1)
+    with torch.no_grad():
+        tied.cls.predictions.bias.add_(0.5)
+    model = tiny_model("bert", seed=2)
+    untie.untie_embeddings(model)
+    untie.install_resume_guard(model)
+    head_keys = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")  # as save_pretrained drops them
+    tied_checkpoint = {k: v for k, v in tied.state_dict().items() if k not in head_keys}
+    with pytest.warns(UserWarning, match="tied checkpoint into an untied model"):
+        model.load_state_dict(tied_checkpoint, strict=False)
+    assert torch.equal(model.cls.predictions.decoder.weight, tied.bert.embeddings.word_embeddings.weight)
+    assert torch.equal(model.cls.predictions.decoder.bias, tied.cls.predictions.bias)
+
+
+def test_prepare_for_resume_needs_a_checkpoint_that_says(tmp_path):
+    with pytest.raises(ValueError, match="does not say whether its model is tied"):
+        untie.prepare_for_resume(tiny_model("gpt2"), tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------------- fine-tuning
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "t5"])
+def test_finetune_tied_checkpoint_untied_from_step_zero(arch, make_args, tmp_path):
+    tiny_model(arch).save_pretrained(tmp_path / "pretrained")
+    model = type(tiny_model(arch)).from_pretrained(tmp_path / "pretrained")
+    assert untie.is_tied(model)
+    cb = untie.UntieCallback(untie_at=0)
+    trainer = _train(model, make_args(), [cb])
+    assert cb.untie_step == 0 and not untie.is_tied(model)
+    layout = untie.embedding_layout(model)
+    assert (model.get_parameter(layout.output_weight) - model.get_parameter(layout.input_weight)).abs().max() > 0
+    trainer.save_model(str(tmp_path / "finetuned"))
+    saved = _params(model)
+    reloaded = type(model).from_pretrained(tmp_path / "finetuned")
+    untie.untie_embeddings(reloaded)
+    assert not untie.is_tied(reloaded)
+    assert all(torch.equal(p, saved[n]) for n, p in _params(reloaded).items() if n in saved)
+
+
+@pytest.mark.parametrize("init", ["input", "output", "mean"])
+def test_callback_ties_an_untied_checkpoint(init, make_args, tmp_path):
+    source = tiny_model("llama")
+    untie.untie_embeddings(source)
+    with torch.no_grad():
+        source.lm_head.weight.mul_(2.0)
+    source.save_pretrained(tmp_path / "untied")
+    model = type(source).from_pretrained(tmp_path / "untied")
+    model.config.__dict__.pop(untie.surgery.UNTIED_MARKER)  # a third-party untied checkpoint carries no marker
+    w_in, w_out = model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone()
+    with pytest.warns(UserWarning, match="arrived untied; tying it"):
+        trainer = tf.Trainer(model=model, args=make_args(max_steps=2), train_dataset=ToyLMDataset(),
+                             callbacks=[untie.UntieCallback(untie_at=None, tie_init=init)])
+    assert untie.is_tied(model)
+    expected = {"input": w_in, "output": w_out, "mean": (w_in + w_out) / 2}[init]
+    assert torch.equal(model.model.embed_tokens.weight, expected)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "tied"))
+    assert untie.is_tied(type(model).from_pretrained(tmp_path / "tied"))
+
+
+# ----------------------------------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("untie_at", "message"),
+    [(-1, "negative"), (1.5, "outside \\(0, 1\\)"), (0.0, "outside \\(0, 1\\)"), (True, "int step"), ("10", "int step")],
+)
+def test_invalid_untie_at_is_refused(untie_at, message):
+    with pytest.raises(ValueError, match=message):
+        untie.UntieCallback(untie_at=untie_at)
+
+
+def test_untie_at_beyond_the_run_is_refused(make_args):
+    with pytest.raises(ValueError, match="beyond the end of the run \\(max_steps=12\\)"):
+        _train(tiny_model("gpt2"), make_args(), [untie.UntieCallback(untie_at=50)])
+
+
+def test_unknown_settings_are_refused():
+    with pytest.raises(ValueError, match="tie_init='avg'"):
+        untie.UntieCallback(tie_init="avg")
+    with pytest.raises(TypeError):
+        untie.UntieCallback(untie_step=3)
+
+
+@pytest.mark.parametrize(("field", "value", "engine"), [("deepspeed", "ds.json", "DEEPSPEED"), ("fsdp", ["full_shard"], "FSDP")])
+def test_sharded_engines_are_refused(field, value, engine):
+    class Args:
+        fsdp = None
+        deepspeed = None
+
+    args = Args()
+    setattr(args, field, value)
+    with pytest.raises(RuntimeError, match=f"does not support {engine}.*DDP"):
+        refuse_unsupported_engines(args)
