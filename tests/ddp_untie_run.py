@@ -20,9 +20,18 @@ def main(out_dir: str, arch: str, sync: bool) -> None:
         untie.callback.sync_grads_across_ranks = lambda param: None
     model = tiny_model(arch)
     args = tf.TrainingArguments(
-        output_dir=out_dir, max_steps=10, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=5e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
-        seed=0, ddp_backend="gloo",
+        output_dir=out_dir,
+        max_steps=10,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+        ddp_backend="gloo",
     )
     callback = untie.UntieCallback(untie_at=4)
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=128), callbacks=[callback])

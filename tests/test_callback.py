@@ -55,7 +55,10 @@ def test_tied_phase_equals_plain_tied_run_then_head_and_embedding_drift(make_arg
 
     class GradProbe(tf.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            grads[state.global_step] = (model.get_input_embeddings().weight.grad, model.get_output_embeddings().weight.grad)
+            grads[state.global_step] = (
+                model.get_input_embeddings().weight.grad,
+                model.get_output_embeddings().weight.grad,
+            )
 
     run = _train(model, make_args(), [cb, GradProbe()])
     assert cb.untie_step == 6 and not untie.is_tied(model)
@@ -87,14 +90,15 @@ def test_untie_is_loss_preserving(make_args):
     run = _train(model, make_args(), [untie.UntieCallback(untie_at=6), AroundUntie()])
     assert seen["after"] == seen["before_at_6"]
     losses = _losses(run)
-    jumps = [abs(b - a) for a, b in zip(losses[:6], losses[1:7])]
+    jumps = [abs(b - a) for a, b in zip(losses[:6], losses[1:7], strict=True)]
     assert abs(losses[6] - losses[5]) <= max(jumps)  # the step after the untie continues the curve
 
 
 def test_class_passed_without_arguments_uses_default_schedule(make_args):
     model = tiny_model("gpt2")
-    trainer = tf.Trainer(model=model, args=make_args(max_steps=20), train_dataset=ToyLMDataset(),
-                         callbacks=[untie.UntieCallback])
+    trainer = tf.Trainer(
+        model=model, args=make_args(max_steps=20), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback]
+    )
     trainer.train()
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
     assert cb.untie_step == 6  # 0.3 * 20
@@ -237,8 +241,12 @@ def test_callback_ties_an_untied_checkpoint(init, make_args, tmp_path):
     model.config.__dict__.pop(untie.surgery.UNTIED_MARKER)  # a third-party untied checkpoint carries no marker
     w_in, w_out = model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone()
     with pytest.warns(UserWarning, match="arrived untied; tying it"):
-        trainer = tf.Trainer(model=model, args=make_args(max_steps=2), train_dataset=ToyLMDataset(),
-                             callbacks=[untie.UntieCallback(untie_at=None, tie_init=init)])
+        trainer = tf.Trainer(
+            model=model,
+            args=make_args(max_steps=2),
+            train_dataset=ToyLMDataset(),
+            callbacks=[untie.UntieCallback(untie_at=None, tie_init=init)],
+        )
     assert untie.is_tied(model)
     expected = {"input": w_in, "output": w_out, "mean": (w_in + w_out) / 2}[init]
     assert torch.equal(model.model.embed_tokens.weight, expected)
@@ -252,7 +260,13 @@ def test_callback_ties_an_untied_checkpoint(init, make_args, tmp_path):
 
 @pytest.mark.parametrize(
     ("untie_at", "message"),
-    [(-1, "negative"), (1.5, "outside \\(0, 1\\)"), (0.0, "outside \\(0, 1\\)"), (True, "int step"), ("10", "int step")],
+    [
+        (-1, "negative"),
+        (1.5, "outside \\(0, 1\\)"),
+        (0.0, "outside \\(0, 1\\)"),
+        (True, "int step"),
+        ("10", "int step"),
+    ],
 )
 def test_invalid_untie_at_is_refused(untie_at, message):
     with pytest.raises(ValueError, match=message):
@@ -271,7 +285,9 @@ def test_unknown_settings_are_refused():
         untie.UntieCallback(untie_step=3)
 
 
-@pytest.mark.parametrize(("field", "value", "engine"), [("deepspeed", "ds.json", "DEEPSPEED"), ("fsdp", ["full_shard"], "FSDP")])
+@pytest.mark.parametrize(
+    ("field", "value", "engine"), [("deepspeed", "ds.json", "DEEPSPEED"), ("fsdp", ["full_shard"], "FSDP")]
+)
 def test_sharded_engines_are_refused(field, value, engine):
     class Args:
         fsdp = None

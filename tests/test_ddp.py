@@ -18,8 +18,19 @@ def _torchrun(tmp_path, arch: str, sync: bool) -> list[dict]:
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun is not on PATH")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           WORKER, str(tmp_path), arch, "sync" if sync else "nosync"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        WORKER,
+        str(tmp_path),
+        arch,
+        "sync" if sync else "nosync",
+    ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
