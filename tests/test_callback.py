@@ -148,7 +148,9 @@ def test_resume_before_at_and_after_untie_matches_uninterrupted_run(arch, state,
     def run(resume=None):
         args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4)
         model = tiny_model(arch)
-        _train(model, args, [untie.UntieCallback(untie_at=6, optimizer_state=state)], resume=resume)
+        callback = untie.UntieCallback(untie_at=6, optimizer_state=state)
+        _train(model, args, [callback], resume=resume)
+        assert callback.untie_step == 6  # restored from the checkpoint's callback state when resumed after it
         return model
 
     reference = _params(run())
