@@ -8,6 +8,7 @@ import sys
 
 import torch
 import transformers as tf
+from conftest import training_args  # the script's folder (tests/) is on sys.path
 
 import untie
 import untie.callback
@@ -19,19 +20,8 @@ def main(out_dir: str, arch: str, sync: bool) -> None:
     if not sync:  # negative control: show that without the hook the ranks drift apart
         untie.callback.sync_grads_across_ranks = lambda param: None
     model = tiny_model(arch)
-    args = tf.TrainingArguments(
-        output_dir=out_dir,
-        max_steps=10,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        learning_rate=5e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        ddp_backend="gloo",
+    args = training_args(
+        out_dir, max_steps=10, per_device_train_batch_size=4, gradient_accumulation_steps=2, ddp_backend="gloo"
     )
     callback = untie.UntieCallback(untie_at=4)
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=128), callbacks=[callback])

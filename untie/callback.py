@@ -58,7 +58,6 @@ class UntieCallback(TrainerCallback, ExportableState):
             tie_embeddings(model, init=self.config.tie_init)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        refuse_unsupported_engines(args)
         self._restore(state)
         self.trigger.resolve(state.max_steps)
         if not is_tied(model):
