@@ -10,7 +10,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
-from untie.checkpoint import CALLBACK_STATE_KEY, install_resume_guard
+from untie.checkpoint import install_resume_guard, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, UntieConfig
 from untie.distributed import refuse_unsupported_engines, sync_grads_across_ranks
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, was_untied
@@ -105,10 +105,7 @@ class UntieCallback(TrainerCallback, ExportableState):
 
     def _restore(self, state) -> None:
         """Take the untie step from the checkpoint's callback state (Trainer does not restore it by default)."""
-        saved = (getattr(state, "stateful_callbacks", None) or {}).get(CALLBACK_STATE_KEY)
-        if isinstance(saved, list):
-            saved = saved[-1] if saved else None
-        attributes = (saved or {}).get("attributes", {})
+        attributes = saved_callback_state(getattr(state, "stateful_callbacks", None)).get("attributes", {})
         if attributes.get("untied") and state.global_step > 0:
             self.untied = True
             self.untie_step = attributes.get("untie_step")

@@ -18,6 +18,14 @@ CALLBACK_STATE_KEY = "UntieCallback"
 _GUARD_ATTR = "_untie_resume_guard"
 
 
+def saved_callback_state(stateful_callbacks: dict | None) -> dict:
+    """UntieCallback's saved `{"args", "attributes"}` among a TrainerState's `stateful_callbacks` ({} if absent)."""
+    state = (stateful_callbacks or {}).get(CALLBACK_STATE_KEY)
+    if isinstance(state, list):  # Trainer stores a list when several instances of a callback exist
+        state = state[-1] if state else None
+    return state or {}
+
+
 def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
     """Whether a checkpoint folder holds an untied model: True, False, or None when it does not say.
 
@@ -27,12 +35,9 @@ def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
     state_file = os.path.join(checkpoint_dir, "trainer_state.json")
     if os.path.isfile(state_file):
         with open(state_file) as f:
-            callbacks = json.load(f).get("stateful_callbacks") or {}
-        state = callbacks.get(CALLBACK_STATE_KEY)
-        if isinstance(state, list):  # Trainer stores a list when several instances of a callback exist
-            state = state[-1] if state else None
-        if state and "untied" in state.get("attributes", {}):
-            return bool(state["attributes"]["untied"])
+            attributes = saved_callback_state(json.load(f).get("stateful_callbacks")).get("attributes", {})
+        if "untied" in attributes:
+            return bool(attributes["untied"])
     config_file = os.path.join(checkpoint_dir, "config.json")
     if os.path.isfile(config_file):
         with open(config_file) as f:

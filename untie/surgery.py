@@ -96,24 +96,12 @@ def _declared_ties(model: nn.Module) -> dict[str, str]:
     """The class-level tied-weights mapping of `model` and its PreTrainedModel submodules, with full names."""
     mapping: dict[str, str] = {}
     for prefix, module in model.named_modules():
-        keys = _class_tied_keys(type(module))
+        keys = getattr(type(module), "_tied_weights_keys", None)  # the class's mapping, not an instance override
         if not isinstance(keys, dict):
             continue
         dot = f"{prefix}." if prefix else ""
         mapping.update({f"{dot}{target}": f"{dot}{source}" for target, source in keys.items()})
     return mapping
-
-
-def _class_tied_keys(cls: type) -> dict[str, str] | None:
-    for klass in cls.__mro__:
-        keys = klass.__dict__.get("_tied_weights_keys")
-        if keys is not None:
-            return keys
-    return None
-
-
-def _get(model: nn.Module, name: str) -> nn.Parameter:
-    return model.get_parameter(name)
 
 
 def _set(model: nn.Module, name: str, value: nn.Parameter) -> None:
@@ -128,7 +116,7 @@ def is_tied(model: nn.Module) -> bool:
 
 
 def _check_shapes(model: nn.Module, layout: EmbeddingLayout) -> None:
-    w_in, w_out = _get(model, layout.input_weight), _get(model, layout.output_weight)
+    w_in, w_out = model.get_parameter(layout.input_weight), model.get_parameter(layout.output_weight)
     if w_in.shape != w_out.shape:
         raise ValueError(
             f"{type(model).__name__}: input embedding {layout.input_weight} has shape {tuple(w_in.shape)} but the "
@@ -261,15 +249,15 @@ def untie_embeddings(
     _refuse_sharded(model)
     _check_shapes(model, layout)
 
-    shared = _get(model, layout.input_weight)
+    shared = model.get_parameter(layout.input_weight)
     head = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
     _set(model, layout.output_weight, head)
     # The bias used in forward keeps its identity (and its optimizer state and DDP registration); any other name it
     # was registered under while tied gets its own frozen copy, so both keys save and reload without a dropped bias.
     if layout.output_bias is not None:
-        bias = _get(model, layout.output_bias)
+        bias = model.get_parameter(layout.output_bias)
         for alias in layout.bias_aliases:
-            if _get(model, alias) is bias:
+            if model.get_parameter(alias) is bias:
                 _set(model, alias, nn.Parameter(bias.detach().clone(), requires_grad=False))
     _mark_untied(model, layout)
     assert head is not shared and head.data_ptr() != shared.data_ptr()
@@ -282,7 +270,7 @@ def untie_embeddings(
 def _freeze_bias_aliases(model: nn.Module, layout: EmbeddingLayout) -> None:
     """After a reload, bias aliases are trainable again; freeze them so optimizers are built as before the save."""
     for alias in layout.bias_aliases:
-        _get(model, alias).requires_grad_(False)
+        model.get_parameter(alias).requires_grad_(False)
 
 
 def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
@@ -300,7 +288,7 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
         return model
     _refuse_sharded(model)
     _check_shapes(model, layout)
-    w_in, w_out = _get(model, layout.input_weight), _get(model, layout.output_weight)
+    w_in, w_out = model.get_parameter(layout.input_weight), model.get_parameter(layout.output_weight)
     with torch.no_grad():
         if init == "output":
             w_in.copy_(w_out)
@@ -308,9 +296,9 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
             w_in.copy_((w_in.float() + w_out.float()).div_(2).to(w_in.dtype))
     # The head's trained bias must survive the re-tie: tie_weights() copies the alias (source) into the head.
     if layout.output_bias is not None:
-        bias = _get(model, layout.output_bias)
+        bias = model.get_parameter(layout.output_bias)
         for alias in layout.bias_aliases:
-            alias_param = _get(model, alias)
+            alias_param = model.get_parameter(alias)
             with torch.no_grad():
                 alias_param.copy_(bias)
             alias_param.requires_grad_(bias.requires_grad)
