@@ -1,0 +1,106 @@
+"""recipes/exor.py end to end on a shortened grid: schema, figures, claims, reuse of finished runs."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import exor as recipe  # noqa: E402
+
+SHORT = ["--max_steps", "40", "--record_every", "10", "--eval_every", "20", "--untie_at", "20", "--disable_tqdm"]
+RUN_KEYS = {
+    "variant", "model", "arm", "seed", "steps", "untie_step", "final_loss", "train_accuracy", "heldout_accuracy",
+    "input_distance", "output_distance",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("exor")
+    claims = recipe.main(["--output_dir", str(out), "--workers", "2", *SHORT])
+    return out, claims
+
+
+def test_results_schema(short_run):
+    out, _ = short_run
+    results = json.loads((out / "results.json").read_text())
+    runs = results["runs"]
+    assert {r["arm"] for r in runs} == {"untied", "tied", "scheduled", "scheduled-reset"}
+    for run in runs:
+        assert RUN_KEYS <= set(run)
+        assert run["variant"] == "main" and run["seed"] == 42 and run["steps"] == 40
+        assert set(run["input_distance"]) >= {"0-1", "2-3"} and set(run["output_distance"]) >= {"0-1", "2-3"}
+        assert math.isfinite(run["final_loss"]) and 0 <= run["train_accuracy"] <= 1
+        assert run["untie_step"] == (20 if run["arm"].startswith("scheduled") else None)
+        if run["arm"] == "tied":
+            assert run["input_distance"] == run["output_distance"]
+    assert {"claim", "holds", "evidence"} <= set(results["claims"][0])
+    assert results["optimizer_state_recovery"][0]["better"] in ("copy", "reset")
+    table = (out / "results.md").read_text()
+    assert "| main | transformer | scheduled | 1 | 20 |" in table and "The paper's claims" in table
+
+
+def test_figures_are_written(short_run):
+    out, _ = short_run
+    for name in ("main-transformer-distances.png", "main-transformer-curves.png"):
+        png = out / "figures" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_scheduled_arm_is_the_tied_arm_until_the_untie(short_run):
+    out, _ = short_run
+    tied = json.loads((out / "runs" / "main-transformer-tied-42.json").read_text())["history"]["geometry"]
+    scheduled = json.loads((out / "runs" / "main-transformer-scheduled-42.json").read_text())["history"]["geometry"]
+    before = [(t, s) for t, s in zip(tied, scheduled, strict=True) if s["step"] < 20]
+    assert before and all(t == s for t, s in before)  # bit-identical distances while tied
+    after = [s for s in scheduled if s["step"] > 20]
+    assert after and not any(s["tied"] for s in after)
+    assert all(s["input"]["0-1"] != s["output"]["0-1"] for s in after)
+
+
+def test_finished_runs_are_reused(short_run, capsys):
+    out, _ = short_run
+    record = out / "runs" / "main-transformer-untied-42.json"
+    stamp = record.stat().st_mtime_ns
+    recipe.main(["--output_dir", str(out), "--workers", "1", "--arms", "untied", "tied", *SHORT])
+    assert "2 already done, training 0" in capsys.readouterr().out
+    assert record.stat().st_mtime_ns == stamp
+
+
+def test_runs_are_reproducible_from_the_seed(tmp_path):
+    args = recipe.ExorArguments(output_dir=str(tmp_path), max_steps=15, record_every=5, eval_every=5).resolved()
+    spec = recipe.RunSpec("ndh", "mixer", "scheduled", 43)
+    args = recipe.replace(args, untie_at=5, disable_tqdm=True)
+    first = recipe.train_run(spec, args, str(tmp_path / "a"))
+    second = recipe.train_run(spec, args, str(tmp_path / "b"))
+    assert first["history"]["geometry"] == second["history"]["geometry"]
+    assert first["final_loss"] == second["final_loss"] and first["untie_step"] == 5
+
+
+def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():
+    param = torch.nn.Parameter(torch.zeros(1))
+    ours = torch.optim.SGD([param], lr=5e-4)
+    theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=5e-4)
+    ours_schedule = recipe.periodic_cosine(ours, 5e-4, 1e-5, 100)
+    theirs_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(theirs, T_max=100, eta_min=1e-5)
+    for _ in range(350):  # past T_max: down to 1e-5 at 100, back up to 5e-4 at 200, down again
+        assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], rel=1e-6, abs=1e-12)
+        ours.step(), theirs.step(), ours_schedule.step(), theirs_schedule.step()
+
+
+def test_bad_arguments_fail_early(tmp_path):
+    with pytest.raises(NotImplementedError, match="untie_when"):
+        recipe.main(["--output_dir", str(tmp_path), "--arms", "auto", *SHORT])
+    with pytest.raises(ValueError, match="Unknown arm 'frozen'"):
+        recipe.main(["--output_dir", str(tmp_path), "--arms", "frozen"])
+    with pytest.raises(ValueError, match="Unknown preset"):
+        recipe.main(["--output_dir", str(tmp_path), "--preset", "huge"])
+    with pytest.raises(ValueError, match="Unknown EXor variant"):
+        recipe.main(["--output_dir", str(tmp_path), "--variants", "xor"])
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -1,0 +1,17 @@
+"""EXor, the paper's synthetic task: its data generator and small models, importable by recipes and tests."""
+
+from untie.exor.data import PAIRS, VARIANTS, ExorDataset, ExorVocabulary, exor_splits, vocabulary
+from untie.exor.modeling import PAPER_MODELS, ExorConfig, ExorForMaskedLM, exor_model
+
+__all__ = [
+    "PAIRS",
+    "PAPER_MODELS",
+    "VARIANTS",
+    "ExorConfig",
+    "ExorDataset",
+    "ExorForMaskedLM",
+    "ExorVocabulary",
+    "exor_model",
+    "exor_splits",
+    "vocabulary",
+]
