@@ -2,7 +2,7 @@
 
     python recipes/exor.py                        # quick preset: main variant, Transformer, one seed, ~3 min on CPU
     python recipes/exor.py --preset paper         # the paper's setup: 150k full-batch steps, 5 seeds, all variants
-    accelerate launch recipes/exor.py --preset paper --workers 1   # runs one after another, each on all processes
+    accelerate launch recipes/exor.py --preset paper   # runs one after another, each on all processes
 
 Each run (variant x model x arm x seed) trains with Trainer, records the Euclidean distances between the rows of
 the input and the output tables for the pairs (0,1), (2,3) and the reference pair (0,2), and the masked-bit
@@ -87,8 +87,12 @@ class ExorArguments:
     record_every: int | None = field(default=None, metadata={"help": "Steps between embedding-distance records."})
     eval_every: int | None = field(default=None, metadata={"help": "Steps between accuracy evaluations."})
     eval_repeats: int = field(default=8, metadata={"help": "Fresh draws of each string per evaluation."})
-    workers: int = field(
-        default=2, metadata={"help": "Runs trained in parallel processes (1 under a distributed launch)."}
+    workers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Runs trained at once, in separate processes (default: CPU cores, at most 8; always 1 under "
+            "a multi-process launch)."
+        },
     )
     overwrite: bool = field(default=False, metadata={"help": "Train runs again even if their record exists."})
     report_to: str = field(default="none", metadata={"help": "Trainer logging integrations (tensorboard, wandb, ...)."})
@@ -177,7 +181,7 @@ def arm_callbacks(arm: str, args: ExorArguments) -> tuple[bool, list[tf.TrainerC
     if arm == "tied":
         return True, []
     if arm in ("scheduled", "scheduled-reset"):
-        untie_at = int(args.untie_at) if args.untie_at >= 1 else args.untie_at
+        untie_at = int(args.untie_at) if args.untie_at >= 1 or args.untie_at == 0 else args.untie_at
         state = "reset" if arm == "scheduled-reset" else "copy"
         return True, [untie.UntieCallback(untie_at=untie_at, optimizer_state=state, save_at_untie=False)]
     # "auto": the divergence trigger of the metrics issue plugs in here.
@@ -195,10 +199,12 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
     tied, callbacks = arm_callbacks(spec.arm, args)
     tf.set_seed(spec.seed)
     model = exor_model(spec.model, tied=tied)
-    train_set = ExorDataset("train", spec.variant, seed=spec.seed)
+    # Each process draws its own surface forms: identical generators would give every rank the same draws.
+    data_seed = spec.seed + 1000 * int(os.environ.get("RANK", "0"))
+    train_set = ExorDataset("train", spec.variant, seed=data_seed)
     eval_sets = {
-        "train": ExorDataset("train", spec.variant, seed=spec.seed + 1, repeats=args.eval_repeats),
-        "heldout": ExorDataset("heldout", spec.variant, seed=spec.seed + 2, repeats=8 * args.eval_repeats),
+        "train": ExorDataset("train", spec.variant, seed=data_seed + 1, repeats=args.eval_repeats),
+        "heldout": ExorDataset("heldout", spec.variant, seed=data_seed + 2, repeats=8 * args.eval_repeats),
     }
     world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
     optimizer = torch.optim.AdamW(
@@ -236,8 +242,8 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
     )
     trainer.train()
     final_sets = {
-        "train": ExorDataset("train", spec.variant, seed=spec.seed + 3, repeats=4 * args.eval_repeats),
-        "heldout": ExorDataset("heldout", spec.variant, seed=spec.seed + 4, repeats=32 * args.eval_repeats),
+        "train": ExorDataset("train", spec.variant, seed=data_seed + 3, repeats=4 * args.eval_repeats),
+        "heldout": ExorDataset("heldout", spec.variant, seed=data_seed + 4, repeats=32 * args.eval_repeats),
     }
     final = {}
     for split, dataset in final_sets.items():
@@ -292,7 +298,8 @@ def run_grid(args: ExorArguments) -> list[dict]:
     ]
     todo = [s for s in specs if args.overwrite or not Path(runs_dir, f"{s.name}.json").exists()]
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    workers = 1 if distributed else max(1, min(args.workers, len(todo)))
+    workers = args.workers or min(os.cpu_count() or 1, 8)
+    workers = 1 if distributed else max(1, min(workers, len(todo)))
     print(
         f"EXor: {len(specs)} runs, {len(specs) - len(todo)} already done, training {len(todo)} with {workers} workers"
     )

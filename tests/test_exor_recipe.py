@@ -104,3 +104,23 @@ def test_bad_arguments_fail_early(tmp_path):
     with pytest.raises(ValueError, match="Unknown EXor variant"):
         recipe.main(["--output_dir", str(tmp_path), "--variants", "xor"])
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_recipe_runs_under_a_two_process_launch(tmp_path):
+    """The `accelerate launch` / torchrun path: runs go one after another, each trained by both ranks (gloo)."""
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    recipe_path = Path(recipe.__file__)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    cmd += [str(recipe_path), "--output_dir", str(tmp_path), "--arms", "tied", "scheduled", *SHORT]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "training 2 with 1 workers" in result.stdout
+    runs = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert runs["scheduled"]["untie_step"] == 20 and runs["scheduled"]["steps"] == runs["tied"]["steps"] == 40
