@@ -635,6 +635,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = args.resolved()
     os.makedirs(args.output_dir, exist_ok=True)
     records = run_grid(args)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank finished; rank 0 has written every record
+        torch.distributed.destroy_process_group()
     if int(os.environ.get("RANK", "0")) != 0:
         return []
     return report(records, args.output_dir)

@@ -40,6 +40,10 @@ def main(out_dir: str, arch: str, sync: bool) -> None:
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
     print(json.dumps({"rank": rank, "untie_step": callback.untie_step}))
+    # Tear the gloo group down on every rank together: a rank that exits while the other still holds the group can
+    # abort at interpreter exit ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
