@@ -281,8 +281,10 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
         },
         "settings": {k: v for k, v in asdict(args).items() if k not in ("variants", "models", "arms", "seeds")},
     }
-    if trainer.is_world_process_zero():
-        Path(runs_dir, f"{spec.name}.json").write_text(json.dumps(record))
+    if trainer.is_world_process_zero():  # write then rename: a reader never sees half a record
+        path = Path(runs_dir, f"{spec.name}.json")
+        path.with_suffix(".tmp").write_text(json.dumps(record))
+        path.with_suffix(".tmp").replace(path)
     return record
 
 
@@ -311,12 +313,9 @@ def run_grid(args: ExorArguments) -> list[dict]:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             for future in [pool.submit(train_run, spec, args, runs_dir) for spec in todo]:
                 future.result()
-    records = []
-    for spec in specs:
-        path = Path(runs_dir, f"{spec.name}.json")
-        if path.exists():  # absent only on non-zero ranks of a distributed launch
-            records.append(json.loads(path.read_text()))
-    return records
+    if int(os.environ.get("RANK", "0")) != 0:
+        return []  # only rank 0 writes records and the report
+    return [json.loads(Path(runs_dir, f"{spec.name}.json").read_text()) for spec in specs]
 
 
 # -- Analysis --
