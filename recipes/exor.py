@@ -131,6 +131,15 @@ class RunSpec:
 # -- One run --
 
 
+def launch_rank() -> int:
+    """This process's rank under torchrun / accelerate launch (0 when launched alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class GeometryRecorder(tf.TrainerCallback):
     """Records the paper's measure: Euclidean distances between rows of the input and output tables, per pair."""
 
@@ -201,13 +210,12 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
     tf.set_seed(spec.seed)
     model = exor_model(spec.model, tied=tied)
     # Each process draws its own surface forms: identical generators would give every rank the same draws.
-    data_seed = spec.seed + 1000 * int(os.environ.get("RANK", "0"))
+    data_seed = spec.seed + 1000 * launch_rank()
     train_set = ExorDataset("train", spec.variant, seed=data_seed)
     eval_sets = {
         "train": ExorDataset("train", spec.variant, seed=data_seed + 1, repeats=args.eval_repeats),
         "heldout": ExorDataset("heldout", spec.variant, seed=data_seed + 2, repeats=8 * args.eval_repeats),
     }
-    world = max(1, int(os.environ.get("WORLD_SIZE", "1")))
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, eps=args.adam_epsilon
     )
@@ -216,7 +224,9 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
     training = tf.TrainingArguments(
         output_dir=os.path.join(runs_dir, spec.name),
         max_steps=args.max_steps,
-        per_device_train_batch_size=math.ceil(len(train_set) / world),  # one full batch per step, as in the paper
+        per_device_train_batch_size=math.ceil(
+            len(train_set) / launch_world_size()
+        ),  # one full batch per step, as in the paper
         per_device_eval_batch_size=1024,
         max_grad_norm=args.max_grad_norm,
         logging_steps=args.eval_every // 5 or 1,
@@ -300,9 +310,8 @@ def run_grid(args: ExorArguments) -> list[dict]:
         for seed in args.seeds
     ]
     todo = [s for s in specs if args.overwrite or not Path(runs_dir, f"{s.name}.json").exists()]
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     workers = args.workers or min(os.cpu_count() or 1, 8)
-    workers = 1 if distributed else max(1, min(workers, len(todo)))
+    workers = 1 if launch_world_size() > 1 else max(1, min(workers, len(todo)))
     print(
         f"EXor: {len(specs)} runs, {len(specs) - len(todo)} already done, training {len(todo)} with {workers} workers"
     )
@@ -313,7 +322,7 @@ def run_grid(args: ExorArguments) -> list[dict]:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             for future in [pool.submit(train_run, spec, args, runs_dir) for spec in todo]:
                 future.result()
-    if int(os.environ.get("RANK", "0")) != 0:
+    if launch_rank() != 0:
         return []  # only rank 0 writes records and the report
     return [json.loads(Path(runs_dir, f"{spec.name}.json").read_text()) for spec in specs]
 
@@ -322,9 +331,6 @@ def run_grid(args: ExorArguments) -> list[dict]:
 
 
 def mean_spread(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if v is not None]
-    if not values:
-        return float("nan"), float("nan")
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
@@ -637,9 +643,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank finished; rank 0 has written every record
         torch.distributed.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return []
-    return report(records, args.output_dir)
+    return report(records, args.output_dir) if launch_rank() == 0 else []
 
 
 if __name__ == "__main__":

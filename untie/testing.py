@@ -8,6 +8,18 @@ import transformers as tf
 VOCAB = 48
 HIDDEN = 16
 
+# Shared sizes of the Llama-family decoders below.
+_DECODER = dict(
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    hidden_size=HIDDEN,
+    intermediate_size=32,
+    vocab_size=VOCAB,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+
 #: Architectures the library supports, as (config factory, model class). All tie their LM head by default.
 TINY_MODELS = {
     "gpt2": (
@@ -17,46 +29,15 @@ TINY_MODELS = {
         tf.GPT2LMHeadModel,
     ),
     "llama": (
-        lambda: tf.LlamaConfig(
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            hidden_size=HIDDEN,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            tie_word_embeddings=True,
-            bos_token_id=0,
-            eos_token_id=0,
-        ),
+        lambda: tf.LlamaConfig(**_DECODER, tie_word_embeddings=True),
         tf.LlamaForCausalLM,
     ),
     "qwen2": (
-        lambda: tf.Qwen2Config(
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            hidden_size=HIDDEN,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            tie_word_embeddings=True,
-            bos_token_id=0,
-            eos_token_id=0,
-        ),
+        lambda: tf.Qwen2Config(**_DECODER, tie_word_embeddings=True),
         tf.Qwen2ForCausalLM,
     ),
     "gemma": (
-        lambda: tf.GemmaConfig(
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            hidden_size=HIDDEN,
-            head_dim=8,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-        ),
+        lambda: tf.GemmaConfig(**_DECODER, head_dim=8, pad_token_id=0),
         tf.GemmaForCausalLM,
     ),
     "opt": (
