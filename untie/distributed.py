@@ -56,10 +56,13 @@ def sync_grads_across_ranks(param: nn.Parameter) -> torch.utils.hooks.RemovableH
     from accelerate.state import GradientState
 
     gradient_state = GradientState()
+    # A group of its own: DDP's bucket all-reduces run asynchronously on the default group during the same backward,
+    # and collectives interleaved on one group in a rank-dependent order can mismatch and hang.
+    group = dist.new_group(backend=dist.get_backend())
 
     def all_reduce_mean(p: torch.Tensor) -> None:
         if p.grad is not None and gradient_state.sync_gradients:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
             p.grad.div_(dist.get_world_size())
 
     return param.register_post_accumulate_grad_hook(all_reduce_mean)
