@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from untie.surgery import _STATE_INITS, _TIE_INITS
+from untie.triggers import UntieWhen
 
 #: Default schedule: untie after 30% of the run's optimizer steps. Tying speeds up the start of training and the
 #: untie leaves 70% of the budget for the input and output spaces to separate (see README, "Defaults").
@@ -24,14 +25,38 @@ class UntieConfig:
     tie_init: when the model arrives untied, the Trainer's model is tied at construction from this matrix:
         "input", "output" or "mean".
     save_at_untie: ask Trainer for a checkpoint at the untie step.
+    untie_when: the divergence trigger's rule (`untie.UntieWhen`, its dict, or "divergence" for the defaults); the
+        model unties when it fires or at `untie_at`, whichever comes first. None: untie at `untie_at` only.
+    metrics_every: measure every this many optimizer steps (0: never): role signals while tied (they feed the
+        trigger), drift between the two spaces after the untie. Logged as `untie/...` with Trainer's next log.
+    pairs: symbol pairs (token ids) whose distances, pushes and tension are measured too, e.g. [[0, 1], [2, 3]].
     """
 
     untie_at: int | float | None = DEFAULT_UNTIE_AT
     optimizer_state: str = "copy"
     tie_init: str = "input"
     save_at_untie: bool = True
+    untie_when: UntieWhen | None = None
+    metrics_every: int = 50
+    pairs: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.untie_when = UntieWhen.coerce(self.untie_when)
+        if isinstance(self.metrics_every, bool) or not isinstance(self.metrics_every, int) or self.metrics_every < 0:
+            raise ValueError(f"metrics_every={self.metrics_every!r} must be an int >= 0 (0 turns the metrics off).")
+        if self.untie_when is not None and self.metrics_every == 0:
+            raise ValueError("untie_when needs measurements: set metrics_every > 0 (e.g. 50) or untie_when=None.")
+        try:
+            self.pairs = [(int(a), int(b)) for a, b in self.pairs]
+        except (TypeError, ValueError):
+            raise ValueError(f"pairs={self.pairs!r}: pass a list of (token_id, token_id) pairs.") from None
+        if self.untie_when is not None and self.untie_when.signal.startswith("tension"):
+            wanted = self.untie_when.signal.removeprefix("tension").removeprefix("/")
+            keys = {f"{a}-{b}" for a, b in self.pairs}
+            if not self.pairs or (wanted and wanted not in keys):
+                raise ValueError(
+                    f"untie_when.signal={self.untie_when.signal!r} needs that pair in pairs=..., got {self.pairs}."
+                )
         at = self.untie_at
         if isinstance(at, bool) or not (at is None or isinstance(at, (int, float))):
             raise ValueError(f"untie_at={at!r}: pass an int step, a float fraction in (0, 1), or None (never).")

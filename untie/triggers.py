@@ -1,8 +1,14 @@
-"""Trigger policies: decide at which optimizer step the embeddings are untied."""
+"""Trigger policies: decide at which optimizer step the embeddings are untied.
+
+`ScheduledTrigger` fires at a fixed step. `DivergenceTrigger` fires when a smoothed role signal (see
+`untie.metrics.role_signals`) has stayed past a threshold for a number of consecutive measurements.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 
 @dataclass
@@ -15,19 +21,138 @@ class ScheduledTrigger:
 
     def resolve(self, max_steps: int) -> int | None:
         """Turn `untie_at` into a global step for a run of `max_steps` optimizer steps; raise if it lies beyond."""
-        at = self.untie_at
-        if at is None:
-            self.step = None
-        elif isinstance(at, float):
-            self.step = max(1, round(at * max_steps))
-        else:
-            if max_steps > 0 and at > max_steps:
-                raise ValueError(
-                    f"untie_at={at} is beyond the end of the run (max_steps={max_steps}), so the model would never be "
-                    "untied. Pass a step <= max_steps, a fraction in (0, 1) such as untie_at=0.3, or None to stay tied."
-                )
-            self.step = at
+        self.step = resolve_step(self.untie_at, max_steps, "untie_at")
         return self.step
 
     def fires(self, global_step: int) -> bool:
         return self.step is not None and global_step >= self.step
+
+
+def resolve_step(at: int | float | None, max_steps: int, name: str) -> int | None:
+    """An int step stays as is, a float in (0, 1) is a fraction of `max_steps`; an int beyond the run is refused."""
+    if at is None:
+        return None
+    if isinstance(at, float):
+        return max(1, round(at * max_steps))
+    if max_steps > 0 and at > max_steps:
+        raise ValueError(
+            f"{name}={at} is beyond the end of the run (max_steps={max_steps}). Pass a step <= max_steps, a fraction "
+            "in (0, 1) such as 0.3, or None."
+        )
+    return at
+
+
+#: Signals `UntieWhen.signal` accepts, and the direction in which each one means "the roles disagree".
+SIGNAL_DIRECTIONS = {"cancellation": "above", "cosine": "below", "conflict": "above", "norm_ratio": "above"}
+
+
+@dataclass
+class UntieWhen:
+    """When the divergence trigger unties: the rule, as a JSON-friendly dataclass.
+
+    signal: a role signal of `untie.metrics.role_signals` (``cancellation``, ``cosine``, ``conflict``,
+        ``norm_ratio``) or a per-pair one such as ``tension/0-1`` (needs `UntieConfig.pairs`); with several
+        pairs, ``tension`` alone means the largest pair tension.
+    threshold: the trigger fires when the smoothed signal is past it: above it, or below it for ``cosine``.
+    smoothing: weight of the past in the exponential moving average of the signal, in [0, 1); 0 = raw values.
+    warmup: measurements before this step (int) or fraction of `max_steps` (float) only feed the average.
+    patience: consecutive measurements past the threshold needed to fire.
+    """
+
+    signal: str = "cancellation"
+    threshold: float = 0.5
+    smoothing: float = 0.9
+    warmup: int | float = 0.05
+    patience: int = 5
+
+    def __post_init__(self) -> None:
+        if self.signal not in SIGNAL_DIRECTIONS and not self.signal.startswith("tension"):
+            raise ValueError(
+                f"untie_when.signal={self.signal!r} is not a known signal: use one of {sorted(SIGNAL_DIRECTIONS)}, "
+                "'tension' or 'tension/<a>-<b>' (with pairs=...)."
+            )
+        if not math.isfinite(self.threshold):
+            raise ValueError(f"untie_when.threshold={self.threshold} must be a finite number.")
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ValueError(f"untie_when.smoothing={self.smoothing} must be in [0, 1): the weight of the past.")
+        if isinstance(self.warmup, bool) or self.warmup < 0 or (isinstance(self.warmup, float) and self.warmup >= 1):
+            raise ValueError(f"untie_when.warmup={self.warmup}: pass a step >= 0 or a fraction in [0, 1).")
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"untie_when.patience={self.patience} must be an int >= 1.")
+
+    @property
+    def direction(self) -> str:
+        return SIGNAL_DIRECTIONS.get(self.signal, "above")
+
+    @classmethod
+    def coerce(cls, value: UntieWhen | dict | str | None) -> UntieWhen | None:
+        """Accept an `UntieWhen`, its dict form, ``"divergence"`` (the defaults) or None (no trigger)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if value == "divergence":
+            return cls()
+        if isinstance(value, dict):
+            known = {f.name for f in fields(cls)}
+            unknown = sorted(set(value) - known)
+            if unknown:
+                raise ValueError(f"Unknown untie_when keys {unknown}; known keys: {sorted(known)}.")
+            return cls(**value)
+        raise ValueError(
+            f"untie_when={value!r}: pass 'divergence' (the default rule), an untie.UntieWhen(...), its dict form, "
+            "or None for no trigger."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class DivergenceTrigger:
+    """Fires when an exponential moving average of a role signal stays past a threshold for `patience` measurements.
+
+    Deterministic: the same sequence of measurements gives the same decision. Non-finite values (NaN, inf) are
+    skipped and break the streak, so a diverging or broken measurement never unties.
+    """
+
+    def __init__(self, rule: UntieWhen) -> None:
+        self.rule = rule
+        self.warmup_step = 0
+        self.average: float | None = None
+        self.streak = 0
+        self.fired_step: int | None = None
+
+    def resolve(self, max_steps: int) -> None:
+        warmup = self.rule.warmup
+        self.warmup_step = max(0, round(warmup * max_steps)) if isinstance(warmup, float) else warmup
+
+    def value_of(self, signals: dict[str, float]) -> float:
+        """The rule's signal from a dict of measurements (``tension``: the largest pair tension)."""
+        if self.rule.signal == "tension":
+            tensions = [v for k, v in signals.items() if k.startswith("tension/")]
+            return max(tensions) if tensions else math.nan
+        return signals.get(self.rule.signal, math.nan)
+
+    def update(self, step: int, signals: dict[str, float]) -> bool:
+        """Feed the measurements taken at `step`; True once the trigger has fired (it stays fired)."""
+        if self.fired_step is not None:
+            return True
+        value = self.value_of(signals)
+        if not math.isfinite(value):
+            self.streak = 0
+            return False
+        beta = self.rule.smoothing
+        self.average = value if self.average is None else beta * self.average + (1 - beta) * value
+        past = (
+            self.average > self.rule.threshold if self.rule.direction == "above" else self.average < self.rule.threshold
+        )
+        self.streak = self.streak + 1 if past and step >= self.warmup_step else 0
+        if self.streak >= self.rule.patience:
+            self.fired_step = step
+        return self.fired_step is not None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"average": self.average, "streak": self.streak, "fired_step": self.fired_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.average = state.get("average")
+        self.streak = state.get("streak", 0)
+        self.fired_step = state.get("fired_step")

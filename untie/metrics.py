@@ -1,0 +1,221 @@
+"""Equivalence metrics: plain functions on embedding matrices and role gradients, usable without Trainer.
+
+Three families, matching the three moments of a tie-then-untie run:
+
+* `pair_distances`: the paper's measure, Euclidean distances between given symbol rows (input or output space).
+* `role_signals`: while tied, what the shared matrix's two roles ask of it. ``input_grad`` is the gradient the
+  matrix receives through the embedding lookup, ``output_grad`` the one through the LM head; they sum to the
+  tied parameter's gradient. See `role_signals` for the exact definitions.
+* `knn_overlap` and `linear_cka`: after the untie, how far the input and the output spaces have drifted apart,
+  sampled and chunked so that they stay fast at a 256k x 4096 vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+Pairs = Sequence[tuple[int, int]]
+
+
+def pair_key(pair: tuple[int, int]) -> str:
+    """The name a pair gets in logs and results: ``"0-1"``."""
+    return f"{pair[0]}-{pair[1]}"
+
+
+def pair_distances(matrix: torch.Tensor, pairs: Pairs) -> dict[str, float]:
+    """Euclidean distance between the rows of each pair (the paper's `cdist` entries)."""
+    if not pairs:
+        return {}
+    rows = torch.as_tensor(pairs, device=matrix.device)
+    diff = matrix.detach()[rows[:, 0]].float() - matrix.detach()[rows[:, 1]].float()
+    return {pair_key(p): d for p, d in zip(pairs, diff.norm(dim=1).tolist(), strict=True)}
+
+
+def pair_pushes(weight: torch.Tensor, grad: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+    """How fast a gradient-descent step along ``-grad`` changes each pair's distance (positive: pushes it apart).
+
+    For a pair (a, b) with unit direction u = (w_a - w_b) / |w_a - w_b|, the push is -u . (grad_a - grad_b), the
+    derivative of |w_a - w_b| along -grad. A pair at distance zero has no direction and gets push 0.
+    """
+    rows = torch.as_tensor(pairs, device=weight.device)
+    diff = weight.detach()[rows[:, 0]].float() - weight.detach()[rows[:, 1]].float()
+    norm = diff.norm(dim=1, keepdim=True)
+    direction = torch.where(norm > 0, diff / norm.clamp_min(torch.finfo(diff.dtype).tiny), torch.zeros_like(diff))
+    grad_diff = grad[rows[:, 0]].float() - grad[rows[:, 1]].float()
+    return -(direction * grad_diff).sum(dim=1)
+
+
+def role_signals(
+    input_grad: torch.Tensor,
+    output_grad: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    pairs: Pairs = (),
+) -> dict[str, float]:
+    """Signals of disagreement between the two roles of a tied matrix, from its two role gradients.
+
+    With G_in, G_out the (V, d) role gradients and T the rows the input role touched (tokens seen in the batch):
+
+    * ``cosine``: cosine between G_in and G_out over the rows in T (elsewhere G_in is zero and would only dilute it).
+      Near 1 the roles pull the shared rows the same way; near -1 they fight and tying wastes the update.
+    * ``conflict``: fraction of rows in T where G_in[i] . G_out[i] < 0 (the PCGrad conflict criterion).
+    * ``norm_ratio``: |G_out| / |G_in| over the whole matrix: which role dominates the shared update.
+    * ``cancellation``: -2 G_in . G_out / (|G_in|^2 + |G_out|^2), in [-1, 1]: the share of the two roles' update
+      that cancels in their sum (1: they cancel exactly; 0: orthogonal; -1: equal and aligned). Untied, one
+      gradient step lowers the loss (|G_in|^2 + |G_out|^2) / |G_in + G_out|^2 = 1 / (1 - cancellation) times as
+      much as tied, to first order.
+    * per pair (a, b), with ``weight`` and ``pairs``: ``push_in/<a-b>`` and ``push_out/<a-b>`` (see `pair_pushes`)
+      and ``tension/<a-b>`` = max(0, -push_in * push_out) / max(push_in^2, push_out^2), in [0, 1]: 1 when the input
+      role pulls the pair together exactly as hard as the output role pushes it apart (or the reverse), 0 when
+      they agree on the pair's distance. A semantically but not conditionally equivalent pair builds tension.
+
+    Non-finite gradients give NaN signals (a trigger ignores them).
+    """
+    g_in = input_grad.detach().float()
+    g_out = output_grad.detach().float()
+    if g_in.shape != g_out.shape or g_in.dim() != 2:
+        raise ValueError(f"role gradients must be two (V, d) matrices of one shape, got {g_in.shape} and {g_out.shape}")
+    touched = g_in.ne(0).any(dim=1)
+    a, b = g_in[touched], g_out[touched]
+    row_dots = (a * b).sum(dim=1)
+    sq_in, sq_out = g_in.square().sum(), g_out.square().sum()
+    dot_touched = row_dots.sum()
+    norm_a, norm_b = a.norm(), b.norm()
+    signals = {
+        "cosine": _ratio(dot_touched, norm_a * norm_b),
+        "conflict": float(row_dots.lt(0).float().mean()) if len(row_dots) else math.nan,
+        "norm_ratio": _ratio(sq_out.sqrt(), sq_in.sqrt()),
+        # G_in is zero outside T, so the full dot product equals the one over T.
+        "cancellation": _ratio(-2 * dot_touched, sq_in + sq_out),
+    }
+    if pairs:
+        if weight is None:
+            raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
+        push_in = pair_pushes(weight, g_in, pairs)
+        push_out = pair_pushes(weight, g_out, pairs)
+        largest = torch.maximum(push_in.square(), push_out.square())
+        tension = torch.where(largest > 0, (-push_in * push_out).clamp_min(0) / largest, torch.zeros_like(largest))
+        for i, pair in enumerate(pairs):
+            key = pair_key(pair)
+            signals[f"push_in/{key}"] = float(push_in[i])
+            signals[f"push_out/{key}"] = float(push_out[i])
+            signals[f"tension/{key}"] = float(tension[i])
+    return signals
+
+
+def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> float:
+    num, den = float(numerator), float(denominator)
+    if not (math.isfinite(num) and math.isfinite(den)) or den == 0:
+        return math.nan
+    return num / den
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Drift between untied spaces
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sample_rows(vocab: int, size: int | None, generator: torch.Generator, device) -> torch.Tensor:
+    if size is None or size >= vocab:
+        return torch.arange(vocab, device=device)
+    return torch.randperm(vocab, generator=generator)[:size].sort().values.to(device)
+
+
+def _generator(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+def _neighbours(space: torch.Tensor, queries: torch.Tensor, pool: torch.Tensor, k: int, chunk: int) -> torch.Tensor:
+    """Indices into ``pool`` of each query's k nearest rows by cosine, excluding the query itself."""
+    candidates = torch.nn.functional.normalize(space[pool].float(), dim=1)
+    position = torch.full((space.shape[0],), -1, dtype=torch.long, device=space.device)
+    position[pool] = torch.arange(len(pool), device=space.device)
+    out = []
+    for start in range(0, len(queries), chunk):
+        rows = queries[start : start + chunk]
+        sims = torch.nn.functional.normalize(space[rows].float(), dim=1) @ candidates.T
+        own = position[rows]
+        sims[own >= 0, own[own >= 0]] = -math.inf  # a token is not its own neighbour
+        out.append(sims.topk(k, dim=1).indices)
+    return torch.cat(out)
+
+
+def knn_overlap(
+    first: torch.Tensor,
+    second: torch.Tensor,
+    k: int = 10,
+    queries: int | None = 1024,
+    pool: int | None = 16384,
+    seed: int = 0,
+    chunk: int = 256,
+) -> float:
+    """Mean Jaccard overlap of each sampled token's k nearest neighbours (cosine) in two spaces over one vocabulary.
+
+    1 when both spaces give every token the same neighbours, about k / pool for unrelated spaces. ``queries``
+    tokens are sampled, and their neighbours searched among ``pool`` sampled tokens (None: all), in chunks of
+    ``chunk`` queries, so the cost is 2 * queries * pool * d multiply-adds per space.
+    """
+    if first.shape[0] != second.shape[0]:
+        raise ValueError(f"knn_overlap: both spaces need one row per token, got {first.shape[0]} and {second.shape[0]}")
+    vocab = first.shape[0]
+    generator = _generator(seed)
+    pool_rows = _sample_rows(vocab, pool, generator, first.device)
+    if k >= len(pool_rows):
+        raise ValueError(f"knn_overlap: k={k} needs a pool of more than k tokens, got {len(pool_rows)}")
+    query_rows = pool_rows[_sample_rows(len(pool_rows), queries, generator, first.device)]
+    with torch.no_grad():
+        a = _neighbours(first.detach(), query_rows, pool_rows, k, chunk)
+        b = _neighbours(second.detach().to(first.device), query_rows, pool_rows, k, chunk)
+    shared = (a.unsqueeze(2) == b.unsqueeze(1)).any(dim=2).sum(dim=1).float()
+    return float((shared / (2 * k - shared)).mean())
+
+
+def linear_cka(first: torch.Tensor, second: torch.Tensor, rows: int | None = 4096, seed: int = 0) -> float:
+    """Linear CKA (Kornblith et al., 2019) between two (V, d) spaces over ``rows`` sampled tokens (None: all).
+
+    1 when one space is an orthogonal transform and rescaling of the other. Computed in the Gram form
+    (rows x rows) or the feature form (d x d), whichever is cheaper. CKA is inflated by width: compare it
+    against the same measure on shuffled rows when the absolute value matters.
+    """
+    if first.shape[0] != second.shape[0]:
+        raise ValueError(f"linear_cka: both spaces need one row per token, got {first.shape[0]} and {second.shape[0]}")
+    sample = _sample_rows(first.shape[0], rows, _generator(seed), first.device)
+    with torch.no_grad():
+        x = first.detach()[sample].double()
+        y = second.detach().to(first.device)[sample].double()
+        x = x - x.mean(dim=0)
+        y = y - y.mean(dim=0)
+        if len(sample) <= max(x.shape[1], y.shape[1]):
+            kx, ky = x @ x.T, y @ y.T
+            cross, self_x, self_y = (kx * ky).sum(), kx.norm(), ky.norm()
+        else:
+            cross = (x.T @ y).square().sum()
+            self_x, self_y = (x.T @ x).norm(), (y.T @ y).norm()
+    return _ratio(cross, self_x * self_y)
+
+
+def drift_metrics(
+    input_weight: torch.Tensor,
+    output_weight: torch.Tensor,
+    pairs: Pairs = (),
+    seed: int = 0,
+    queries: int | None = 1024,
+    pool: int | None = 16384,
+    rows: int | None = 4096,
+) -> dict[str, float]:
+    """Drift between the untied input and output spaces: neighbour overlap, linear CKA and pair distances."""
+    metrics = {
+        "knn_overlap": knn_overlap(
+            input_weight, output_weight, k=min(10, input_weight.shape[0] // 2), queries=queries, pool=pool, seed=seed
+        ),
+        "cka": linear_cka(input_weight, output_weight, rows=rows, seed=seed),
+    }
+    for key, value in pair_distances(input_weight, pairs).items():
+        metrics[f"input_distance/{key}"] = value
+    for key, value in pair_distances(output_weight, pairs).items():
+        metrics[f"output_distance/{key}"] = value
+    return metrics

@@ -1,0 +1,115 @@
+"""`RoleGradientProbe`: split a tied matrix's gradient into its input-role and output-role parts, in the same backward.
+
+The shared matrix W is used twice: looked up by the input embedding and multiplied by the LM head. Autograd sums
+the two contributions into ``W.grad``. The probe hooks the two modules' outputs and, while armed, recomputes each
+contribution from the output gradient that backward hands over anyway:
+
+* output role: for a linear head, G_out = dL/dlogits^T @ h, the head's own weight-gradient product;
+* input role: the embedding lookup's weight gradient, a scatter-add of dL/dembeddings onto the looked-up rows.
+
+Modules of other types (a scaled embedding, a custom head) are differentiated generically, by re-running their
+forward on a detached copy of W under autograd. No extra backward pass over the model is needed; the cost is one
+(V, d) float32 buffer per role on the steps where the probe is armed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.func import functional_call
+
+from untie.surgery import _embedding_modules
+
+
+class RoleGradientProbe:
+    """Hooks on a tied model's embedding and head that, while ``armed``, accumulate the two role gradients.
+
+    The gradients accumulate over the micro-batches of an optimizer step, like ``W.grad`` does; before any
+    clipping or all-reduce. Call `collect` after the step's last backward to get them (averaged over ranks,
+    as DDP averages ``W.grad``), and `remove` to take the hooks off.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        embedding, self.head = _embedding_modules(model)
+        if embedding.weight is not self.head.weight:
+            raise ValueError(
+                "RoleGradientProbe needs a tied model: the input embedding and the LM head share no weight."
+            )
+        self.weight: nn.Parameter = embedding.weight
+        # Every other module holding W is an input use: T5 and BART look it up through encoder and decoder modules.
+        self.lookups = [m for m in model.modules() if m is not self.head and getattr(m, "weight", None) is self.weight]
+        self.armed = False
+        self.input_grad: torch.Tensor | None = None
+        self.output_grad: torch.Tensor | None = None
+        self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
+        self._handles.append(self.head.register_forward_hook(self._on_head_forward, with_kwargs=True))
+
+    # -- hooks ------------------------------------------------------------------------------------------------------
+    def _on_embedding_forward(self, module, args, kwargs, output) -> None:
+        if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(
+                lambda grad: self._accumulate("input_grad", self._input_role(module, args, kwargs, grad))
+            )
+
+    def _on_head_forward(self, module, args, kwargs, output) -> None:
+        if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(
+                lambda grad: self._accumulate("output_grad", self._output_role(module, args, kwargs, grad))
+            )
+
+    def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
+        if type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq and not kwargs:
+            ids = args[0].reshape(-1)
+            role = torch.zeros(self.weight.shape, dtype=torch.float32, device=grad.device)
+            role.index_add_(0, ids, grad.reshape(-1, grad.shape[-1]).float())
+            if module.padding_idx is not None:
+                role[module.padding_idx] = 0  # the lookup never sends gradient to the padding row
+            return role
+        return self._generic_role(module, args, kwargs, grad)
+
+    def _output_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
+        if type(module) is nn.Linear and not kwargs:
+            hidden = args[0]
+            return (grad.reshape(-1, grad.shape[-1]).T @ hidden.reshape(-1, hidden.shape[-1]).to(grad.dtype)).float()
+        return self._generic_role(module, args, kwargs, grad)
+
+    def _generic_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
+        """d<output, grad>/dW for any module, by re-running its forward on a detached copy of W."""
+        weight = self.weight.detach().requires_grad_(True)
+        detached_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        armed, self.armed = self.armed, False  # the re-run must not hook itself again
+        try:
+            with torch.enable_grad():
+                output = functional_call(module, {"weight": weight}, detached_args, kwargs)
+                (role,) = torch.autograd.grad(output, weight, grad)
+        finally:
+            self.armed = armed
+        return role.float()
+
+    def _accumulate(self, name: str, role: torch.Tensor) -> None:
+        current = getattr(self, name)
+        setattr(self, name, role if current is None else current.add_(role))
+
+    # -- API --------------------------------------------------------------------------------------------------------
+    def collect(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's (input_grad, output_grad), averaged over ranks; None if no backward ran while armed.
+
+        Every rank must call it on the same steps (it all-reduces under torch.distributed).
+        """
+        grads, self.input_grad, self.output_grad = (self.input_grad, self.output_grad), None, None
+        have = torch.tensor([float(all(g is not None for g in grads))], device=self.weight.device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(have, op=dist.ReduceOp.MIN)
+            if have.item() == 1.0:
+                for grad in grads:
+                    dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+                    grad /= dist.get_world_size()
+        return grads if have.item() == 1.0 else None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.armed = False
+        self.input_grad = self.output_grad = None
