@@ -46,6 +46,7 @@ PRESETS = {
         untie_at=0.25,
         record_every=100,
         eval_every=500,
+        metrics_every=50,
     ),
     # The paper's code: AdamW lr 5e-4, wd 0.1 on every parameter, eps 1e-12, CosineAnnealingLR(T_max=1e4,
     # eta_min=1e-5) stepped past T_max (a periodic cosine), 150k full-batch steps, seeds 42-46.
@@ -61,6 +62,7 @@ PRESETS = {
         untie_at=0.5,
         record_every=1_000,
         eval_every=1_000,
+        metrics_every=250,
     ),
 }
 #: A pair is close when its distance is below this fraction of the reference pair (0,2)'s, apart otherwise.
@@ -85,6 +87,12 @@ class ExorArguments:
     adam_epsilon: float = field(default=1e-12, metadata={"help": "The paper's AdamW eps."})
     max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping; the paper does not clip (0)."})
     untie_at: float | None = field(default=None, metadata={"help": "Scheduled arms: a step, or a fraction of the run."})
+    metrics_every: int | None = field(default=None, metadata={"help": "Steps between role-signal measurements."})
+    trigger_signal: str = field(default="cancellation", metadata={"help": "auto arm: the signal of untie.UntieWhen."})
+    trigger_threshold: float = field(default=0.5, metadata={"help": "auto arm: UntieWhen.threshold."})
+    trigger_smoothing: float = field(default=0.9, metadata={"help": "auto arm: UntieWhen.smoothing."})
+    trigger_warmup: float = field(default=0.05, metadata={"help": "auto arm: UntieWhen.warmup (fraction of run)."})
+    trigger_patience: int = field(default=5, metadata={"help": "auto arm: UntieWhen.patience."})
     record_every: int | None = field(default=None, metadata={"help": "Steps between embedding-distance records."})
     eval_every: int | None = field(default=None, metadata={"help": "Steps between accuracy evaluations."})
     eval_repeats: int = field(default=8, metadata={"help": "Fresh draws of each string per evaluation."})
@@ -188,17 +196,26 @@ def arm_callbacks(arm: str, args: ExorArguments) -> tuple[bool, list[tf.TrainerC
     """Whether the arm's model starts tied, and the untie callbacks it trains with."""
     if arm == "untied":
         return False, []
+    # Tied arms measure the role signals too (untie_at=None: a tied baseline that only measures).
+    common = dict(save_at_untie=False, metrics_every=args.metrics_every, pairs=list(PAIRS))
     if arm == "tied":
-        return True, []
+        return True, [untie.UntieCallback(untie_at=None, **common)]
     if arm in ("scheduled", "scheduled-reset"):
-        untie_at = int(args.untie_at) if args.untie_at >= 1 or args.untie_at == 0 else args.untie_at
         state = "reset" if arm == "scheduled-reset" else "copy"
-        return True, [untie.UntieCallback(untie_at=untie_at, optimizer_state=state, save_at_untie=False)]
-    # "auto": the divergence trigger of the metrics issue plugs in here.
-    raise NotImplementedError(
-        "The auto arm needs UntieCallback(untie_when=...), the divergence trigger, which this version does not have "
-        "yet. Use --arms untied tied scheduled."
+        return True, [untie.UntieCallback(untie_at=_step_or_fraction(args.untie_at), optimizer_state=state, **common)]
+    rule = untie.UntieWhen(
+        signal=args.trigger_signal,
+        threshold=args.trigger_threshold,
+        smoothing=args.trigger_smoothing,
+        warmup=_step_or_fraction(args.trigger_warmup),
+        patience=args.trigger_patience,
     )
+    return True, [untie.UntieCallback(untie_at=None, untie_when=rule, **common)]
+
+
+def _step_or_fraction(value: float) -> int | float:
+    """Command-line numbers arrive as floats: 0 and values >= 1 are steps, the rest fractions of the run."""
+    return int(value) if value >= 1 or value == 0 else value
 
 
 def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
@@ -259,7 +276,7 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
     final = {}
     for split, dataset in final_sets.items():
         final.update(trainer.evaluate(dataset, metric_key_prefix=f"final_{split}"))
-    untie_step = next((cb.untie_step for cb in callbacks if isinstance(cb, untie.UntieCallback)), None)
+    callback = next((cb for cb in callbacks if isinstance(cb, untie.UntieCallback)), None)
     log = trainer.state.log_history
     evals = {}
     for entry in log:
@@ -275,7 +292,9 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
         "arm": spec.arm,
         "seed": spec.seed,
         "steps": trainer.state.global_step,
-        "untie_step": untie_step,
+        "untie_step": callback.untie_step if callback else None,
+        "untie_reason": callback.untie_reason if callback else None,
+        "trigger_step": callback.divergence.fired_step if callback and callback.divergence else None,
         "final_loss": final["final_train_loss"],
         "heldout_loss": final["final_heldout_loss"],
         "train_accuracy": final["final_train_accuracy"],
@@ -288,6 +307,7 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
             "geometry": recorder.history,
             "train": [{"step": e["step"], "loss": e["loss"], "lr": e["learning_rate"]} for e in log if "loss" in e],
             "eval": list(evals.values()),
+            "signals": callback.history if callback else [],
         },
         "settings": {k: v for k, v in asdict(args).items() if k not in ("variants", "models", "arms", "seeds")},
     }

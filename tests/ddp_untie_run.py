@@ -15,15 +15,19 @@ import untie.callback
 from untie.testing import ToyLMDataset, tiny_model
 
 
-def main(out_dir: str, arch: str, sync: bool) -> None:
+def main(out_dir: str, arch: str, mode: str) -> None:
     tf.logging.set_verbosity_error()
-    if not sync:  # negative control: show that without the hook the ranks drift apart
+    if mode == "nosync":  # negative control: show that without the hook the ranks drift apart
         untie.callback.sync_grads_across_ranks = lambda param: None
     model = tiny_model(arch)
     args = training_args(
         out_dir, max_steps=10, per_device_train_batch_size=4, gradient_accumulation_steps=2, ddp_backend="gloo"
     )
-    callback = untie.UntieCallback(untie_at=4)
+    if mode == "trigger":  # the divergence trigger, fed by role signals measured every 2 steps, fires at step 6
+        rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=3)
+        callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 4)])
+    else:
+        callback = untie.UntieCallback(untie_at=4)
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=128), callbacks=[callback])
     trainer.train()
     rank = int(os.environ["RANK"])
@@ -32,6 +36,8 @@ def main(out_dir: str, arch: str, sync: bool) -> None:
         {
             "distributed_type": trainer.accelerator.distributed_type.name,
             "untie_step": callback.untie_step,
+            "untie_reason": callback.untie_reason,
+            "history": callback.history,
             "tied": untie.is_tied(model),
             "input": model.get_parameter(layout.input_weight).detach(),
             "output": model.get_parameter(layout.output_weight).detach(),
@@ -47,4 +53,4 @@ def main(out_dir: str, arch: str, sync: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sync=sys.argv[3] == "sync")
+    main(sys.argv[1], sys.argv[2], mode=sys.argv[3])

@@ -14,7 +14,7 @@ import torch
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_untie_run.py")
 
 
-def _torchrun(tmp_path, arch: str, sync: bool) -> list[dict]:
+def _torchrun(tmp_path, arch: str, mode: str) -> list[dict]:
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun is not on PATH")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
@@ -29,7 +29,7 @@ def _torchrun(tmp_path, arch: str, sync: bool) -> list[dict]:
         WORKER,
         str(tmp_path),
         arch,
-        "sync" if sync else "nosync",
+        mode,
     ]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -44,7 +44,7 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
 def test_ranks_untie_together_and_stay_identical(arch, tmp_path):
-    rank0, rank1 = _torchrun(tmp_path, arch, sync=True)
+    rank0, rank1 = _torchrun(tmp_path, arch, "sync")
     assert rank0["distributed_type"] == "MULTI_CPU"
     assert rank0["untie_step"] == rank1["untie_step"] == 4
     assert not rank0["tied"] and not rank1["tied"]
@@ -55,6 +55,17 @@ def test_ranks_untie_together_and_stay_identical(arch, tmp_path):
 
 def test_without_gradient_sync_the_untied_head_diverges(tmp_path):
     """Negative control for the test above: DDP alone does not reduce a parameter created after wrapping."""
-    rank0, rank1 = _torchrun(tmp_path, "gpt2", sync=False)
+    rank0, rank1 = _torchrun(tmp_path, "gpt2", "nosync")
     # Everything drifts: gradient clipping sees each rank's local head gradient, so even DDP-averaged params differ.
     assert not torch.equal(rank0["output"], rank1["output"])
+
+
+def test_divergence_trigger_decides_on_every_rank_from_the_same_signals(tmp_path):
+    """Each rank sees its own batches, but the role gradients are averaged over ranks before the signals."""
+    rank0, rank1 = _torchrun(tmp_path, "gpt2", "trigger")
+    assert rank0["untie_step"] == rank1["untie_step"] == 6
+    assert rank0["untie_reason"] == rank1["untie_reason"] == "trigger"
+    assert len(rank0["history"]) == 5
+    assert rank0["history"] == rank1["history"]  # identical signals, measured from the all-reduced role gradients
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name

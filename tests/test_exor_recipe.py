@@ -83,6 +83,26 @@ def test_runs_are_reproducible_from_the_seed(tmp_path):
     assert first["final_loss"] == second["final_loss"] and first["untie_step"] == 5
 
 
+def test_auto_arm_unties_when_its_trigger_fires_and_is_the_tied_arm_before(tmp_path):
+    args = recipe.ExorArguments(output_dir=str(tmp_path), max_steps=20, record_every=5, eval_every=10).resolved()
+    # A rule that holds at every measurement (cosine < 2), patience 2, a measurement every 5 steps: fires at step 10.
+    args = recipe.replace(
+        args, metrics_every=5, trigger_signal="cosine", trigger_threshold=2.0, trigger_smoothing=0.0,
+        trigger_warmup=0, trigger_patience=2, disable_tqdm=True,
+    )  # fmt: skip
+    auto = recipe.train_run(recipe.RunSpec("ndh", "transformer", "auto", 42), args, str(tmp_path))
+    tied = recipe.train_run(recipe.RunSpec("ndh", "transformer", "tied", 42), args, str(tmp_path))
+    assert (auto["untie_step"], auto["untie_reason"], auto["trigger_step"]) == (10, "trigger", 10)
+    assert (tied["untie_step"], tied["trigger_step"]) == (None, None)
+    signals = auto["history"]["signals"]
+    assert [s["step"] for s in signals] == [5, 10, 15, 20] and "tension/2-3" in signals[0] and "cka" in signals[-1]
+    # Measuring does not change training: before the untie, the auto arm is the tied arm bit for bit.
+    without_trigger = [{k: v for k, v in s.items() if k != "trigger"} for s in signals[:2]]
+    assert without_trigger == tied["history"]["signals"][:2]
+    geometry = [(a, t) for a, t in zip(auto["history"]["geometry"], tied["history"]["geometry"]) if a["step"] < 10]
+    assert geometry and all(a == t for a, t in geometry)
+
+
 def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():
     param = torch.nn.Parameter(torch.zeros(1))
     ours = torch.optim.SGD([param], lr=5e-4)
@@ -95,8 +115,8 @@ def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():
 
 
 def test_bad_arguments_fail_early(tmp_path):
-    with pytest.raises(NotImplementedError, match="untie_when"):
-        recipe.main(["--output_dir", str(tmp_path), "--arms", "auto", *SHORT])
+    with pytest.raises(ValueError, match="not a known signal"):
+        recipe.main(["--output_dir", str(tmp_path), "--arms", "auto", "--trigger_signal", "loss", *SHORT])
     with pytest.raises(ValueError, match="Unknown arm 'frozen'"):
         recipe.main(["--output_dir", str(tmp_path), "--arms", "frozen"])
     with pytest.raises(ValueError, match="Unknown preset"):

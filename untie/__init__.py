@@ -11,11 +11,13 @@ from untie.surgery import (
     untie_embeddings,
     was_untied,
 )
+from untie.triggers import UntieWhen
 
 __all__ = [
     "EmbeddingLayout",
     "UntieCallback",
     "UntieConfig",
+    "UntieWhen",
     "checkpoint_is_untied",
     "embedding_layout",
     "install_resume_guard",

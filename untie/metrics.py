@@ -53,6 +53,7 @@ def role_signals(
     output_grad: torch.Tensor,
     weight: torch.Tensor | None = None,
     pairs: Pairs = (),
+    sample_rows: int = 256,
 ) -> dict[str, float]:
     """Signals of disagreement between the two roles of a tied matrix, from its two role gradients.
 
@@ -66,10 +67,15 @@ def role_signals(
       that cancels in their sum (1: they cancel exactly; 0: orthogonal; -1: equal and aligned). Untied, one
       gradient step lowers the loss (|G_in|^2 + |G_out|^2) / |G_in + G_out|^2 = 1 / (1 - cancellation) times as
       much as tied, to first order.
-    * per pair (a, b), with ``weight`` and ``pairs``: ``push_in/<a-b>`` and ``push_out/<a-b>`` (see `pair_pushes`)
-      and ``tension/<a-b>`` = max(0, -push_in * push_out) / max(push_in^2, push_out^2), in [0, 1]: 1 when the input
-      role pulls the pair together exactly as hard as the output role pushes it apart (or the reverse), 0 when
-      they agree on the pair's distance. A semantically but not conditionally equivalent pair builds tension.
+    * with ``weight``: ``agreement``, the correlation over all pairs of (up to ``sample_rows``) touched rows between
+      the input role's and the output role's pushes on the pair distances (`pair_pushes`): positive when the two
+      roles want the same pairs closer and the same pairs farther apart, negative when they disagree about the
+      equivalence structure.
+    * per pair (a, b), with ``weight`` and ``pairs``: ``push_in/<a-b>`` and ``push_out/<a-b>`` (see `pair_pushes`),
+      and ``tension/<a-b>`` = max(0, -c_in * c_out), in [0, 1], where c_r = push_r / |G_r[a] - G_r[b]| is the share
+      of role r's relative update of the pair that changes its distance (a cosine, so the two roles' very different
+      gradient scales cancel out). 1: one role moves the pair straight together and the other straight apart;
+      0: they agree on the pair's distance. A semantically but not conditionally equivalent pair builds tension.
 
     Non-finite gradients give NaN signals (a trigger ignores them).
     """
@@ -77,12 +83,17 @@ def role_signals(
     g_out = output_grad.detach().float()
     if g_in.shape != g_out.shape or g_in.dim() != 2:
         raise ValueError(f"role gradients must be two (V, d) matrices of one shape, got {g_in.shape} and {g_out.shape}")
-    touched = g_in.ne(0).any(dim=1)
+    # One pass over each (V, d) matrix: vector_norm is many times faster than elementwise square/compare chains.
+    row_norms_in = torch.linalg.vector_norm(g_in, dim=1)
+    touched = row_norms_in > 0
     a, b = g_in[touched], g_out[touched]
     row_dots = (a * b).sum(dim=1)
-    sq_in, sq_out = g_in.square().sum(), g_out.square().sum()
+    sq_in, sq_out = row_norms_in.square().sum(), torch.linalg.vector_norm(g_out).square()
     dot_touched = row_dots.sum()
     norm_a, norm_b = a.norm(), b.norm()
+    if not torch.isfinite(sq_in + sq_out):
+        nan = math.nan
+        return {"cosine": nan, "conflict": nan, "norm_ratio": nan, "cancellation": nan, "agreement": nan}
     signals = {
         "cosine": _ratio(dot_touched, norm_a * norm_b),
         "conflict": float(row_dots.lt(0).float().mean()) if len(row_dots) else math.nan,
@@ -90,19 +101,45 @@ def role_signals(
         # G_in is zero outside T, so the full dot product equals the one over T.
         "cancellation": _ratio(-2 * dot_touched, sq_in + sq_out),
     }
+    if weight is not None:
+        rows = touched.nonzero().squeeze(1)
+        if len(rows) > sample_rows:  # evenly spaced: deterministic, and spread over the vocabulary
+            rows = rows[torch.linspace(0, len(rows) - 1, sample_rows).long()]
+        w = weight.detach()[rows].float()
+        signals["agreement"] = _correlation(_push_matrix(w, g_in[rows]), _push_matrix(w, g_out[rows]))
     if pairs:
         if weight is None:
             raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
         push_in = pair_pushes(weight, g_in, pairs)
         push_out = pair_pushes(weight, g_out, pairs)
-        largest = torch.maximum(push_in.square(), push_out.square())
-        tension = torch.where(largest > 0, (-push_in * push_out).clamp_min(0) / largest, torch.zeros_like(largest))
+        index = torch.as_tensor(pairs, device=g_in.device)
+        share_in = push_in / (g_in[index[:, 0]] - g_in[index[:, 1]]).norm(dim=1)
+        share_out = push_out / (g_out[index[:, 0]] - g_out[index[:, 1]]).norm(dim=1)
+        tension = (-share_in * share_out).nan_to_num(0.0).clamp_min(0)
         for i, pair in enumerate(pairs):
             key = pair_key(pair)
             signals[f"push_in/{key}"] = float(push_in[i])
             signals[f"push_out/{key}"] = float(push_out[i])
             signals[f"tension/{key}"] = float(tension[i])
     return signals
+
+
+def _push_matrix(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """`pair_pushes` for every pair of rows at once, as an (n, n) matrix, in O(n^2 d) without (n, n, d) temporaries."""
+    wg = weight @ grad.T
+    dot = wg.diagonal().unsqueeze(1) + wg.diagonal().unsqueeze(0) - wg - wg.T  # (w_i - w_j) . (g_i - g_j)
+    sq = weight.square().sum(dim=1)
+    dist = (sq.unsqueeze(1) + sq.unsqueeze(0) - 2 * weight @ weight.T).clamp_min(0).sqrt()
+    return torch.where(dist > 0, -dot / dist.clamp_min(torch.finfo(dist.dtype).tiny), torch.zeros_like(dist))
+
+
+def _correlation(first: torch.Tensor, second: torch.Tensor) -> float:
+    """Pearson correlation of the strict upper triangles of two square matrices."""
+    upper = torch.triu_indices(len(first), len(first), offset=1, device=first.device)
+    x = first[upper[0], upper[1]].double()
+    y = second[upper[0], upper[1]].double()
+    x, y = x - x.mean(), y - y.mean()
+    return _ratio((x * y).sum(), x.norm() * y.norm()) if len(x) > 1 else math.nan
 
 
 def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> float:

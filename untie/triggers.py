@@ -43,7 +43,13 @@ def resolve_step(at: int | float | None, max_steps: int, name: str) -> int | Non
 
 
 #: Signals `UntieWhen.signal` accepts, and the direction in which each one means "the roles disagree".
-SIGNAL_DIRECTIONS = {"cancellation": "above", "cosine": "below", "conflict": "above", "norm_ratio": "above"}
+SIGNAL_DIRECTIONS = {
+    "cancellation": "above",
+    "cosine": "below",
+    "conflict": "above",
+    "norm_ratio": "above",
+    "agreement": "below",
+}
 
 
 @dataclass

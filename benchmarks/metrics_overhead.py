@@ -1,0 +1,139 @@
+"""Cost of UntieCallback's role-signal metrics on a GPT-2-small-shaped model, against plain tied Trainer.
+
+Each arm trains the same randomly initialised GPT-2 small (12 layers, d 768, vocabulary 50257, tied) on the same
+random tokens, in a fresh subprocess so that peak memory is its own:
+
+* ``plain``: Trainer, no callback;
+* ``metrics``: Trainer + UntieCallback(untie_at=None, untie_when=<the default rule>, metrics_every=50): the role
+  signals are measured and fed to the trigger every 50 steps; its warm-up outlasts the run, so the model stays tied
+  and the cost measured is the tied phase's.
+
+Reports the mean step time of each arm, the ratio, the extra time of a measuring step, and peak memory.
+
+    python benchmarks/metrics_overhead.py --steps 150 --output_dir runs/bench
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers as tf
+
+import untie
+
+
+@dataclass
+class BenchmarkArguments:
+    steps: int = field(default=150, metadata={"help": "Optimizer steps per arm (the first 5 are not timed)."})
+    metrics_every: int = field(default=50, metadata={"help": "UntieCallback(metrics_every=...) of the metrics arm."})
+    batch_size: int = 2
+    sequence_length: int = 128
+    layers: int = field(default=12, metadata={"help": "GPT-2 small: 12."})
+    threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)."})
+    output_dir: str = "runs/bench-metrics"
+    arm: str | None = field(default=None, metadata={"help": "Internal: run one arm in this process."})
+
+
+class StepTimer(tf.TrainerCallback):
+    """Wall time of every optimizer step, from on_step_begin to on_step_end."""
+
+    def __init__(self) -> None:
+        self.durations: dict[int, float] = {}
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.durations[state.global_step] = time.perf_counter() - self._start
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, length: int, vocab: int) -> None:
+        self.ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def run_arm(args: BenchmarkArguments) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tf.set_seed(0)
+    config = tf.GPT2Config(n_layer=args.layers, n_positions=max(1024, args.sequence_length))
+    model = tf.GPT2LMHeadModel(config)
+    timer = StepTimer()
+    callbacks = [timer]
+    if args.arm == "metrics":
+        rule = untie.UntieWhen(warmup=args.steps + 1)  # measure and smooth, never fire: time the tied phase
+        callbacks.append(untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=args.metrics_every))
+    training = tf.TrainingArguments(
+        output_dir=os.path.join(args.output_dir, args.arm),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=1e-4,
+        logging_steps=args.steps,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    dataset = RandomTokens(args.steps * args.batch_size, args.sequence_length, config.vocab_size)
+    tf.Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks).train()
+    timed = {s: d for s, d in timer.durations.items() if s > 5}
+    measuring = [d for s, d in timed.items() if s % args.metrics_every == 0]
+    other = [d for s, d in timed.items() if s % args.metrics_every != 0]
+    return {
+        "arm": args.arm,
+        "mean_step_s": statistics.fmean(timed.values()),
+        "median_other_step_s": statistics.median(other),
+        "measuring_steps_s": measuring,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "tied": untie.is_tied(model),
+    }
+
+
+def main() -> None:
+    (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
+    if args.arm:
+        print("RESULT " + json.dumps(run_arm(args)))
+        return
+    results = {}
+    for arm in ("plain", "metrics"):
+        command = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
+        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        results[arm] = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
+        print(f"{arm}: mean step {results[arm]['mean_step_s']:.3f} s, peak RSS {results[arm]['peak_rss_mib']:.0f} MiB")
+    plain, metrics = results["plain"], results["metrics"]
+    summary = {
+        "settings": vars(args),
+        "torch_threads": torch.get_num_threads(),
+        "step_time_ratio": metrics["mean_step_s"] / plain["mean_step_s"],
+        "measuring_step_extra_s": statistics.fmean(metrics["measuring_steps_s"]) - metrics["median_other_step_s"],
+        "peak_rss_extra_mib": metrics["peak_rss_mib"] - plain["peak_rss_mib"],
+        "arms": results,
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(
+        f"metrics_every={args.metrics_every}: step time x{summary['step_time_ratio']:.4f} of plain tied Trainer; "
+        f"a measuring step costs {summary['measuring_step_extra_s']:.3f} s extra; "
+        f"peak memory +{summary['peak_rss_extra_mib']:.0f} MiB"
+    )
+
+
+if __name__ == "__main__":
+    main()

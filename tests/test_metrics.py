@@ -1,0 +1,159 @@
+"""untie.metrics on hand-built matrices with known answers, and the role-gradient probe on real models."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import untie
+from untie.metrics import drift_metrics, knn_overlap, linear_cka, pair_distances, pair_pushes, role_signals
+from untie.probe import RoleGradientProbe
+from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
+
+
+def test_pair_distances_are_euclidean_row_distances():
+    matrix = torch.tensor([[0.0, 0.0], [3.0, 4.0], [0.0, 1.0]])
+    assert pair_distances(matrix, [(0, 1), (0, 2), (1, 1)]) == {"0-1": 5.0, "0-2": 1.0, "1-1": 0.0}
+
+
+def test_opposite_role_gradients_cancel():
+    g = torch.tensor([[1.0, 2.0], [0.0, 0.0], [-3.0, 1.0]])
+    signals = role_signals(g, -g)
+    assert signals["cosine"] == pytest.approx(-1.0)
+    assert signals["conflict"] == 1.0
+    assert signals["norm_ratio"] == pytest.approx(1.0)
+    assert signals["cancellation"] == pytest.approx(1.0)
+
+
+def test_aligned_role_gradients_agree():
+    g = torch.tensor([[1.0, 2.0], [0.0, 0.0], [-3.0, 1.0]])
+    signals = role_signals(g, 2 * g)
+    assert signals["cosine"] == pytest.approx(1.0)
+    assert signals["conflict"] == 0.0
+    assert signals["norm_ratio"] == pytest.approx(2.0)
+    assert signals["cancellation"] == pytest.approx(-4 / 5)  # -2 * 2|g|^2 / (|g|^2 + 4|g|^2)
+
+
+def test_cosine_and_conflict_only_count_rows_the_input_role_touched():
+    g_in = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    g_out = torch.tensor([[1.0, 0.0], [0.0, -50.0]])  # a large output gradient on an unseen token
+    signals = role_signals(g_in, g_out)
+    assert signals["cosine"] == pytest.approx(1.0)
+    assert signals["conflict"] == 0.0
+    assert signals["norm_ratio"] == pytest.approx(math.sqrt(2501))
+
+
+def test_pair_push_and_tension_by_hand():
+    weight = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 3.0]])
+    # Descent on the input role moves row 0 towards row 1 (pulls the pair together, push -1), on the output role
+    # away from it (push +1): the roles fight over the pair's distance, straight along its axis.
+    g_in = torch.tensor([[-1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    g_out = torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    assert pair_pushes(weight, g_in, [(0, 1)]).tolist() == [-1.0]
+    signals = role_signals(g_in, g_out, weight, pairs=[(0, 1), (0, 2)])
+    assert (signals["push_in/0-1"], signals["push_out/0-1"], signals["tension/0-1"]) == (-1.0, 1.0, 1.0)
+    # Pair (0, 2) lies along the second axis: both roles move row 0 sideways, nothing changes its distance.
+    assert signals["push_in/0-2"] == signals["push_out/0-2"] == signals["tension/0-2"] == 0.0
+    # Same direction for both roles: no tension, whatever the scales.
+    agree = role_signals(g_in, 100 * g_in, weight, pairs=[(0, 1)])
+    assert agree["tension/0-1"] == 0.0
+    # Tension is scale-free: a 1000x weaker input role fighting along the axis still gives 1.
+    assert role_signals(g_in / 1000, g_out, weight, pairs=[(0, 1)])["tension/0-1"] == pytest.approx(1.0)
+
+
+def test_agreement_is_the_correlation_of_pair_pushes():
+    torch.manual_seed(0)
+    weight, g = torch.randn(20, 4), torch.randn(20, 4)
+    assert role_signals(g, 3 * g, weight)["agreement"] == pytest.approx(1.0)
+    assert role_signals(g, -g, weight)["agreement"] == pytest.approx(-1.0)
+
+
+def test_non_finite_gradients_give_nan_signals():
+    g = torch.tensor([[1.0, float("nan")], [0.0, 1.0]])
+    signals = role_signals(g, torch.ones(2, 2))
+    assert math.isnan(signals["cosine"]) and math.isnan(signals["cancellation"]) and math.isnan(signals["norm_ratio"])
+
+
+def test_knn_overlap_known_answers():
+    torch.manual_seed(0)
+    space = torch.randn(500, 16)
+    rotation, _ = torch.linalg.qr(torch.randn(16, 16))
+    assert knn_overlap(space, space) == 1.0
+    assert knn_overlap(space, 5 * space @ rotation) == pytest.approx(1.0)  # cosine neighbours survive rotation/scale
+    assert knn_overlap(space, torch.randn(500, 16)) < 0.1  # unrelated spaces share few neighbours
+    with pytest.raises(ValueError, match="one row per token"):
+        knn_overlap(space, space[:10])
+
+
+def test_linear_cka_known_answers_in_both_computation_forms():
+    torch.manual_seed(0)
+    x = torch.randn(300, 8)
+    rotation, _ = torch.linalg.qr(torch.randn(8, 8))
+    for rows in (None, 6):  # feature form (300 > 8 rows) and Gram form (6 <= 8 rows)
+        assert linear_cka(x, 2 * x @ rotation + 1.0, rows=rows) == pytest.approx(1.0)
+    assert linear_cka(x, torch.randn(300, 8)) < 0.15
+    # 50 rows <= 64 columns takes the Gram form; it must equal the textbook feature form.
+    wide, other = torch.randn(50, 64).double(), torch.randn(50, 64).double()
+    xc, yc = wide - wide.mean(0), (wide + other) - (wide + other).mean(0)
+    textbook = (xc.T @ yc).square().sum() / ((xc.T @ xc).norm() * (yc.T @ yc).norm())
+    assert linear_cka(wide, wide + other, rows=None) == pytest.approx(textbook.item(), rel=1e-9)
+
+
+def test_drift_metrics_report_overlap_cka_and_pair_distances():
+    torch.manual_seed(0)
+    emb = torch.randn(100, 8)
+    metrics = drift_metrics(emb, emb.clone(), pairs=[(0, 1)])
+    assert metrics["knn_overlap"] == 1.0 and metrics["cka"] == pytest.approx(1.0)
+    assert metrics["input_distance/0-1"] == metrics["output_distance/0-1"] == pytest.approx((emb[0] - emb[1]).norm())
+
+
+# -- the probe -------------------------------------------------------------------------------------------------------
+
+
+def _batch(n=4):
+    ids = ToyLMDataset(8).ids[:n]
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_MODELS))
+def test_role_gradients_sum_to_the_tied_gradient_and_match_an_untied_twin(arch):
+    model = tiny_model(arch).eval()  # eval: no dropout, so the untied twin sees the same forward
+    twin = copy.deepcopy(model)
+    untie.untie_embeddings(twin)
+    probe = RoleGradientProbe(model)
+    probe.armed = True
+    model(**_batch()).loss.backward()
+    g_in, g_out = probe.collect()
+    shared = model.get_input_embeddings().weight
+    torch.testing.assert_close(g_in + g_out, shared.grad, rtol=0, atol=1e-6)
+    twin(**_batch()).loss.backward()
+    torch.testing.assert_close(g_in, twin.get_input_embeddings().weight.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(g_out, twin.get_output_embeddings().weight.grad, rtol=1e-5, atol=1e-7)
+    assert g_in.abs().sum() > 0 and g_out.abs().sum() > 0
+
+
+def test_probe_accumulates_over_micro_batches_and_stays_idle_when_disarmed():
+    model = tiny_model("llama")
+    probe = RoleGradientProbe(model)
+    model(**_batch(2)).loss.backward()
+    assert probe.collect() is None  # disarmed: nothing recorded
+    model.zero_grad()
+    probe.armed = True
+    batch = _batch(4)
+    for half in (slice(0, 2), slice(2, 4)):
+        (model(**{k: v[half] for k, v in batch.items()}).loss / 2).backward()
+    g_in, g_out = probe.collect()
+    torch.testing.assert_close(g_in + g_out, model.get_input_embeddings().weight.grad, rtol=0, atol=1e-6)
+    probe.remove()
+    model(**batch).loss.backward()
+    assert probe.collect() is None
+
+
+def test_probe_refuses_an_untied_model():
+    model = tiny_model("gpt2")
+    untie.untie_embeddings(model)
+    with pytest.raises(ValueError, match="needs a tied model"):
+        RoleGradientProbe(model)

@@ -1,0 +1,153 @@
+"""The divergence trigger: deterministic, patient, warm-up aware, deaf to NaN/inf; wired into UntieCallback."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import transformers as tf
+
+import untie
+from untie.testing import ToyLMDataset, tiny_model
+from untie.triggers import DivergenceTrigger
+
+
+def _feed(trigger, values, signal="cancellation", start=1):
+    """Feed one measurement per step; return the step at which the trigger fired (or None)."""
+    for step, value in enumerate(values, start=start):
+        if trigger.update(step, {signal: value}):
+            return step
+    return None
+
+
+def test_fires_after_patience_consecutive_measurements_past_the_threshold():
+    rule = untie.UntieWhen(threshold=0.5, smoothing=0.0, warmup=0, patience=3)
+    assert _feed(DivergenceTrigger(rule), [0.9, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9]) == 6
+    assert _feed(DivergenceTrigger(rule), [0.9, 0.9, 0.1] * 5) is None
+
+
+def test_is_deterministic_and_smoothing_delays_it():
+    values = [0.0] * 5 + [1.0] * 30
+    raw = untie.UntieWhen(threshold=0.5, smoothing=0.0, warmup=0, patience=2)
+    smooth = untie.UntieWhen(threshold=0.5, smoothing=0.9, warmup=0, patience=2)
+    assert _feed(DivergenceTrigger(raw), values) == _feed(DivergenceTrigger(raw), values) == 7
+    # EMA with weight 0.9 on the past crosses 0.5 after 7 ones (1 - 0.9^7 = 0.52), then needs 2 in a row.
+    assert _feed(DivergenceTrigger(smooth), values) == 5 + 7 + 1
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_measurements_never_fire_and_break_the_streak(bad):
+    rule = untie.UntieWhen(threshold=0.5, smoothing=0.0, warmup=0, patience=2)
+    assert _feed(DivergenceTrigger(rule), [bad] * 20) is None
+    assert _feed(DivergenceTrigger(rule), [0.9, bad, 0.9, bad, 0.9]) is None
+    trigger = DivergenceTrigger(rule)
+    _feed(trigger, [0.2, bad])
+    assert trigger.average == 0.2  # the bad value never entered the average
+
+
+def test_warmup_and_direction():
+    rule = untie.UntieWhen(threshold=0.5, smoothing=0.0, warmup=0.5, patience=1)
+    trigger = DivergenceTrigger(rule)
+    trigger.resolve(max_steps=10)
+    assert _feed(trigger, [0.9] * 10) == 5  # measurements before step 5 only feed the average
+    below = untie.UntieWhen(signal="cosine", threshold=-0.2, smoothing=0.0, warmup=0, patience=1)
+    assert _feed(DivergenceTrigger(below), [0.5, 0.0, -0.5], signal="cosine") == 3
+
+
+def test_pair_tension_signal_takes_the_largest_pair():
+    rule = untie.UntieWhen(signal="tension", threshold=0.5, smoothing=0.0, warmup=0, patience=1)
+    trigger = DivergenceTrigger(rule)
+    assert not trigger.update(1, {"tension/0-1": 0.1, "tension/2-3": 0.2, "cosine": -1.0})
+    assert trigger.update(2, {"tension/0-1": 0.1, "tension/2-3": 0.7})
+
+
+def test_state_round_trip_resumes_the_same_decision():
+    rule = untie.UntieWhen(threshold=0.5, smoothing=0.5, warmup=0, patience=3)
+    values = [0.9, 0.9, 0.9, 0.9, 0.9]
+    whole = _feed(DivergenceTrigger(rule), values)
+    first = DivergenceTrigger(rule)
+    _feed(first, values[:2])
+    second = DivergenceTrigger(rule)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert _feed(second, values[2:], start=3) == whole == 3
+
+
+def test_rule_and_config_validation_and_json_round_trip():
+    config = untie.UntieConfig(untie_at=0.5, untie_when={"signal": "tension/0-1", "patience": 2}, pairs=[[0, 1]])
+    assert config.untie_when == untie.UntieWhen(signal="tension/0-1", patience=2)
+    assert untie.UntieConfig.from_json(config.to_json()) == config
+    assert untie.UntieConfig(untie_when="divergence").untie_when == untie.UntieWhen()
+    for bad, message in [
+        ({"signal": "loss"}, "not a known signal"),
+        ({"smoothing": 1.0}, "smoothing"),
+        ({"patience": 0}, "patience"),
+        ({"threshold": math.nan}, "finite"),
+        ({"thresh": 1}, "Unknown untie_when keys"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            untie.UntieConfig(untie_when=bad)
+    with pytest.raises(ValueError, match="needs that pair"):
+        untie.UntieConfig(untie_when={"signal": "tension/2-3"}, pairs=[(0, 1)])
+    with pytest.raises(ValueError, match="metrics_every > 0"):
+        untie.UntieConfig(untie_when="divergence", metrics_every=0)
+
+
+# -- in Trainer ------------------------------------------------------------------------------------------------------
+
+
+class _Logs(tf.TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def _train(args, callback, resume=None):
+    logs = _Logs()
+    trainer = tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[logs, callback])
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, logs.logs
+
+
+def test_callback_unties_when_the_trigger_fires_and_logs_the_signals(make_args):
+    # cosine < 2 always holds: with patience 2 and a measurement every 2 steps the trigger fires at step 4.
+    rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=2)
+    callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 4)])
+    trainer, logs = _train(make_args(), callback)
+    assert (callback.untie_step, callback.untie_reason, callback.divergence.fired_step) == (4, "trigger", 4)
+    assert not untie.is_tied(trainer.model)
+    assert [h["step"] for h in callback.history] == [2, 4, 6, 8, 10, 12]
+    assert {"cosine", "conflict", "norm_ratio", "cancellation", "tension/3-4", "trigger"} <= set(callback.history[0])
+    assert {"knn_overlap", "cka", "input_distance/3-4", "output_distance/3-4"} <= set(callback.history[-1])
+    logged = {k for log in logs for k in log}
+    assert {"untie/cosine", "untie/tension/3-4", "untie/knn_overlap", "untie/cka"} <= logged
+
+
+def test_deadline_unties_when_the_trigger_stays_quiet(make_args):
+    rule = untie.UntieWhen(signal="cosine", threshold=-2.0, smoothing=0.0, warmup=0, patience=1)  # never
+    callback = untie.UntieCallback(untie_at=6, untie_when=rule, metrics_every=2)
+    _train(make_args(), callback)
+    assert (callback.untie_step, callback.untie_reason, callback.divergence.fired_step) == (6, "deadline", None)
+
+
+def test_nan_signals_never_untie(make_args, monkeypatch):
+    monkeypatch.setattr(untie.callback, "role_signals", lambda *a, **k: {"cosine": math.nan})
+    rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=1)
+    callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=1)
+    trainer, _ = _train(make_args(), callback)
+    assert callback.untie_step is None and untie.is_tied(trainer.model)
+    assert len(callback.history) == 12
+
+
+def test_resume_keeps_the_history_and_the_trigger_state(make_args):
+    rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=4)
+    args = make_args(save_strategy="steps", save_steps=4)
+    whole = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, save_at_untie=False)
+    _train(args, whole)
+    resumed = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, save_at_untie=False)
+    _train(args, resumed, resume=os.path.join(args.output_dir, "checkpoint-4"))
+    assert resumed.untie_step == whole.untie_step == 8
+    assert [h["step"] for h in resumed.history] == [h["step"] for h in whole.history]
