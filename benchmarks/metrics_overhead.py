@@ -10,7 +10,7 @@ random tokens, in a fresh subprocess so that peak memory is its own:
 
 Reports the mean step time of each arm, the ratio, the extra time of a measuring step, and peak memory.
 
-    python benchmarks/metrics_overhead.py --steps 150 --output_dir runs/bench
+    python benchmarks/metrics_overhead.py --steps 105 --repeats 2 --output_dir runs/bench-metrics
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ class BenchmarkArguments:
     sequence_length: int = 128
     layers: int = field(default=12, metadata={"help": "GPT-2 small: 12."})
     threads: int = field(default=0, metadata={"help": "torch threads (0: torch's default)."})
+    repeats: int = field(default=1, metadata={"help": "Run the arms this many times, alternating; report medians."})
     output_dir: str = "runs/bench-metrics"
     arm: str | None = field(default=None, metadata={"help": "Internal: run one arm in this process."})
 
@@ -110,26 +111,34 @@ def main() -> None:
     if args.arm:
         print("RESULT " + json.dumps(run_arm(args)))
         return
-    results = {}
-    for arm in ("plain", "metrics"):
-        command = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
-        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        results[arm] = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
-        print(f"{arm}: mean step {results[arm]['mean_step_s']:.3f} s, peak RSS {results[arm]['peak_rss_mib']:.0f} MiB")
-    plain, metrics = results["plain"], results["metrics"]
+    runs: list[dict] = []
+    for repeat in range(args.repeats):  # alternate the arms, so slow drifts of the machine hit both
+        for arm in ("plain", "metrics"):
+            command = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            runs.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
+            last = runs[-1]
+            print(f"{arm} #{repeat}: mean step {last['mean_step_s']:.3f} s, peak RSS {last['peak_rss_mib']:.0f} MiB")
+    plain = [r for r in runs if r["arm"] == "plain"]
+    metrics = [r for r in runs if r["arm"] == "metrics"]
+    plain_step = statistics.median(r["mean_step_s"] for r in plain)
+    extra = statistics.median(statistics.fmean(r["measuring_steps_s"]) - r["median_other_step_s"] for r in metrics)
     summary = {
         "settings": vars(args),
         "torch_threads": torch.get_num_threads(),
-        "step_time_ratio": metrics["mean_step_s"] / plain["mean_step_s"],
-        "measuring_step_extra_s": statistics.fmean(metrics["measuring_steps_s"]) - metrics["median_other_step_s"],
-        "peak_rss_extra_mib": metrics["peak_rss_mib"] - plain["peak_rss_mib"],
-        "arms": results,
+        "step_time_ratio": statistics.median(r["mean_step_s"] for r in metrics) / plain_step,
+        "step_time_ratio_from_measuring_steps": 1 + extra / args.metrics_every / plain_step,
+        "measuring_step_extra_s": extra,
+        "peak_rss_extra_mib": statistics.median(r["peak_rss_mib"] for r in metrics)
+        - statistics.median(r["peak_rss_mib"] for r in plain),
+        "runs": runs,
     }
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(
-        f"metrics_every={args.metrics_every}: step time x{summary['step_time_ratio']:.4f} of plain tied Trainer; "
+        f"metrics_every={args.metrics_every}: step time x{summary['step_time_ratio']:.4f} of plain tied Trainer "
+        f"(x{summary['step_time_ratio_from_measuring_steps']:.4f} from the measuring steps' extra time alone); "
         f"a measuring step costs {summary['measuring_step_extra_s']:.3f} s extra; "
         f"peak memory +{summary['peak_rss_extra_mib']:.0f} MiB"
     )
