@@ -99,7 +99,8 @@ def test_auto_arm_unties_when_its_trigger_fires_and_is_the_tied_arm_before(tmp_p
     # Measuring does not change training: before the untie, the auto arm is the tied arm bit for bit.
     without_trigger = [{k: v for k, v in s.items() if k != "trigger"} for s in signals[:2]]
     assert without_trigger == tied["history"]["signals"][:2]
-    geometry = [(a, t) for a, t in zip(auto["history"]["geometry"], tied["history"]["geometry"]) if a["step"] < 10]
+    pairs = zip(auto["history"]["geometry"], tied["history"]["geometry"], strict=True)
+    geometry = [(a, t) for a, t in pairs if a["step"] < 10]
     assert geometry and all(a == t for a, t in geometry)
 
 
