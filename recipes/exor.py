@@ -65,6 +65,8 @@ PRESETS = {
         metrics_every=250,
     ),
 }
+#: The auto arm's rule unless --trigger_* flags say otherwise: the library's default.
+DEFAULT_RULE = untie.UntieWhen()
 #: A pair is close when its distance is below this fraction of the reference pair (0,2)'s, apart otherwise.
 SEPARATION = 0.3
 
@@ -88,11 +90,19 @@ class ExorArguments:
     max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping; the paper does not clip (0)."})
     untie_at: float | None = field(default=None, metadata={"help": "Scheduled arms: a step, or a fraction of the run."})
     metrics_every: int | None = field(default=None, metadata={"help": "Steps between role-signal measurements."})
-    trigger_signal: str = field(default="cancellation", metadata={"help": "auto arm: the signal of untie.UntieWhen."})
-    trigger_threshold: float = field(default=0.5, metadata={"help": "auto arm: UntieWhen.threshold."})
-    trigger_smoothing: float = field(default=0.9, metadata={"help": "auto arm: UntieWhen.smoothing."})
-    trigger_warmup: float = field(default=0.05, metadata={"help": "auto arm: UntieWhen.warmup (fraction of run)."})
-    trigger_patience: int = field(default=5, metadata={"help": "auto arm: UntieWhen.patience."})
+    trigger_signal: str = field(
+        default=DEFAULT_RULE.signal, metadata={"help": "auto arm: the signal of untie.UntieWhen."}
+    )
+    trigger_threshold: float = field(
+        default=DEFAULT_RULE.threshold, metadata={"help": "auto arm: UntieWhen.threshold."}
+    )
+    trigger_smoothing: float = field(
+        default=DEFAULT_RULE.smoothing, metadata={"help": "auto arm: UntieWhen.smoothing."}
+    )
+    trigger_warmup: float = field(
+        default=DEFAULT_RULE.warmup, metadata={"help": "auto arm: UntieWhen.warmup (fraction of run)."}
+    )
+    trigger_patience: int = field(default=DEFAULT_RULE.patience, metadata={"help": "auto arm: UntieWhen.patience."})
     record_every: int | None = field(default=None, metadata={"help": "Steps between embedding-distance records."})
     eval_every: int | None = field(default=None, metadata={"help": "Steps between accuracy evaluations."})
     eval_repeats: int = field(default=8, metadata={"help": "Fresh draws of each string per evaluation."})

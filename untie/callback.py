@@ -70,7 +70,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             # untie now, before the optimizer exists and the model is wrapped.
             # On an already-untied model this only re-applies the bookkeeping that a reload loses.
             untie_embeddings(model)
-            self._mark_untied(state.global_step, "checkpoint" if was_untied(model) and state.global_step else "start")
+            self._mark_untied(state.global_step, "start")  # global_step is 0 here; a resume restores its own reason
         elif not is_tied(model):
             warnings.warn(
                 f"UntieCallback: the model arrived untied; tying it with tie_init={self.config.tie_init!r} (the other "
