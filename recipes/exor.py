@@ -29,6 +29,7 @@ import transformers as tf
 
 import untie
 from untie.exor import PAIRS, VARIANTS, ExorDataset, exor_model, vocabulary
+from untie.schedules import periodic_cosine
 
 ARMS = ("untied", "tied", "scheduled", "scheduled-reset", "auto")
 PRESETS = {
@@ -191,15 +192,6 @@ def masked_accuracy(eval_pred: tf.EvalPrediction) -> dict[str, float]:
     predictions, labels = eval_pred.predictions, eval_pred.label_ids
     scored = labels != -100
     return {"accuracy": float((predictions[scored] == labels[scored]).mean())}
-
-
-def periodic_cosine(optimizer: torch.optim.Optimizer, lr: float, lr_min: float, half_period: int):
-    """torch's CosineAnnealingLR(T_max=half_period, eta_min=lr_min) stepped past T_max, as the paper's code does:
-    lr goes lr -> lr_min over half_period steps, then back up. Closed form, so it survives an untie."""
-    floor = lr_min / lr
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: floor + (1 - floor) * (1 + math.cos(math.pi * step / half_period)) / 2
-    )
 
 
 def arm_callbacks(arm: str, args: ExorArguments) -> tuple[bool, list[tf.TrainerCallback]]:

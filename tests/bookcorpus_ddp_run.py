@@ -1,0 +1,40 @@
+"""Worker for test_bookcorpus_recipe.py: the recipe's scheduled arm under `torchrun --nproc_per_node 2`; each rank
+dumps its untie step and final parameters."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import bookcorpus as recipe  # noqa: E402
+
+
+def main(out_dir: str) -> None:
+    tf.logging.set_verbosity_error()
+    argv = ["--output_dir", out_dir, "--arm", "scheduled", "--max_steps", "8", "--untie_at", "4", "--eval_steps", "8",
+            "--batch_size", "8", "--max_train_samples", "256", "--max_eval_samples", "32",
+            "--disable_tqdm"]  # fmt: skip
+    (args,) = tf.HfArgumentParser(recipe.BookCorpusArguments).parse_args_into_dataclasses(args=argv)
+    args = args.resolved()
+    record, trainer = recipe.train_arm("scheduled", args, recipe.prepare_data(args))
+    model = trainer.model
+    torch.save(
+        {
+            "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
+            "untie_step": record["untie_step"],
+            "tied": model.get_input_embeddings().weight is model.get_output_embeddings().weight,
+            "input": model.get_input_embeddings().weight.detach().clone(),
+            "output": model.get_output_embeddings().weight.detach().clone(),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        },
+        os.path.join(out_dir, f"rank{trainer.args.process_index}.pt"),
+    )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,133 @@
+"""recipes/bookcorpus.py end to end on a few steps of the offline corpus: every arm, the report, reuse of finished
+arms, the causal variant, local files, and the scheduled arm under 2-process DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+import bookcorpus as recipe  # noqa: E402
+
+SHORT = ["--max_steps", "12", "--eval_steps", "6", "--untie_at", "4", "--auto_deadline", "8", "--metrics_every", "2",
+         "--batch_size", "16", "--max_train_samples", "400", "--max_eval_samples", "64", "--logging_steps", "3",
+         "--disable_tqdm"]  # fmt: skip
+ARM_KEYS = {"arm", "steps", "untie_step", "eval_loss", "perplexity", "accuracy", "distances", "tokens_per_second",
+            "throughput_vs_tied"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def all_arms(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bookcorpus")
+    results = recipe.main(["--output_dir", str(out), *SHORT])
+    return out, results
+
+
+def test_every_arm_trains_and_reports(all_arms):
+    out, results = all_arms
+    arms = {a["arm"]: a for a in results["arms"]}
+    assert list(arms) == ["tied", "untied", "scheduled", "auto"]
+    for arm in arms.values():
+        assert ARM_KEYS <= set(arm) and arm["steps"] == 12
+        assert math.isfinite(arm["eval_loss"]) and 0 <= arm["accuracy"] <= 1
+        assert arm["perplexity"] == pytest.approx(math.exp(arm["eval_loss"]))
+        assert arm["tokens_per_second"] > 0
+        assert set(arm["distances"]["input"]) == {"twin-dh", "twin-skewed", "random"}  # quick preset: mixed twins
+    assert arms["tied"]["untie_step"] is None and arms["untied"]["untie_step"] is None
+    assert (arms["scheduled"]["untie_step"], arms["scheduled"]["untie_reason"]) == (4, "deadline")
+    assert arms["auto"]["untie_step"] <= 8 and arms["auto"]["untie_reason"] in ("trigger", "deadline")
+    assert arms["tied"]["throughput_vs_tied"] == 1.0
+    assert arms["tied"]["distances"]["input"] == arms["tied"]["distances"]["output"]  # one matrix
+    for arm in ("untied", "scheduled", "auto"):
+        assert arms[arm]["distances"]["input"] != arms[arm]["distances"]["output"], arm
+
+
+def test_history_has_every_eval_and_arms_share_the_start(all_arms):
+    out, _ = all_arms
+    records = {r["arm"]: r for r in recipe.load_records(str(out))}
+    for record in records.values():
+        assert [e["step"] for e in record["history"]["eval"]] == [0, 6, 12]
+    start = {arm: r["history"]["eval"][0]["loss"] for arm, r in records.items()}
+    assert start["tied"] == start["scheduled"] == start["auto"]  # same seed: same tied model, same data draws
+    assert records["auto"]["history"]["signals"], "the auto arm measures role signals"
+    assert records["scheduled"]["history"]["signals"] == []  # metrics off: the scheduled arm only unties
+
+
+def test_table_and_figures_are_written(all_arms):
+    out, _ = all_arms
+    table = (out / "results.md").read_text()
+    assert "| scheduled | 4 (deadline) |" in table and "| tied | - |" in table
+    for name in ("curves.png", "distances.png"):
+        assert (out / "figures" / name).stat().st_size > 10_000, name
+    assert json.loads((out / "results.json").read_text())["arms"][0]["arm"] == "tied"
+
+
+def test_finished_arms_are_reused_and_reported_again(all_arms):
+    out, _ = all_arms
+    record = out / "arms" / "tied.json"
+    before = record.stat().st_mtime_ns
+    os.remove(out / "results.md")
+    results = recipe.main(["--output_dir", str(out), "--arm", "tied", *SHORT])  # already finished: not retrained
+    assert record.stat().st_mtime_ns == before and len(results["arms"]) == 4
+    assert (out / "results.md").exists()
+    assert len(recipe.main(["--output_dir", str(out), "--report_only"])["arms"]) == 4
+
+
+def test_causal_variant_on_local_text_files(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(f"the man and the dog went to the hill number {i} ." for i in range(600)))
+    out = tmp_path / "clm"
+    results = recipe.main(["--output_dir", str(out), "--objective", "clm", "--arm", "tied,scheduled", "--twins", "dh",
+                           "--data_files", str(text), "--max_length", "32", *SHORT])  # fmt: skip
+    arms = {a["arm"]: a for a in results["arms"]}
+    assert set(arms) == {"tied", "scheduled"} and arms["scheduled"]["untie_step"] == 4
+    assert arms["tied"]["dataset"] == "local" and arms["tied"]["objective"] == "clm"
+    assert set(arms["tied"]["distances"]["input"]) == {"twin-dh", "random"}
+    assert 0 <= arms["scheduled"]["accuracy"] <= 1
+
+
+def test_bad_arguments_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match="--arm"):
+        recipe.main(["--output_dir", str(tmp_path), "--arm", "tied,sometimes"])
+    with pytest.raises(ValueError, match="--objective"):
+        recipe.main(["--output_dir", str(tmp_path), "--objective", "seq2seq"])
+    with pytest.raises(ValueError, match="--max_steps"):
+        recipe.main(["--output_dir", str(tmp_path), "--streaming", "--max_steps", "-1"])
+    with pytest.raises(FileNotFoundError, match="No finished arms"):
+        recipe.main(["--output_dir", str(tmp_path / "empty"), "--report_only"])
+
+
+def test_scheduled_arm_under_two_process_ddp(tmp_path):
+    """torchrun on CPU (gloo): both ranks untie at the same step and end with identical weights."""
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    worker = Path(__file__).with_name("bookcorpus_ddp_run.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           str(worker), str(tmp_path)]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert rank0["distributed_type"] == "MULTI_CPU"
+    assert rank0["untie_step"] == rank1["untie_step"] == 4
+    assert not rank0["tied"] and not rank1["tied"]
+    assert not torch.equal(rank0["input"], rank0["output"])  # the head trained on its own after the untie
+    assert rank0["params"].keys() == rank1["params"].keys()
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
