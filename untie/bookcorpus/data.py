@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, load_dataset
+from datasets import Dataset, DatasetDict, IterableDatasetDict, load_dataset
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, PreTrainedTokenizerBase
 
 #: The 100 most common English words (Oxford English Corpus ranking), the paper's hard-coded list.
@@ -289,6 +289,3 @@ def tokenize_corpus(
         kwargs.update(num_proc=num_proc, desc=f"Tokenizing ({objective})")
     return corpus.map(encode, **kwargs)
 
-
-def is_streaming(dataset: Dataset | IterableDataset) -> bool:
-    return isinstance(dataset, IterableDataset)
