@@ -11,12 +11,13 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 
+from untie.adapters import check_peft_run, is_peft_model
 from untie.checkpoint import install_resume_guard, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, UntieConfig
 from untie.distributed import broadcast_decision, refuse_unsupported_engines, sync_grads_across_ranks
 from untie.metrics import drift_metrics, role_signals
 from untie.probe import RoleGradientProbe
-from untie.surgery import is_tied, tie_embeddings, untie_embeddings, was_untied
+from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
 from untie.triggers import DivergenceTrigger, ScheduledTrigger
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,12 @@ class UntieCallback(TrainerCallback, ExportableState):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         refuse_unsupported_engines(args)
         _run_first(self)
+        if is_peft_model(model):
+            # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
+            keep_untied = was_untied(model) or self.config.untie_at == 0
+            check_peft_run(model, tied=is_tied(model), untie_recorded=untie_recorded(model), keep_untied=keep_untied)
+            self._mark_untied(state.global_step, "start")
+            return
         install_resume_guard(model)
         if was_untied(model) or self.config.untie_at == 0:
             # A checkpoint this library untied (re-tied on reload for T5/BART at equal values) or an untie at step 0:

@@ -192,7 +192,8 @@ def knn_overlap(
 ) -> float:
     """Mean Jaccard overlap of each sampled token's k nearest neighbours (cosine) in two spaces over one vocabulary.
 
-    1 when both spaces give every token the same neighbours, about k / pool for unrelated spaces. ``queries``
+    1 when both spaces give every token the same neighbours, `knn_overlap_chance(k, pool)` (about k / (2 pool))
+    for unrelated spaces. ``queries``
     tokens are sampled, and their neighbours searched among ``pool`` sampled tokens (None: all), in chunks of
     ``chunk`` queries, so the cost is 2 * queries * pool * d multiply-adds per space.
     """
@@ -209,6 +210,15 @@ def knn_overlap(
         b = _neighbours(second.detach().to(first.device), query_rows, pool_rows, k, chunk)
     shared = (a.unsqueeze(2) == b.unsqueeze(1)).any(dim=2).sum(dim=1).float()
     return float((shared / (2 * k - shared)).mean())
+
+
+def knn_overlap_chance(k: int, pool: int) -> float:
+    """Expected `knn_overlap` of two unrelated spaces: the mean Jaccard of two random k-subsets of pool - 1 tokens."""
+    n = pool - 1
+    if not 0 < k <= n:
+        raise ValueError(f"knn_overlap_chance: need 0 < k < pool, got k={k}, pool={pool}")
+    total = math.comb(n, k)
+    return sum(math.comb(k, s) * math.comb(n - k, k - s) / total * s / (2 * k - s) for s in range(k + 1))
 
 
 def linear_cka(first: torch.Tensor, second: torch.Tensor, rows: int | None = 4096, seed: int = 0) -> float:

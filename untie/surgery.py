@@ -14,6 +14,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from untie.adapters import refuse_peft_surgery
+
 logger = logging.getLogger(__name__)
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
@@ -213,6 +215,11 @@ def was_untied(model: nn.Module) -> bool:
     return any(getattr(c, UNTIED_MARKER, False) for c in _configs(model))
 
 
+def untie_recorded(model: nn.Module) -> bool:
+    """True when the config says the head is untied: this library's marker, or `tie_word_embeddings=False`."""
+    return was_untied(model) or any(getattr(c, "tie_word_embeddings", None) is False for c in _configs(model))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Public surgery
 # ---------------------------------------------------------------------------------------------------------------
@@ -235,6 +242,7 @@ def untie_embeddings(
     """
     if optimizer_state not in _STATE_INITS:
         raise ValueError(f"optimizer_state={optimizer_state!r} is not one of {_STATE_INITS}.")
+    refuse_peft_surgery(model, "untie")
     layout = embedding_layout(model)
     if not is_tied(model):
         if not was_untied(model):
@@ -282,6 +290,7 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
     """
     if init not in _TIE_INITS:
         raise ValueError(f"init={init!r} is not one of {_TIE_INITS}: choose which matrix the tied weight starts from.")
+    refuse_peft_surgery(model, "tie")
     layout = embedding_layout(model)
     if is_tied(model):
         warnings.warn(f"{type(model).__name__} is already tied; tie_embeddings() did nothing.", stacklevel=2)

@@ -1,0 +1,131 @@
+"""PEFT: untie the base model before wrapping it works end to end; every other tie/untie under PEFT is refused early."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+
+import untie
+from untie.adapters import PeftUnsupported
+from untie.testing import ToyLMDataset, tiny_model
+
+peft = pytest.importorskip("peft")  # in the `test` extra: installed wherever the suite runs
+LoraConfig, get_peft_model, PeftModel = peft.LoraConfig, peft.get_peft_model, peft.PeftModel
+
+LORA = dict(target_modules=["c_attn"], r=4, lora_alpha=8, lora_dropout=0.0)
+
+
+def _trainer(model, make_args, **callback):
+    return tf.Trainer(
+        model=model,
+        args=make_args(max_steps=6, learning_rate=1e-2),
+        train_dataset=ToyLMDataset(),
+        callbacks=[untie.UntieCallback(**callback)],
+    )
+
+
+def _wrap(base, **config):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's own warnings about tied layers are what these tests are about
+        return get_peft_model(base, LoraConfig(**{**LORA, **config}))
+
+
+def test_untie_before_wrapping_trains_saves_merges_and_reloads(make_args, tmp_path):
+    tiny_model("gpt2").save_pretrained(tmp_path / "pretrained")  # "an existing tied checkpoint"
+    base = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained")
+    embedding_before = base.transformer.wte.weight.detach().clone()
+    untie.untie_embeddings(base)
+    model = _wrap(base, modules_to_save=["lm_head"])
+    trainer = _trainer(model, make_args, untie_at=0)
+    trainer.train()
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
+    assert callback.untied and callback.untie_step == 0 and callback.untie_reason == "start"
+    trained_head = model.base_model.model.lm_head.modules_to_save["default"].weight.detach().clone()
+    assert not torch.equal(trained_head, embedding_before), "the untied head did not train"
+    assert torch.equal(base.transformer.wte.weight, embedding_before), "the frozen embedding moved"
+    model.save_pretrained(tmp_path / "adapter")
+
+    # Load the adapter onto a fresh base untied the same way, merge, save, reload with plain from_pretrained.
+    fresh = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "pretrained")
+    untie.untie_embeddings(fresh)
+    merged = PeftModel.from_pretrained(fresh, tmp_path / "adapter").merge_and_unload()
+    assert torch.equal(merged.lm_head.weight, trained_head)
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "merged")
+    assert not untie.is_tied(reloaded)
+    reloaded.tie_weights()
+    reloaded.resize_token_embeddings(reloaded.config.vocab_size + 4, mean_resizing=False)
+    assert torch.equal(reloaded.lm_head.weight[: trained_head.shape[0]], trained_head)
+    assert torch.equal(reloaded.transformer.wte.weight[: trained_head.shape[0]], embedding_before)
+
+
+def test_merged_onto_a_tied_base_keeps_the_trained_head(make_args, tmp_path):
+    """The peft#2777 trap: an adapter's head merged onto a base whose config says tied.
+
+    peft >= 0.21 clears `tie_word_embeddings` after such a merge; `untie.untie_embeddings(merged)` records the untie
+    either way (nothing is copied), so the reload keeps the trained head through tie_weights().
+    """
+    base = tiny_model("gpt2")
+    untie.untie_embeddings(base)
+    model = _wrap(base, modules_to_save=["lm_head"])
+    _trainer(model, make_args, untie_at=0).train()
+    trained_head = model.base_model.model.lm_head.modules_to_save["default"].weight.detach().clone()
+    model.save_pretrained(tmp_path / "adapter")
+
+    tied_base = tiny_model("gpt2")  # forgot to untie: the config says tied
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        merged = PeftModel.from_pretrained(tied_base, tmp_path / "adapter").merge_and_unload()
+    assert torch.equal(merged.lm_head.weight, trained_head) and not untie.is_tied(merged)
+    with pytest.warns(UserWarning, match="already untied"):
+        untie.untie_embeddings(merged)  # records the untie in the config; nothing is copied
+    assert merged.config.tie_word_embeddings is False and untie.was_untied(merged)
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "merged")
+    reloaded.tie_weights()
+    assert not untie.is_tied(reloaded) and torch.equal(reloaded.lm_head.weight, trained_head)
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (dict(), "cannot untie a PEFT model during training"),  # LoRA only: both matrices frozen and shared
+        (dict(modules_to_save=["lm_head"], ensure_weight_tying=True), "cannot untie a PEFT model"),
+        (dict(target_modules=["c_attn", "lm_head"], ensure_weight_tying=True), "cannot untie a PEFT model"),
+        (dict(modules_to_save=["lm_head"]), "PEFT has given the input embedding and the LM head separate"),
+        # peft 0.21 wraps only the embedding here, so the head stays the frozen original: untied as well
+        (dict(modules_to_save=["transformer.wte"], ensure_weight_tying=True), "separate parameters"),
+    ],
+)
+def test_callback_refuses_peft_cases_when_the_trainer_is_built(config, match, make_args):
+    model = _wrap(tiny_model("gpt2"), **config)
+    with pytest.raises(PeftUnsupported, match=match) as error:
+        _trainer(model, make_args)
+    assert "untie.untie_embeddings(base_model)" in str(error.value)
+
+
+def test_callback_refuses_to_tie_an_untied_peft_model(make_args):
+    config = tiny_model("gpt2").config
+    config.tie_word_embeddings = False  # an untied checkpoint (Pythia-like), not untied by this library
+    model = _wrap(tf.GPT2LMHeadModel(config), modules_to_save=["lm_head"])
+    with pytest.raises(PeftUnsupported, match="untie_at=0"):
+        _trainer(model, make_args, untie_at=0.5)
+    _trainer(model, make_args, untie_at=0).train()  # kept untied: accepted
+
+
+def test_untie_and_tie_refuse_peft_models_and_transformers_adapters():
+    wrapped = _wrap(tiny_model("gpt2"))
+    with pytest.raises(PeftUnsupported, match="before wrapping"):
+        untie.untie_embeddings(wrapped)
+    with pytest.raises(PeftUnsupported, match="Tie the base model before wrapping"):
+        untie.tie_embeddings(wrapped)
+    with_adapter = tiny_model("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with_adapter.add_adapter(LoraConfig(**LORA))
+    with pytest.raises(PeftUnsupported):
+        untie.untie_embeddings(with_adapter)
+    assert untie.is_tied(with_adapter), "a refused call must leave the model as it was"

@@ -1,0 +1,185 @@
+"""The `untie` command line: `untie inspect` a checkpoint's tying and drift, `untie convert` it tied <-> untied."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from untie.loading import HEADS, CheckpointError
+
+EXIT_CODES = {
+    0: "success",
+    1: "unexpected error (a bug, or a failure inside transformers: the traceback says which)",
+    2: "bad command line (argparse), or a bad value such as an unknown token in --pairs",
+    3: "checkpoint not found: no such folder, no config.json, or the hub could not provide it",
+    4: "the model has no input embedding or LM head to tie or untie (try --head)",
+    5: "convert wrote the checkpoint but it did not reload in the requested state",
+}
+
+_DESCRIPTION = """\
+Tie or untie the input embedding and the LM head of a Hugging Face checkpoint, and see what a checkpoint is.
+
+A tied model uses one matrix both to read tokens (input embedding) and to predict them (LM head). Bertolotti &
+Cazzola (ICML 2024) show that the two roles want different geometry: inputs group tokens that are swappable,
+outputs group tokens that are equally likely next. `untie inspect` tells you which case a checkpoint is in and,
+for an untied one, how far the two spaces have drifted apart. `untie convert` writes a tied checkpoint untied (or
+an untied one tied), so that plain from_pretrained loads it in the new state.
+"""
+
+_EPILOG = """\
+examples:
+  untie inspect openai-community/gpt2
+  untie inspect ./my-untied-model --pairs king:queen 464:262 --json
+  untie inspect sentence-transformers/all-MiniLM-L6-v2 --head masked-lm
+  untie convert ./gpt2-tied ./gpt2-untied --untie
+  untie convert EleutherAI/pythia-160m ./pythia-tied --tie --init mean
+
+exit codes:
+""" + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `untie` (shared by the entry point and `python -m untie`)."""
+    parser = argparse.ArgumentParser(
+        prog="untie", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert}")
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="is a checkpoint tied; which parameters; how far its untied spaces have drifted",
+        description="Report whether a checkpoint loads tied, its embedding parameters and config flags, and, if it "
+        "is untied, how far the input and output spaces have drifted apart (nearest-neighbour overlap and linear "
+        "CKA on sampled tokens, each with its chance level; distances of the token pairs you give). Only the two "
+        "embedding tensors are read, so it is fast on any model size.",
+    )
+    _source(inspect)
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument(
+        "--pairs",
+        nargs="+",
+        default=[],
+        metavar="A:B",
+        help="token pairs to measure in both spaces: ids (464:262) or single tokens of the checkpoint's tokenizer "
+        "(king:queen)",
+    )
+    inspect.add_argument("--queries", type=int, default=512, help="tokens whose neighbours are compared (default 512)")
+    inspect.add_argument("--pool", type=int, default=8192, help="tokens the neighbours are searched among (8192)")
+    inspect.add_argument("--rows", type=int, default=2048, help="tokens linear CKA is computed on (default 2048)")
+    inspect.add_argument("--k", type=int, default=10, help="neighbours per token (default 10)")
+    inspect.add_argument("--seed", type=int, default=0, help="seed of the token samples (default 0)")
+
+    convert = commands.add_parser(
+        "convert",
+        help="write a checkpoint untied (--untie) or tied (--tie)",
+        description="Load SOURCE, untie or tie its LM head, and write OUT: safetensors, config and the tokenizer "
+        "files. OUT is then reloaded with plain from_pretrained and checked to be in the new state, also after "
+        "tie_weights() and resize_token_embeddings(). --untie gives the head an exact copy of the shared matrix; "
+        "--tie keeps one matrix, chosen by --init.",
+    )
+    _source(convert)
+    convert.add_argument("output_dir", metavar="OUT", help="folder to write (new, or empty, or with --overwrite)")
+    mode = convert.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--untie", action="store_true", help="give the LM head its own copy of the shared matrix")
+    mode.add_argument("--tie", action="store_true", help="make the LM head share the input embedding")
+    convert.add_argument(
+        "--init",
+        choices=["input", "output", "mean"],
+        default="input",
+        help="with --tie: the shared matrix starts as the input embedding (default), the head, or their mean",
+    )
+    convert.add_argument("--overwrite", action="store_true", help="write into a non-empty OUT")
+    convert.add_argument("--no-verify", action="store_true", help="skip the reload checks (saves one load)")
+    convert.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return parser
+
+
+def _source(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="SOURCE", help="checkpoint folder or hub id")
+    parser.add_argument(
+        "--head",
+        choices=["auto", *HEADS],
+        default="auto",
+        help="class to load SOURCE with: auto (the config's architecture) or an LM head, needed for checkpoints "
+        "saved without one (a sentence-transformers BertModel: --head masked-lm)",
+    )
+    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `untie ...`; returns the exit code (see EXIT_CODES)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "inspect":
+            return _inspect(args, parser)
+        if args.command == "convert" and args.init != "input" and not args.tie:
+            parser.error("--init only applies with --tie")
+        return _convert(args)
+    except CheckpointError as error:
+        print(f"untie {args.command}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except (ValueError, FileExistsError) as error:
+        print(f"untie {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from untie.inspection import describe, format_report
+
+    pairs = []
+    for item in args.pairs:
+        parts = item.split(":")
+        if len(parts) != 2 or not all(parts):
+            parser.error(f"--pairs {item!r}: write each pair as A:B (token ids or tokens), e.g. 464:262 or king:queen")
+        pairs.append(tuple(parts))
+    report = describe(
+        args.source,
+        head=args.head,
+        pairs=pairs,
+        revision=args.revision,
+        seed=args.seed,
+        queries=args.queries,
+        pool=args.pool,
+        rows=args.rows,
+        k=args.k,
+    )
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from untie.conversion import convert_checkpoint
+
+    summary = convert_checkpoint(
+        args.source,
+        args.output_dir,
+        untie=args.untie,
+        init=args.init,
+        head=args.head,
+        revision=args.revision,
+        overwrite=args.overwrite,
+        verify=not args.no_verify,
+    )
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(
+        f"{summary['source']} ({summary['model_class']}, {summary['before']}) -> {summary['output_dir']} "
+        f"({summary['after']}{', init ' + summary['init'] if summary['init'] else ''})"
+    )
+    if summary["copied_files"]:
+        print(f"  copied: {', '.join(summary['copied_files'])}")
+    for check in summary["checks"]:
+        print(f"  ok: {check}")
+    for note in summary["notes"]:
+        print(f"  note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

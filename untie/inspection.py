@@ -1,0 +1,270 @@
+"""Describe a checkpoint's embedding tying, and how far its untied input and output spaces have drifted apart.
+
+`describe()` answers what `from_pretrained` would give (tied or untied, which parameters, config flags) from the
+config and the two embedding tensors alone, falling back to a full load only when the tensors cannot be found by
+name. For untied checkpoints it measures, on sampled tokens, whether the input and the output spaces agree: the
+distributional hypothesis holds for a model whose two spaces have the same neighbourhoods.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from untie.loading import Checkpoint, open_checkpoint, read_tensor, stored_keys, stored_name
+from untie.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances
+from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied
+
+#: Default sample sizes: about a second per measure on 2 CPU cores at 256k x 4096.
+SAMPLE = {"queries": 512, "pool": 8192, "rows": 2048, "k": 10}
+
+
+def describe(
+    source: str | os.PathLike,
+    *,
+    head: str = "auto",
+    pairs: Sequence[tuple[int | str, int | str]] = (),
+    revision: str | None = None,
+    seed: int = 0,
+    **sample: int,
+) -> dict[str, Any]:
+    """A JSON-ready report on checkpoint `source` (folder or hub id): tying, names, shapes, flags, drift if untied.
+
+    `pairs` are token pairs (ids, or tokens the checkpoint's tokenizer maps to one id each) whose distances are
+    reported in both spaces. `sample` overrides `SAMPLE` (queries, pool, rows, k).
+    """
+    unknown = set(sample) - set(SAMPLE)
+    if unknown:
+        raise TypeError(f"describe() got unknown sample sizes {sorted(unknown)}; choose among {sorted(SAMPLE)}.")
+    sample = {**SAMPLE, **sample}
+    started = time.perf_counter()
+    checkpoint = open_checkpoint(source, head=head, revision=revision)
+    model = checkpoint.empty_model()
+    layout = embedding_layout(model)
+    declared_tied = is_tied(model)
+    tensors = _read_embeddings(checkpoint, model, layout)
+    loaded = "embeddings only"
+    if tensors is None:
+        tensors = _load_embeddings(checkpoint)
+        loaded = "full model"
+    input_weight, output_weight, head_stored, bias_stored = tensors
+    tied = output_weight is None
+    config = checkpoint.config
+    report: dict[str, Any] = {
+        "source": os.fspath(source),
+        "model_class": checkpoint.model_class.__name__,
+        "model_type": config.model_type,
+        "tied": tied,
+        "status": "",
+        "input_embedding": _entry(layout.input_weight, input_weight),
+        "output_embedding": _entry(layout.output_weight, input_weight if tied else output_weight),
+        "output_bias": None,
+        "head_stored": head_stored,
+        "config": {
+            "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+            UNTIED_MARKER: bool(getattr(config, UNTIED_MARKER, False)),
+            "vocab_size": getattr(config, "vocab_size", None),
+        },
+        "notes": [],
+        "loaded": loaded,
+    }
+    if layout.output_bias is not None:
+        report["output_bias"] = {"name": layout.output_bias, "tied_to": list(layout.bias_aliases) or None}
+        if not bias_stored:
+            report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
+    report["status"] = _status(report, declared_tied, head_stored)
+    report["notes"][:0] = _notes(report, declared_tied)
+    read = time.perf_counter()
+    if not tied:
+        report["drift"] = drift_report(input_weight, output_weight, _token_ids(checkpoint, pairs), seed=seed, **sample)
+    report["seconds"] = {"read": round(read - started, 3), "drift": round(time.perf_counter() - read, 3)}
+    return report
+
+
+def drift_report(
+    input_weight: torch.Tensor,
+    output_weight: torch.Tensor,
+    pairs: Sequence[tuple[int, int]] = (),
+    *,
+    seed: int = 0,
+    queries: int = SAMPLE["queries"],
+    pool: int = SAMPLE["pool"],
+    rows: int = SAMPLE["rows"],
+    k: int = SAMPLE["k"],
+) -> dict[str, Any]:
+    """Neighbour overlap and linear CKA between the two spaces, each with its chance level, and pair distances.
+
+    The chance levels make the numbers readable: `knn_overlap_chance` is the overlap of unrelated spaces, and the
+    CKA of the input space against the output space with its rows shuffled is what CKA gives without token order.
+    """
+    vocab = input_weight.shape[0]
+    k = min(k, max(1, min(pool, vocab) // 2))
+    shuffled = output_weight[torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))]
+    report = {
+        "knn_overlap": knn_overlap(input_weight, output_weight, k=k, queries=queries, pool=pool, seed=seed),
+        "knn_overlap_chance": knn_overlap_chance(k, min(pool, vocab)),
+        "cka": linear_cka(input_weight, output_weight, rows=rows, seed=seed),
+        "cka_shuffled": linear_cka(input_weight, shuffled, rows=rows, seed=seed),
+        "sample": {"queries": min(queries, vocab), "pool": min(pool, vocab), "rows": min(rows, vocab), "k": k},
+    }
+    if pairs:
+        inputs, outputs = pair_distances(input_weight, pairs), pair_distances(output_weight, pairs)
+        report["pairs"] = {key: {"input": inputs[key], "output": outputs[key]} for key in inputs}
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading the embeddings
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _read_embeddings(checkpoint: Checkpoint, model, layout):
+    """(input, output or None if tied, head stored?, bias stored?) from the safetensors files; None if not found."""
+    keys = stored_keys(checkpoint)
+    if keys is None:
+        return None
+    input_key = stored_name(model, layout.input_weight, keys)
+    if input_key is None:
+        return None
+    output_key = stored_name(model, layout.output_weight, keys)
+    bias_stored = layout.output_bias is None or any(
+        stored_name(model, name, keys) is not None for name in (layout.output_bias, *layout.bias_aliases)
+    )
+    input_weight = read_tensor(checkpoint, input_key, keys)
+    if output_key is None:
+        if not is_tied(model):
+            return None  # a renamed head key (or a truly missing one): let from_pretrained decide
+        return input_weight, None, False, bias_stored
+    output_weight = read_tensor(checkpoint, output_key, keys)
+    # from_pretrained's rule: a declared tie holds when both tensors are stored only if they are equal.
+    if is_tied(model) and output_weight.shape == input_weight.shape and torch.equal(output_weight, input_weight):
+        return input_weight, None, True, bias_stored
+    return input_weight, output_weight, True, bias_stored
+
+
+def _load_embeddings(checkpoint: Checkpoint):
+    model, info = checkpoint.model_class.from_pretrained(
+        checkpoint.source, revision=checkpoint.revision, dtype="auto", output_loading_info=True
+    )
+    layout = embedding_layout(model)
+    missing = set(info.get("missing_keys", ()))
+    input_weight = model.get_input_embeddings().weight.detach()
+    output_weight = None if is_tied(model) else model.get_output_embeddings().weight.detach()
+    return input_weight, output_weight, layout.output_weight not in missing, layout.output_bias not in missing
+
+
+def _entry(name: str, weight: torch.Tensor) -> dict[str, Any]:
+    return {"name": name, "shape": list(weight.shape), "dtype": str(weight.dtype).removeprefix("torch.")}
+
+
+def _status(report: dict, declared_tied: bool, head_stored: bool) -> str:
+    if report["tied"]:
+        return "tied"
+    if not head_stored:
+        return "head-missing"
+    if declared_tied:
+        return "untied-fragile"
+    return "untied"
+
+
+def _notes(report: dict, declared_tied: bool) -> list[str]:
+    status, name = report["status"], report["output_embedding"]["name"]
+    if status == "tied":
+        notes = [f"{name} is the input embedding's parameter: one matrix serves both roles."]
+        if report["config"][UNTIED_MARKER]:
+            notes.append(
+                "the config says this library untied it, but the stored head still equals the embedding, so "
+                "from_pretrained re-ties them (T5/BART keep tie_word_embeddings=True); untie.untie_embeddings(model) "
+                "after loading restores the untie."
+            )
+        return notes
+    if status == "head-missing":
+        return [
+            f"{name} is not stored and the config does not tie it: from_pretrained initialises the head randomly. "
+            "Load with tie_word_embeddings=True, or convert with `untie convert --tie`."
+        ]
+    if status == "untied-fragile":
+        if report["config"][UNTIED_MARKER]:  # untied by this library where the flag cannot be cleared (T5, BART)
+            fix = "call untie.untie_embeddings(model) right after loading (the flag also ties encoder and decoder)"
+        else:
+            fix = "run `untie convert PATH OUT --untie` once, or call untie.untie_embeddings(model) after loading"
+        return [
+            f"{name} is stored apart and differs, so from_pretrained loads it untied, but the config still declares "
+            f"the tie: a later tie_weights() or resize_token_embeddings() silently overwrites the head; {fix}."
+        ]
+    return [f"{name} is its own parameter; the config does not tie it, so it stays untied through reloads."]
+
+
+def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | str]]) -> list[tuple[int, int]]:
+    """Token pairs as ids: integers as they are, strings through the checkpoint's tokenizer (one token each)."""
+    if not pairs:
+        return []
+    tokenizer = None
+    ids = []
+    for pair in pairs:
+        resolved = []
+        for token in pair:
+            if isinstance(token, int) or (isinstance(token, str) and token.isdigit()):
+                resolved.append(int(token))
+                continue
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                try:
+                    tokenizer = AutoTokenizer.from_pretrained(checkpoint.source, revision=checkpoint.revision)
+                except (OSError, ValueError) as error:
+                    raise ValueError(
+                        f"{checkpoint.source} has no tokenizer to look up {token!r}; pass token ids instead."
+                    ) from error
+            pieces = tokenizer(token, add_special_tokens=False)["input_ids"]
+            if len(pieces) != 1:
+                raise ValueError(
+                    f"{token!r} is {len(pieces)} tokens for this tokenizer "
+                    f"({tokenizer.convert_ids_to_tokens(pieces)}); a pair needs single tokens. "
+                    "Pass token ids, or a word the vocabulary holds whole."
+                )
+            resolved.append(pieces[0])
+        ids.append(tuple(resolved))
+    vocab = checkpoint.config.get_text_config().vocab_size if hasattr(checkpoint.config, "get_text_config") else None
+    for pair in ids:
+        if vocab is not None and any(not 0 <= i < vocab for i in pair):
+            raise ValueError(f"token pair {pair} is outside the vocabulary (0 .. {vocab - 1}).")
+    return ids
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a few readable lines (what `untie inspect` prints without --json)."""
+    inp, out = report["input_embedding"], report["output_embedding"]
+    lines = [
+        f"{report['source']}  ({report['model_class']}, model_type {report['model_type']})",
+        f"  status:            {report['status']}",
+        f"  input embedding:   {inp['name']}  {tuple(inp['shape'])}  {inp['dtype']}",
+        f"  output embedding:  {out['name']}  {tuple(out['shape'])}  {out['dtype']}"
+        + ("  (shared with the input embedding)" if report["tied"] else ""),
+    ]
+    bias = report["output_bias"]
+    if bias is not None:
+        tied_to = f"  (tied to {', '.join(bias['tied_to'])})" if bias["tied_to"] else ""
+        lines.append(f"  output bias:       {bias['name']}{tied_to}")
+    flags = ", ".join(f"{k}={v}" for k, v in report["config"].items())
+    lines.append(f"  config:            {flags}")
+    drift = report.get("drift")
+    if drift is not None:
+        s = drift["sample"]
+        lines += [
+            f"  drift (sampled: {s['queries']} queries among {s['pool']} tokens, k={s['k']}; CKA on {s['rows']} rows):",
+            f"    neighbour overlap: {drift['knn_overlap']:.4f}  (chance {drift['knn_overlap_chance']:.4f}, "
+            "identical spaces 1)",
+            f"    linear CKA:        {drift['cka']:.4f}  (rows shuffled {drift['cka_shuffled']:.4f}, identical 1)",
+        ]
+        for key, d in drift.get("pairs", {}).items():
+            lines.append(f"    pair {key}:  input distance {d['input']:.4f}, output distance {d['output']:.4f}")
+    for note in report["notes"]:
+        lines.append(f"  note: {note}")
+    seconds = report["seconds"]
+    lines.append(f"  ({report['loaded']} read in {seconds['read']:.2f} s, drift {seconds['drift']:.2f} s)")
+    return "\n".join(lines)

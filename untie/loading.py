@@ -1,0 +1,172 @@
+"""Open a checkpoint (a folder or a hub id) for inspection or conversion: config, LM-head class, single tensors.
+
+Reading only the two embedding tensors from the safetensors files, on a model built on the meta device, is what
+keeps `untie inspect` fast on a 256k-vocabulary checkpoint: nothing else is loaded or allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import transformers as tf
+from torch import nn
+
+#: `--head` choices: the Auto class used to load a checkpoint with a language-modeling head.
+HEADS = {
+    "causal-lm": tf.AutoModelForCausalLM,
+    "masked-lm": tf.AutoModelForMaskedLM,
+    "seq2seq-lm": tf.AutoModelForSeq2SeqLM,
+}
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+class CheckpointError(Exception):
+    """A checkpoint the command line cannot use; `exit_code` is what `untie` exits with."""
+
+    exit_code = 1
+
+
+class CheckpointNotFound(CheckpointError):
+    exit_code = 3
+
+
+class NoEmbeddings(CheckpointError):
+    """The model has no LM head (or no input embedding) to tie or untie."""
+
+    exit_code = 4
+
+
+@dataclass
+class Checkpoint:
+    """A resolved checkpoint: where it is, its config, and the class that loads it with its LM head."""
+
+    source: str
+    config: tf.PretrainedConfig
+    model_class: type[tf.PreTrainedModel]
+    revision: str | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return os.path.isdir(self.source)
+
+    def file(self, name: str) -> str | None:
+        """Local path of one file of the checkpoint (downloaded for hub ids), or None if it has no such file."""
+        if self.is_local:
+            path = os.path.join(self.source, name)
+            return path if os.path.isfile(path) else None
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            return hf_hub_download(self.source, name, revision=self.revision)
+        except EntryNotFoundError:
+            return None
+
+    def empty_model(self) -> tf.PreTrainedModel:
+        """The model on the meta device: names, shapes and declared ties, with no memory and no weights."""
+        with torch.device("meta"):
+            return self.model_class._from_config(self.config)
+
+    def load(self) -> tf.PreTrainedModel:
+        """The model with its weights, as plain `from_pretrained` gives it (stored dtype)."""
+        return self.model_class.from_pretrained(self.source, revision=self.revision, dtype="auto")
+
+
+def open_checkpoint(source: str | os.PathLike, head: str = "auto", revision: str | None = None) -> Checkpoint:
+    """Resolve `source` and pick its LM-head class: the config's architecture (`head="auto"`) or an Auto class."""
+    source = os.fspath(source)
+    if head != "auto" and head not in HEADS:
+        raise ValueError(f"head={head!r} is not one of auto, {', '.join(HEADS)}.")
+    config = _config(source, revision)
+    model_class = _model_class(source, config, head)
+    checkpoint = Checkpoint(source, config, model_class, revision)
+    model = checkpoint.empty_model()
+    if model.get_output_embeddings() is None or model.get_input_embeddings() is None:
+        raise NoEmbeddings(
+            f"{source}: {model_class.__name__} has no LM head (get_output_embeddings() is None), so nothing is tied "
+            f"or untied. Load it with a head, e.g. `--head masked-lm` (encoders) or `--head causal-lm` (decoders): "
+            "the new head starts tied to the input embedding, as fine-tuning it would."
+        )
+    return checkpoint
+
+
+def _config(source: str, revision: str | None) -> tf.PretrainedConfig:
+    if os.path.isdir(source):
+        if not os.path.isfile(os.path.join(source, "config.json")):
+            raise CheckpointNotFound(
+                f"{source} has no config.json: pass the folder that save_pretrained() or a Trainer checkpoint wrote."
+            )
+    elif os.path.exists(source):
+        raise CheckpointNotFound(f"{source} is a file; pass the checkpoint folder that contains it.")
+    elif not _HUB_ID.match(source):
+        raise CheckpointNotFound(f"{source}: no such folder (and not a hub id such as `openai-community/gpt2`).")
+    try:
+        return tf.AutoConfig.from_pretrained(source, revision=revision)
+    except (OSError, ValueError) as error:
+        raise CheckpointNotFound(
+            f"{source}: no such folder, and the hub could not provide it ({type(error).__name__}: {error}). Check "
+            "the path; for a hub id, check the spelling, your network and `hf auth login` for gated models."
+        ) from error
+
+
+def _model_class(source: str, config: tf.PretrainedConfig, head: str) -> type[tf.PreTrainedModel]:
+    if head != "auto":
+        return _auto_class(source, config, head)
+    for name in config.architectures or []:
+        model_class = getattr(tf, name, None)
+        if model_class is not None:
+            return model_class
+    for name in HEADS:  # no usable architecture recorded: the first LM head the config type supports
+        try:
+            return _auto_class(source, config, name)
+        except NoEmbeddings:
+            continue
+    raise NoEmbeddings(f"{source}: no language-modeling head class supports model type {config.model_type!r}.")
+
+
+def _auto_class(source: str, config: tf.PretrainedConfig, head: str) -> type[tf.PreTrainedModel]:
+    mapping = HEADS[head]._model_mapping
+    if type(config) not in mapping:
+        raise NoEmbeddings(f"{source}: model type {config.model_type!r} has no {head} head in transformers.")
+    return mapping[type(config)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Single tensors from safetensors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def stored_keys(checkpoint: Checkpoint) -> dict[str, str] | None:
+    """Every tensor name in the checkpoint's safetensors files, mapped to its file; None without safetensors."""
+    index = checkpoint.file(_INDEX)
+    if index is not None:
+        with open(index) as f:
+            return dict(json.load(f)["weight_map"])
+    single = checkpoint.file(_SINGLE)
+    if single is None:
+        return None
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return dict.fromkeys(f.keys(), _SINGLE)
+
+
+def stored_name(model: nn.Module, name: str, keys: dict[str, str]) -> str | None:
+    """The checkpoint key of parameter `name`: itself, or without/with the base-model prefix (`transformer.`)."""
+    prefix = f"{getattr(model, 'base_model_prefix', '')}."
+    candidates = [name, name[len(prefix) :] if name.startswith(prefix) else prefix + name]
+    return next((key for key in candidates if key in keys), None)
+
+
+def read_tensor(checkpoint: Checkpoint, key: str, keys: dict[str, str]) -> torch.Tensor:
+    """One tensor of the checkpoint, read without loading anything else."""
+    from safetensors import safe_open
+
+    with safe_open(checkpoint.file(keys[key]), framework="pt") as f:
+        return f.get_tensor(key)
