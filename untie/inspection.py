@@ -78,9 +78,14 @@ def describe(
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
     report["status"] = _status(report, declared_tied, head_stored)
     report["notes"][:0] = _notes(report, declared_tied)
+    token_pairs = _token_ids(checkpoint, pairs)
     read = time.perf_counter()
+    if token_pairs:  # tied: one space, so both distances are the same
+        inputs = pair_distances(input_weight, token_pairs)
+        outputs = inputs if tied else pair_distances(output_weight, token_pairs)
+        report["pairs"] = {key: {"input": inputs[key], "output": outputs[key]} for key in inputs}
     if not tied:
-        report["drift"] = drift_report(input_weight, output_weight, _token_ids(checkpoint, pairs), seed=seed, **sample)
+        report["drift"] = drift_report(input_weight, output_weight, seed=seed, **sample)
     report["seconds"] = {"read": round(read - started, 3), "drift": round(time.perf_counter() - read, 3)}
     return report
 
@@ -88,7 +93,6 @@ def describe(
 def drift_report(
     input_weight: torch.Tensor,
     output_weight: torch.Tensor,
-    pairs: Sequence[tuple[int, int]] = (),
     *,
     seed: int = 0,
     queries: int = SAMPLE["queries"],
@@ -96,7 +100,7 @@ def drift_report(
     rows: int = SAMPLE["rows"],
     k: int = SAMPLE["k"],
 ) -> dict[str, Any]:
-    """Neighbour overlap and linear CKA between the two spaces, each with its chance level, and pair distances.
+    """Neighbour overlap and linear CKA between the two untied spaces, each with its chance level.
 
     The chance levels make the numbers readable: `knn_overlap_chance` is the overlap of unrelated spaces, and the
     CKA of the input space against the output space with its rows shuffled is what CKA gives without token order.
@@ -111,9 +115,6 @@ def drift_report(
         "cka_shuffled": linear_cka(input_weight, shuffled, rows=rows, seed=seed),
         "sample": {"queries": min(queries, vocab), "pool": min(pool, vocab), "rows": min(rows, vocab), "k": k},
     }
-    if pairs:
-        inputs, outputs = pair_distances(input_weight, pairs), pair_distances(output_weight, pairs)
-        report["pairs"] = {key: {"input": inputs[key], "output": outputs[key]} for key in inputs}
     return report
 
 
@@ -261,8 +262,8 @@ def format_report(report: dict[str, Any]) -> str:
             "identical spaces 1)",
             f"    linear CKA:        {drift['cka']:.4f}  (rows shuffled {drift['cka_shuffled']:.4f}, identical 1)",
         ]
-        for key, d in drift.get("pairs", {}).items():
-            lines.append(f"    pair {key}:  input distance {d['input']:.4f}, output distance {d['output']:.4f}")
+    for key, d in report.get("pairs", {}).items():
+        lines.append(f"  pair {key}:  input distance {d['input']:.4f}, output distance {d['output']:.4f}")
     for note in report["notes"]:
         lines.append(f"  note: {note}")
     seconds = report["seconds"]
