@@ -50,7 +50,8 @@ def test_inspect_reports_a_tied_checkpoint(arch, tmp_path, capsys):
     layout = untie.embedding_layout(model)
     shared = model.get_input_embeddings().weight
     distance = torch.dist(shared[1], shared[2]).item()
-    assert report["pairs"]["1-2"] == pytest.approx({"input": distance, "output": distance}, rel=1e-6)
+    expected = {"ids": [1, 2], "input": pytest.approx(distance), "output": pytest.approx(distance)}
+    assert report["pairs"]["1-2"] == expected
     assert report["tied"] is True and report["status"] == "tied" and "drift" not in report
     assert report["input_embedding"]["name"] == layout.input_weight
     assert report["output_embedding"]["name"] == layout.output_weight

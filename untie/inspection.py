@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from untie.loading import Checkpoint, open_checkpoint, read_tensor, stored_keys, stored_name
-from untie.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances
+from untie.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances, pair_key
 from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied
 
 #: Default sample sizes: about a second per measure on 2 CPU cores at 256k x 4096.
@@ -80,10 +80,13 @@ def describe(
     report["notes"][:0] = _notes(report, declared_tied)
     token_pairs = _token_ids(checkpoint, pairs)
     read = time.perf_counter()
-    if token_pairs:  # tied: one space, so both distances are the same
+    if token_pairs:  # keyed as the user wrote them ("king-queen", "464-262"); tied: both distances are the same
         inputs = pair_distances(input_weight, token_pairs)
         outputs = inputs if tied else pair_distances(output_weight, token_pairs)
-        report["pairs"] = {key: {"input": inputs[key], "output": outputs[key]} for key in inputs}
+        report["pairs"] = {}
+        for given, ids in zip(pairs, token_pairs, strict=True):
+            key, label = pair_key(ids), "-".join(map(str, given))
+            report["pairs"][label] = {"ids": list(ids), "input": inputs[key], "output": outputs[key]}
     if not tied:
         report["drift"] = drift_report(input_weight, output_weight, seed=seed, **sample)
     report["seconds"] = {"read": round(read - started, 3), "drift": round(time.perf_counter() - read, 3)}
