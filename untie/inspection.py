@@ -110,13 +110,17 @@ def drift_report(
     """
     vocab = input_weight.shape[0]
     k = min(k, max(1, min(pool, vocab) // 2))
-    shuffled = output_weight[torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))]
+    # The shuffled baseline pairs each sampled input row with another token's output row (no V x d copy).
+    generator = torch.Generator().manual_seed(seed)
+    count = min(rows, vocab)
+    sample = torch.randperm(vocab, generator=generator)[:count]
+    other = torch.randperm(vocab, generator=generator)[:count]
     report = {
         "knn_overlap": knn_overlap(input_weight, output_weight, k=k, queries=queries, pool=pool, seed=seed),
         "knn_overlap_chance": knn_overlap_chance(k, min(pool, vocab)),
-        "cka": linear_cka(input_weight, output_weight, rows=rows, seed=seed),
-        "cka_shuffled": linear_cka(input_weight, shuffled, rows=rows, seed=seed),
-        "sample": {"queries": min(queries, vocab), "pool": min(pool, vocab), "rows": min(rows, vocab), "k": k},
+        "cka": linear_cka(input_weight[sample], output_weight[sample], rows=None),
+        "cka_shuffled": linear_cka(input_weight[sample], output_weight[other], rows=None),
+        "sample": {"queries": min(queries, vocab), "pool": min(pool, vocab), "rows": count, "k": k},
     }
     return report
 
