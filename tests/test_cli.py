@@ -250,3 +250,46 @@ def test_installed_entry_point_and_module_share_help_and_exit_codes():
         assert all(f"  {code}  " in result.stdout for code in EXIT_CODES)
     result = subprocess.run([sys.executable, "-m", "untie", "inspect", "/no/such/dir"], capture_output=True, text=True)
     assert result.returncode == 3 and "Traceback" not in result.stderr
+
+
+def _hub_cache(root, repo_id: str, source) -> dict:
+    """A Hugging Face cache holding `source`'s files as `repo_id` at main: the hub path, served offline."""
+    snapshot = root / f"models--{repo_id.replace('/', '--')}" / "snapshots" / "0123456789abcdef"
+    snapshot.mkdir(parents=True)
+    for path in source.iterdir():
+        (snapshot / path.name).write_bytes(path.read_bytes())
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123456789abcdef")
+    return {**os.environ, "HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"}
+
+
+def test_hub_ids_go_through_the_hub_and_fail_cleanly_offline(tmp_path):
+    _save_untied("gpt2", tmp_path / "model")
+    vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "miller", "wheel"])}
+    tf.BertTokenizer(vocab=vocab).save_pretrained(tmp_path / "model")
+    env = _hub_cache(tmp_path / "hub", "someone/tiny-gpt2", tmp_path / "model")
+    command = [sys.executable, "-m", "untie", "inspect", "someone/tiny-gpt2", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "untied" and report["loaded"] == "embeddings only"
+
+    result = subprocess.run([*command[:4], "someone/not-cached"], capture_output=True, text=True, env=env)
+    assert result.returncode == 3 and "the hub could not provide it" in result.stderr
+
+    out = tmp_path / "tied"
+    convert = [sys.executable, "-m", "untie", "convert", "someone/tiny-gpt2", str(out), "--tie"]
+    result = subprocess.run(convert, capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert untie.is_tied(tf.GPT2LMHeadModel.from_pretrained(out))
+    assert tf.AutoTokenizer.from_pretrained(out).get_vocab() == vocab  # the hub tokenizer is saved alongside
+
+
+def test_inspect_reads_sharded_checkpoints(tmp_path):
+    model = _save_untied("llama", tmp_path / "single")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="2KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    single, sharded = inspection.describe(tmp_path / "single"), inspection.describe(tmp_path / "sharded")
+    assert sharded["loaded"] == "embeddings only"
+    for key in ("tied", "status", "input_embedding", "output_embedding", "drift"):
+        assert single[key] == sharded[key], key
