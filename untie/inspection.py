@@ -77,7 +77,7 @@ def describe(
         if not bias_stored:
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
     report["status"] = _status(report, declared_tied, head_stored)
-    report["notes"][:0] = _notes(report, declared_tied)
+    report["notes"][:0] = _notes(report)
     token_pairs = _token_ids(checkpoint, pairs)
     read = time.perf_counter()
     if token_pairs:  # keyed as the user wrote them ("king-queen", "464-262"); tied: both distances are the same
@@ -179,7 +179,7 @@ def _status(report: dict, declared_tied: bool, head_stored: bool) -> str:
     return "untied"
 
 
-def _notes(report: dict, declared_tied: bool) -> list[str]:
+def _notes(report: dict) -> list[str]:
     status, name = report["status"], report["output_embedding"]["name"]
     if status == "tied":
         notes = [f"{name} is the input embedding's parameter: one matrix serves both roles."]
