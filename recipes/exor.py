@@ -188,6 +188,20 @@ class GeometryRecorder(tf.TrainerCallback):
             self.record(state.global_step, model)
 
 
+class ReleaseFinishedEpochs(tf.TrainerCallback):
+    """Work around an upstream slowdown of full-batch training (transformers 5.23 + accelerate 1.15).
+
+    Trainer stops reading an epoch after its last step instead of exhausting the iterator, so accelerate's
+    `DataLoaderShard` never reaches `end()`, and its `GradientState` keeps one more dataloader reference per epoch,
+    which it dereferences on every step. With one step per epoch (EXor) a 150k-step run slows from ~5 to ~15 ms per
+    step. accelerate PR #4248 (open) moves `end()` into a `finally`; until then, end the epoch here.
+    """
+
+    def on_epoch_end(self, args, state, control, train_dataloader=None, **kwargs):
+        if hasattr(train_dataloader, "end"):
+            train_dataloader.end()
+
+
 def masked_accuracy(eval_pred: tf.EvalPrediction) -> dict[str, float]:
     predictions, labels = eval_pred.predictions, eval_pred.label_ids
     scored = labels != -100
@@ -268,7 +282,7 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
         optimizers=(optimizer, scheduler),
         compute_metrics=masked_accuracy,
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
-        callbacks=[*callbacks, recorder],
+        callbacks=[*callbacks, recorder, ReleaseFinishedEpochs()],
     )
     trainer.train()
     final_sets = {

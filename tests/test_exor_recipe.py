@@ -145,3 +145,38 @@ def test_recipe_runs_under_a_two_process_launch(tmp_path):
     assert "training 2 with 1 workers" in result.stdout
     runs = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
     assert runs["scheduled"]["untie_step"] == 20 and runs["scheduled"]["steps"] == runs["tied"]["steps"] == 40
+
+
+def test_full_batch_epochs_do_not_pile_up_dataloader_references(tmp_path):
+    """One epoch per step: without the workaround accelerate keeps one reference per epoch and every step slows."""
+    import transformers as tf
+    from accelerate.state import GradientState
+
+    from untie.testing import ToyLMDataset, tiny_model
+
+    counts = []
+
+    class Count(tf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            counts.append(len(GradientState()._dataloader_references_ref))
+
+    def run(callbacks):
+        counts.clear()
+        args = tf.TrainingArguments(
+            str(tmp_path),
+            max_steps=40,
+            per_device_train_batch_size=64,
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            save_strategy="no",
+            logging_steps=100,
+        )
+        tf.Trainer(tiny_model("gpt2"), args, train_dataset=ToyLMDataset(n=64), callbacks=[Count(), *callbacks]).train()
+        return list(counts)
+
+    # GradientState is a process-wide singleton: compare the growth during each run.
+    without = run([])
+    assert without[-1] - without[0] > 30  # the upstream behaviour worked around (drop the workaround once this fails)
+    with_workaround = run([recipe.ReleaseFinishedEpochs()])
+    assert max(with_workaround) - with_workaround[0] <= 1
