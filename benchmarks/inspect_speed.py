@@ -51,10 +51,8 @@ def write_checkpoint(path: str, vocab: int, hidden: int, dtype: torch.dtype) -> 
     generator = torch.Generator().manual_seed(0)
     tensors = {}
     for name, shape in shapes.items():
-        scale = 1.0 if "norm" in name else 0.02
-        tensors[name] = (torch.randn(shape, generator=generator) * scale).to(dtype)
-        if "norm" in name:
-            tensors[name] = torch.ones(shape, dtype=dtype)
+        drawn = torch.randn(shape, generator=generator)  # drawn for every tensor, so the stream stays as measured
+        tensors[name] = torch.ones(shape, dtype=dtype) if "norm" in name else (drawn * 0.02).to(dtype)
     os.makedirs(path, exist_ok=True)
     config.save_pretrained(path)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})

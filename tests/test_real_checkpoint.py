@@ -60,25 +60,14 @@ def test_inspect_real_checkpoint(capsys, pretrained_embeddings):
     assert report["pairs"]["king-queen"]["output"] == report["pairs"]["king-queen"]["input"]  # one shared space
 
 
-def test_untie_fine_tune_convert_reload_real_checkpoint(tmp_path, capsys, pretrained_embeddings):
+def test_untie_fine_tune_convert_reload_real_checkpoint(make_args, tmp_path, capsys, pretrained_embeddings):
     model = tf.BertForMaskedLM.from_pretrained(MINILM)
     assert untie.is_tied(model) and torch.equal(model.cls.predictions.decoder.weight, pretrained_embeddings)
     tokenizer = tf.AutoTokenizer.from_pretrained(MINILM)
     texts = offline_sentences()[:256]
     data = [tokenizer(t, truncation=True, max_length=48) for t in texts]
     callback = untie.UntieCallback(untie_at=2, metrics_every=2)
-    args = tf.TrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=6,
-        per_device_train_batch_size=8,
-        learning_rate=1e-4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
+    args = make_args(max_steps=6, learning_rate=1e-4, weight_decay=0.0)
     collator = tf.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     trainer = tf.Trainer(model=model, args=args, train_dataset=data, data_collator=collator, callbacks=[callback])
     trainer.train()

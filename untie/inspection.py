@@ -43,10 +43,10 @@ def describe(
     sample = {**SAMPLE, **sample}
     started = time.perf_counter()
     checkpoint = open_checkpoint(source, head=head, revision=revision)
-    model = checkpoint.empty_model()
+    model = checkpoint.empty_model
     layout = embedding_layout(model)
     declared_tied = is_tied(model)
-    tensors = _read_embeddings(checkpoint, model, layout)
+    tensors = _read_embeddings(checkpoint, model, layout, declared_tied)
     loaded = "embeddings only"
     if tensors is None:
         tensors = _load_embeddings(checkpoint)
@@ -130,7 +130,7 @@ def drift_report(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _read_embeddings(checkpoint: Checkpoint, model, layout):
+def _read_embeddings(checkpoint: Checkpoint, model, layout, declared_tied: bool):
     """(input, output or None if tied, head stored?, bias stored?) from the safetensors files; None if not found."""
     keys = stored_keys(checkpoint)
     if keys is None:
@@ -144,12 +144,12 @@ def _read_embeddings(checkpoint: Checkpoint, model, layout):
     )
     input_weight = read_tensor(checkpoint, input_key, keys)
     if output_key is None:
-        if not is_tied(model):
+        if not declared_tied:
             return None  # a renamed head key (or a truly missing one): let from_pretrained decide
         return input_weight, None, False, bias_stored
     output_weight = read_tensor(checkpoint, output_key, keys)
     # from_pretrained's rule: a declared tie holds when both tensors are stored only if they are equal.
-    if is_tied(model) and output_weight.shape == input_weight.shape and torch.equal(output_weight, input_weight):
+    if declared_tied and output_weight.shape == input_weight.shape and torch.equal(output_weight, input_weight):
         return input_weight, None, True, bias_stored
     return input_weight, output_weight, True, bias_stored
 

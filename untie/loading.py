@@ -10,6 +10,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import transformers as tf
@@ -68,8 +69,9 @@ class Checkpoint:
         except EntryNotFoundError:
             return None
 
+    @cached_property
     def empty_model(self) -> tf.PreTrainedModel:
-        """The model on the meta device: names, shapes and declared ties, with no memory and no weights."""
+        """The model on the meta device: names, shapes and declared ties, with no memory and no weights (built once)."""
         with torch.device("meta"):
             return self.model_class._from_config(self.config)
 
@@ -86,7 +88,7 @@ def open_checkpoint(source: str | os.PathLike, head: str = "auto", revision: str
     config = _config(source, revision)
     model_class = _model_class(source, config, head)
     checkpoint = Checkpoint(source, config, model_class, revision)
-    model = checkpoint.empty_model()
+    model = checkpoint.empty_model
     if model.get_output_embeddings() is None or model.get_input_embeddings() is None:
         raise NoEmbeddings(
             f"{source}: {model_class.__name__} has no LM head (get_output_embeddings() is None), so nothing is tied "

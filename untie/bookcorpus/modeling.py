@@ -74,18 +74,6 @@ class TwinEncoderForMaskedLM(PreTrainedModel):
             with torch.no_grad():
                 module.weight[self.config.pad_token_id].zero_()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
     def forward(
         self,
         input_ids: torch.Tensor,

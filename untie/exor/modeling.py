@@ -107,18 +107,6 @@ class ExorForMaskedLM(PreTrainedModel):
         if module is self.embed_tokens or module is self.lm_head:
             nn.init.normal_(module.weight, mean=0.0, std=1.0)
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> MaskedLMOutput:
         hidden = self.embed_tokens(input_ids)
         if self.config.body == "lstm":
