@@ -28,7 +28,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.exor import PAIRS, VARIANTS, ExorDataset, exor_model, vocabulary
+from untie.exor import EQUIVALENT_PAIRS, PAIRS, VARIANTS, ExorDataset, exor_model, vocabulary
 from untie.schedules import periodic_cosine
 
 ARMS = ("untied", "tied", "scheduled", "scheduled-reset", "auto")
@@ -38,7 +38,7 @@ PRESETS = {
     "quick": dict(
         variants=["main"],
         models=["transformer"],
-        arms=["untied", "tied", "scheduled", "scheduled-reset"],
+        arms=["untied", "tied", "scheduled", "scheduled-reset", "auto"],
         seeds=[42],
         max_steps=20_000,
         learning_rate=3.8e-3,
@@ -54,7 +54,7 @@ PRESETS = {
     "paper": dict(
         variants=["main", "ydh", "ndh"],
         models=["transformer"],
-        arms=["untied", "tied", "scheduled", "scheduled-reset"],
+        arms=["untied", "tied", "scheduled", "scheduled-reset", "auto"],
         seeds=[42, 43, 44, 45, 46],
         max_steps=150_000,
         learning_rate=5e-4,
@@ -66,8 +66,10 @@ PRESETS = {
         metrics_every=250,
     ),
 }
-#: The auto arm's rule unless --trigger_* flags say otherwise: the library's default.
-DEFAULT_RULE = untie.UntieWhen()
+#: The auto arm's rule unless --trigger_* flags say otherwise: untie once the two forms of a bit, which the task
+#: makes semantically equivalent, are predicted differently by more than 1 nat (a probability ratio of e): the
+#: distributional hypothesis fails for that pair. The .1/.9 forms of main and ndh have a gap of log 9 = 2.2 nats.
+AUTO_RULE = untie.UntieWhen(signal="gap", threshold=1.0, smoothing=0.9, warmup=0.05, patience=5)
 #: A pair is close when its distance is below this fraction of the reference pair (0,2)'s, apart otherwise.
 SEPARATION = 0.3
 
@@ -91,19 +93,13 @@ class ExorArguments:
     max_grad_norm: float = field(default=0.0, metadata={"help": "Gradient clipping; the paper does not clip (0)."})
     untie_at: float | None = field(default=None, metadata={"help": "Scheduled arms: a step, or a fraction of the run."})
     metrics_every: int | None = field(default=None, metadata={"help": "Steps between role-signal measurements."})
-    trigger_signal: str = field(
-        default=DEFAULT_RULE.signal, metadata={"help": "auto arm: the signal of untie.UntieWhen."}
-    )
-    trigger_threshold: float = field(
-        default=DEFAULT_RULE.threshold, metadata={"help": "auto arm: UntieWhen.threshold."}
-    )
-    trigger_smoothing: float = field(
-        default=DEFAULT_RULE.smoothing, metadata={"help": "auto arm: UntieWhen.smoothing."}
-    )
+    trigger_signal: str = field(default=AUTO_RULE.signal, metadata={"help": "auto arm: the signal of untie.UntieWhen."})
+    trigger_threshold: float = field(default=AUTO_RULE.threshold, metadata={"help": "auto arm: UntieWhen.threshold."})
+    trigger_smoothing: float = field(default=AUTO_RULE.smoothing, metadata={"help": "auto arm: UntieWhen.smoothing."})
     trigger_warmup: float = field(
-        default=DEFAULT_RULE.warmup, metadata={"help": "auto arm: UntieWhen.warmup (fraction of run)."}
+        default=AUTO_RULE.warmup, metadata={"help": "auto arm: UntieWhen.warmup (fraction of run)."}
     )
-    trigger_patience: int = field(default=DEFAULT_RULE.patience, metadata={"help": "auto arm: UntieWhen.patience."})
+    trigger_patience: int = field(default=AUTO_RULE.patience, metadata={"help": "auto arm: UntieWhen.patience."})
     record_every: int | None = field(default=None, metadata={"help": "Steps between embedding-distance records."})
     eval_every: int | None = field(default=None, metadata={"help": "Steps between accuracy evaluations."})
     eval_repeats: int = field(default=8, metadata={"help": "Fresh draws of each string per evaluation."})
@@ -212,21 +208,26 @@ def arm_callbacks(arm: str, args: ExorArguments) -> tuple[bool, list[tf.TrainerC
     """Whether the arm's model starts tied, and the untie callbacks it trains with."""
     if arm == "untied":
         return False, []
-    # Tied arms measure the role signals too (untie_at=None: a tied baseline that only measures).
-    common = dict(save_at_untie=False, metrics_every=args.metrics_every, pairs=list(PAIRS))
+    # Tied arms measure the role signals too (untie_at=None: a tied baseline that only measures). The callback is
+    # given the pairs known to be semantically equivalent; the recipe records the reference pair's distances itself.
+    common = dict(save_at_untie=False, metrics_every=args.metrics_every, pairs=list(EQUIVALENT_PAIRS))
     if arm == "tied":
         return True, [untie.UntieCallback(untie_at=None, **common)]
     if arm in ("scheduled", "scheduled-reset"):
         state = "reset" if arm == "scheduled-reset" else "copy"
         return True, [untie.UntieCallback(untie_at=_step_or_fraction(args.untie_at), optimizer_state=state, **common)]
-    rule = untie.UntieWhen(
+    return True, [untie.UntieCallback(untie_at=None, untie_when=auto_rule(args), **common)]
+
+
+def auto_rule(args: ExorArguments) -> untie.UntieWhen:
+    """The auto arm's divergence rule, from the --trigger_* arguments."""
+    return untie.UntieWhen(
         signal=args.trigger_signal,
         threshold=args.trigger_threshold,
         smoothing=args.trigger_smoothing,
         warmup=_step_or_fraction(args.trigger_warmup),
         patience=args.trigger_patience,
     )
-    return True, [untie.UntieCallback(untie_at=None, untie_when=rule, **common)]
 
 
 def _step_or_fraction(value: float) -> int | float:
@@ -461,7 +462,49 @@ def check_claims(records: list[dict]) -> list[dict]:
                 gap_end < gap_before,
                 f"loss gap to untied: {gap_before:+.4f} at the untie -> {gap_end:+.4f} at the end",
             )
+        claims_for_auto(model, arms, claim)
     return claims
+
+
+def claims_for_auto(model: str, arms: dict, claim) -> None:
+    """The divergence trigger's claims (metrics issue): where it fires, and what the auto arm's loss ends at."""
+    auto = {variant: arms[variant, "auto"] for variant in VARIANTS}
+    text = f"[{model}] auto: the trigger fires in main and ndh, and in ydh never (or later than in any main/ndh run)"
+    if all(auto.values()):
+        fired = {v: [r["trigger_step"] for r in rs] for v, rs in auto.items()}
+        broken = [step for v in ("main", "ndh") for step in fired[v]]
+        holds = None not in broken and all(step is None or step > max(broken) for step in fired["ydh"])
+        evidence = "; ".join(f"{v}: " + ", ".join(f"{x:,}" if x else "never" for x in fired[v]) for v in fired)
+        claim(text, holds, f"trigger steps per seed: {evidence}")
+    else:
+        claim(text, None, "not run: needs the auto arm on main, ydh and ndh")
+
+    def mean_loss(rs: list[dict]) -> float:
+        return statistics.fmean(r["final_loss"] for r in rs)
+
+    for variant in ("main", "ndh"):
+        needed = [arms[variant, arm] for arm in ("auto", "scheduled", "untied", "tied")]
+        if not all(needed):
+            continue
+        a, sched, u, t = (mean_loss(rs) for rs in needed)
+        # Close: the auto arm keeps at most a quarter of what tying costs (tied - untied), or 0.02 nats if tying
+        # costs nothing.
+        close = a - u <= (0.25 * (t - u) if t > u else 0.02)
+        claim(
+            f"[{model}] auto ({variant}): final loss at most the scheduled arm's, and close to the untied arm's",
+            a <= sched and close,
+            f"final loss: auto {a:.4f}, scheduled {sched:.4f}, untied {u:.4f}, tied {t:.4f} (gaps to untied: auto "
+            f"{a - u:+.4f}, scheduled {sched - u:+.4f}, tied {t - u:+.4f})",
+        )
+    rescued = [arms["ndh", arm] for arm in ("auto", "untied", "tied")]
+    if all(rescued):
+        acc_a, acc_u, acc_t = (statistics.fmean(r["train_accuracy"] for r in rs) for rs in rescued)
+        claim(
+            f"[{model}] auto (ndh): learns the task as well as the untied arm (train accuracy within 0.05) and no "
+            "worse than the tied arm",
+            acc_a >= acc_u - 0.05 and acc_a >= acc_t,
+            f"train accuracy: auto {acc_a:.3f}, untied {acc_u:.3f}, tied {acc_t:.3f}",
+        )
 
 
 def loss_gap_at(arm_records: list[dict], untied: list[dict], step: int) -> float:
@@ -650,10 +693,53 @@ def write_figures(records: list[dict], figures_dir: str) -> list[str]:
     return written
 
 
+def write_signal_figures(records: list[dict], figures_dir: str, rule: untie.UntieWhen) -> list[str]:
+    """Per variant and model: each equivalent pair's conditional gap and tension while tied (tied and auto arms),
+    with the auto rule's threshold and the steps where its trigger fired."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for variant in sorted({r["variant"] for r in records}):
+        for model in sorted({r["model"] for r in records}):
+            by_arm = {arm: group(records, variant=variant, model=model, arm=arm) for arm in ("tied", "auto")}
+            by_arm = {arm: rs for arm, rs in by_arm.items() if rs and rs[0]["history"]["signals"]}
+            if not by_arm:
+                continue
+            keys = [f"{kind}/{a}-{b}" for kind in ("gap", "tension") for a, b in EQUIVALENT_PAIRS]
+            fig, axes = plt.subplots(2, len(EQUIVALENT_PAIRS), figsize=(11, 6.4), squeeze=False)
+            for ax, key in zip(axes.flat, keys, strict=True):
+                for i, (arm, rs) in enumerate(by_arm.items()):
+                    for j, r in enumerate(rs):
+                        points = [(s["step"], s[key]) for s in r["history"]["signals"] if key in s]
+                        if points:
+                            steps, values = zip(*points, strict=True)
+                            ax.plot(steps, values, color=f"C{i}", alpha=0.7, linewidth=0.8, label=None if j else arm)
+                    for step in sorted({r["trigger_step"] for r in rs if r.get("trigger_step")}):
+                        ax.axvline(step, color=f"C{i}", linewidth=0.8, linestyle=":")
+                if key.startswith(rule.signal + "/") or key == rule.signal:
+                    ax.axhline(rule.threshold, color="black", linewidth=0.8, linestyle="--", label="auto threshold")
+                ax.set_title(
+                    f"{key} ({'nats' if key.startswith('gap') else '0..1'}); NaN (absent) when a form never occurs",
+                    fontsize=8,
+                )
+                _step_axis(ax)
+            axes[0][0].legend(fontsize=7)
+            fig.suptitle(f"EXor {variant}, {model}: what tying costs, per equivalent pair (dotted: trigger fired)")
+            fig.tight_layout()
+            path = os.path.join(figures_dir, f"{variant}-{model}-signals.png")
+            fig.savefig(path, dpi=120)
+            plt.close(fig)
+            written.append(path)
+    return written
+
+
 # -- Main --
 
 
-def report(records: list[dict], output_dir: str) -> list[dict]:
+def report(records: list[dict], output_dir: str, rule: untie.UntieWhen = AUTO_RULE) -> list[dict]:
     """Write results.json, results.md and the figures; print the table and the claims."""
     claims = check_claims(records)
     recovery = recovery_comparison(records)
@@ -663,6 +749,7 @@ def report(records: list[dict], output_dir: str) -> list[dict]:
     table = markdown_table(records, claims, recovery)
     Path(output_dir, "results.md").write_text(table)
     figures = write_figures(records, os.path.join(output_dir, "figures"))
+    figures += write_signal_figures(records, os.path.join(output_dir, "figures"), rule)
     print(table)
     print(f"Wrote {output_dir}/results.json, results.md and {len(figures)} figures in {output_dir}/figures")
     checked = [c for c in claims if c["holds"] is not None]
@@ -679,7 +766,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank finished; rank 0 has written every record
         torch.distributed.destroy_process_group()
-    return report(records, args.output_dir) if launch_rank() == 0 else []
+    return report(records, args.output_dir, auto_rule(args)) if launch_rank() == 0 else []
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -67,5 +68,7 @@ def test_divergence_trigger_decides_on_every_rank_from_the_same_signals(tmp_path
     assert rank0["untie_reason"] == rank1["untie_reason"] == "trigger"
     assert len(rank0["history"]) == 5
     assert rank0["history"] == rank1["history"]  # identical signals, measured from the all-reduced role gradients
+    tied_phase = [h for h in rank0["history"] if "cosine" in h]
+    assert len(tied_phase) == 3 and all(math.isfinite(h["gap/3-4"]) for h in tied_phase)  # summed over both ranks
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name

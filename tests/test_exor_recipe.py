@@ -13,7 +13,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import exor as recipe  # noqa: E402
 
-SHORT = ["--max_steps", "40", "--record_every", "10", "--eval_every", "20", "--untie_at", "20", "--disable_tqdm"]
+SHORT = ["--max_steps", "40", "--record_every", "10", "--eval_every", "20", "--untie_at", "20", "--metrics_every", "10"]
+SHORT += ["--disable_tqdm"]
 RUN_KEYS = {
     "variant", "model", "arm", "seed", "steps", "untie_step", "final_loss", "train_accuracy", "heldout_accuracy",
     "input_distance", "output_distance",
@@ -31,7 +32,7 @@ def test_results_schema(short_run):
     out, _ = short_run
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
-    assert {r["arm"] for r in runs} == {"untied", "tied", "scheduled", "scheduled-reset"}
+    assert {r["arm"] for r in runs} == {"untied", "tied", "scheduled", "scheduled-reset", "auto"}
     for run in runs:
         assert RUN_KEYS <= set(run)
         assert run["variant"] == "main" and run["seed"] == 42 and run["steps"] == 40
@@ -48,7 +49,7 @@ def test_results_schema(short_run):
 
 def test_figures_are_written(short_run):
     out, _ = short_run
-    for name in ("main-transformer-distances.png", "main-transformer-curves.png"):
+    for name in ("main-transformer-distances.png", "main-transformer-curves.png", "main-transformer-signals.png"):
         png = out / "figures" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -98,10 +99,41 @@ def test_auto_arm_unties_when_its_trigger_fires_and_is_the_tied_arm_before(tmp_p
     assert [s["step"] for s in signals] == [5, 10, 15, 20] and "tension/2-3" in signals[0] and "cka" in signals[-1]
     # Measuring does not change training: before the untie, the auto arm is the tied arm bit for bit.
     without_trigger = [{k: v for k, v in s.items() if k != "trigger"} for s in signals[:2]]
-    assert without_trigger == tied["history"]["signals"][:2]
+    assert json.dumps(without_trigger) == json.dumps(tied["history"]["signals"][:2])  # NaN gap/0-1 compares too
     pairs = zip(auto["history"]["geometry"], tied["history"]["geometry"], strict=True)
     geometry = [(a, t) for a, t in pairs if a["step"] < 10]
     assert geometry and all(a == t for a, t in geometry)
+
+
+def _record(variant, arm, seed, loss, accuracy=0.7, trigger_step=None):
+    return {"variant": variant, "model": "transformer", "arm": arm, "seed": seed, "final_loss": loss,
+            "train_accuracy": accuracy, "trigger_step": trigger_step}  # fmt: skip
+
+
+def test_auto_claims_need_the_trigger_where_the_hypothesis_fails_and_a_recovered_loss():
+    records = [
+        _record("main", "auto", 42, 0.53, trigger_step=8_750),
+        _record("ydh", "auto", 42, 0.40, trigger_step=None),
+        _record("ndh", "auto", 42, 0.20, accuracy=0.93, trigger_step=9_000),
+        _record("main", "scheduled", 42, 0.56),
+        _record("main", "untied", 42, 0.52),
+        _record("main", "tied", 42, 0.68),
+        _record("ndh", "untied", 42, 0.19, accuracy=0.94),
+        _record("ndh", "tied", 42, 0.70, accuracy=0.65),
+    ]
+    claims = []
+    arms = {(v, a): recipe.group(records, variant=v, arm=a) for v in recipe.VARIANTS for a in recipe.ARMS}
+    recipe.claims_for_auto("transformer", arms, lambda text, holds, evidence: claims.append((text, holds, evidence)))
+    fires, main_loss, ndh_rescue = claims  # ndh has no scheduled arm: its loss claim is not checked
+    assert fires[1] is True and "main: 8,750; ydh: never; ndh: 9,000" in fires[2]
+    assert main_loss[1] is True  # 0.53 <= 0.56, and 0.01 above untied is within a quarter of tied's 0.16
+    assert ndh_rescue[1] is True
+    # The trigger firing in ydh before it fires in ndh breaks the claim; so does an auto loss above scheduled's.
+    records[1]["trigger_step"] = 8_000
+    records[0]["final_loss"] = 0.57
+    claims.clear()
+    recipe.claims_for_auto("transformer", arms, lambda text, holds, evidence: claims.append((text, holds, evidence)))
+    assert [c[1] for c in claims] == [False, False, True]
 
 
 def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():

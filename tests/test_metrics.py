@@ -9,7 +9,15 @@ import pytest
 import torch
 
 import untie
-from untie.metrics import drift_metrics, knn_overlap, linear_cka, pair_distances, pair_pushes, role_signals
+from untie.metrics import (
+    conditional_gaps,
+    drift_metrics,
+    knn_overlap,
+    linear_cka,
+    pair_distances,
+    pair_pushes,
+    role_signals,
+)
 from untie.probe import RoleGradientProbe
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
@@ -110,6 +118,28 @@ def test_drift_metrics_report_overlap_cka_and_pair_distances():
     assert metrics["input_distance/0-1"] == metrics["output_distance/0-1"] == pytest.approx((emb[0] - emb[1]).norm())
 
 
+def _logits(*rows):
+    """Logits whose softmax gives each row's probabilities (zeros become -1e4: probability 0 in float32)."""
+    probs = torch.tensor(rows, dtype=torch.float64)
+    return torch.where(probs > 0, probs.clamp_min(1e-300).log(), torch.full_like(probs, -1e4)).float()
+
+
+def test_conditional_gap_is_the_log_probability_ratio_where_the_pair_is_plausible():
+    # Two spellings of one word drawn .1/.9: the gap is log 9 nats in every context that predicts the word.
+    spelling = _logits([0.1, 0.9, 0.0, 0.0])
+    assert conditional_gaps(spelling, [(0, 1)])["0-1"] == pytest.approx(math.log(9), rel=1e-5)
+    # Drawn .5/.5 in an equally plausible context: the mean over the two contexts is half of log 9.
+    even = _logits([0.5, 0.5, 0.0, 0.0])
+    assert conditional_gaps(torch.cat([spelling, even]), [(0, 1)])["0-1"] == pytest.approx(math.log(9) / 2, rel=1e-5)
+    # A context where neither symbol is plausible barely counts, however different their tiny probabilities are.
+    implausible = _logits([1e-9, 1e-6, 0.5, 0.5 - 1e-6 - 1e-9])
+    assert conditional_gaps(torch.cat([spelling, implausible]), [(0, 1)])["0-1"] == pytest.approx(math.log(9), rel=1e-4)
+    # `positions` keeps only the contexts that carry a loss; a pair no context makes plausible is NaN.
+    both = torch.cat([spelling, even]).reshape(1, 2, 4)
+    assert conditional_gaps(both, [(0, 1)], positions=torch.tensor([[False, True]]))["0-1"] == pytest.approx(0.0)
+    assert math.isnan(conditional_gaps(_logits([0.0, 0.0, 0.5, 0.5]), [(0, 1)])["0-1"])
+
+
 # -- the probe -------------------------------------------------------------------------------------------------------
 
 
@@ -150,6 +180,35 @@ def test_probe_accumulates_over_micro_batches_and_stays_idle_when_disarmed():
     probe.remove()
     model(**batch).loss.backward()
     assert probe.collect() is None
+
+
+def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
+    model = tiny_model("gpt2").eval()
+    pairs = [(3, 4), (5, 6), (3, 47)]
+    probe = RoleGradientProbe(model, pairs=pairs)
+    probe.armed = True
+    ids = ToyLMDataset(8).ids[:4].clone()
+    ids[ids == 47] = 46  # token 47 never occurs as input
+    labels = ids.clone()
+    labels[:, :5] = -100  # no loss on the first positions
+    logits = model(input_ids=ids, labels=labels).logits
+    logits.sum().mul(0).add(model(input_ids=ids, labels=labels).loss).backward()
+    probe.collect()
+    gaps = probe.conditional_gaps()
+    # A causal LM's logits at position t predict token t + 1: the loss positions are those with a label at t + 1.
+    carries_loss = torch.zeros(labels.shape, dtype=torch.bool)
+    carries_loss[:, :-1] = labels[:, 1:] != -100
+    expected = conditional_gaps(logits, pairs[:2], positions=carries_loss)
+    assert gaps["gap/3-4"] == pytest.approx(expected["3-4"], rel=1e-6)
+    assert gaps["gap/5-6"] == pytest.approx(expected["5-6"], rel=1e-6)
+    assert expected["3-4"] != pytest.approx(conditional_gaps(logits, pairs[:1])["3-4"], rel=1e-3)  # the mask matters
+    assert math.isnan(gaps["gap/3-47"])  # 47 was never looked up: no evidence about it
+    assert math.isnan(probe.conditional_gaps()["gap/3-4"])  # reset after reading
+
+
+def test_probe_refuses_pairs_outside_the_vocabulary():
+    with pytest.raises(ValueError, match=r"pairs=\[\(3, 48\)\].*vocabulary of 48"):
+        RoleGradientProbe(tiny_model("gpt2"), pairs=[(3, 48)])
 
 
 def test_probe_refuses_an_untied_model():

@@ -63,6 +63,16 @@ def test_pair_tension_signal_takes_the_largest_pair():
     assert trigger.update(2, {"tension/0-1": 0.1, "tension/2-3": 0.7})
 
 
+def test_gap_signal_takes_the_largest_measured_pair_and_skips_unmeasured_ones():
+    rule = untie.UntieWhen(signal="gap", threshold=1.0, smoothing=0.0, warmup=0, patience=1)
+    trigger = DivergenceTrigger(rule)
+    # A pair with a symbol absent from the input is NaN: it neither fires nor hides the other pairs.
+    assert not trigger.update(1, {"gap/0-1": math.nan, "gap/2-3": 0.1, "tension/2-3": 5.0})
+    assert not trigger.update(2, {"gap/0-1": math.nan, "gap/2-3": math.nan})  # nothing measured: skipped
+    assert trigger.update(3, {"gap/0-1": math.nan, "gap/2-3": 2.2})
+    assert trigger.fired_step == 3
+
+
 def test_state_round_trip_resumes_the_same_decision():
     rule = untie.UntieWhen(threshold=0.5, smoothing=0.5, warmup=0, patience=3)
     values = [0.9, 0.9, 0.9, 0.9, 0.9]
@@ -90,6 +100,9 @@ def test_rule_and_config_validation_and_json_round_trip():
             untie.UntieConfig(untie_when=bad)
     with pytest.raises(ValueError, match="needs that pair"):
         untie.UntieConfig(untie_when={"signal": "tension/2-3"}, pairs=[(0, 1)])
+    with pytest.raises(ValueError, match="needs that pair"):
+        untie.UntieConfig(untie_when={"signal": "gap"})
+    assert untie.UntieConfig(untie_when={"signal": "gap/0-1"}, pairs=[(0, 1)]).untie_when.direction == "above"
     with pytest.raises(ValueError, match="metrics_every > 0"):
         untie.UntieConfig(untie_when="divergence", metrics_every=0)
 

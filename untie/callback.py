@@ -15,6 +15,7 @@ from untie.adapters import check_peft_run, is_peft_model
 from untie.checkpoint import install_resume_guard, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, UntieConfig
 from untie.distributed import broadcast_decision, refuse_unsupported_engines, sync_grads_across_ranks
+from untie.emulation import EmulatedTying
 from untie.metrics import drift_metrics, role_signals
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
@@ -49,6 +50,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._probe: RoleGradientProbe | None = None
         self._latest: dict[str, float] = {}
         self._grad_sync_handle = None
+        self._emulation: EmulatedTying | None = None
 
     # -- ExportableState ------------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -78,19 +80,27 @@ class UntieCallback(TrainerCallback, ExportableState):
             # On an already-untied model this only re-applies the bookkeeping that a reload loses.
             untie_embeddings(model)
             self._mark_untied(state.global_step, "start")  # global_step is 0 here; a resume restores its own reason
-        elif not is_tied(model):
-            warnings.warn(
-                f"UntieCallback: the model arrived untied; tying it with tie_init={self.config.tie_init!r} (the other "
-                "matrix is dropped). To keep it untied, pass untie_at=0.",
-                stacklevel=2,
-            )
-            tie_embeddings(model, init=self.config.tie_init)
+        else:
+            if not is_tied(model):
+                warnings.warn(
+                    f"UntieCallback: the model arrived untied; tying it with tie_init={self.config.tie_init!r} (the "
+                    "other matrix is dropped). To keep it untied, pass untie_at=0.",
+                    stacklevel=2,
+                )
+                tie_embeddings(model, init=self.config.tie_init)
+            if self.config.tying_mode == "emulated":
+                # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
+                untie_embeddings(model)
+                self._emulation = EmulatedTying(model)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._restore(state)
         self.trigger.resolve(state.max_steps)
         if self.divergence is not None:
             self.divergence.resolve(state.max_steps)
+        if self._emulation is not None:
+            self._begin_emulated(model, optimizer, state.global_step)
+            return
         if not is_tied(model):
             # Untied before training: at step 0, or by the resume guard while loading an untied checkpoint.
             reason = self.untie_reason or ("checkpoint" if state.global_step else "start")
@@ -103,7 +113,16 @@ class UntieCallback(TrainerCallback, ExportableState):
         elif self.trigger.fires(state.global_step):
             self._untie(model, optimizer, state.global_step, "deadline")
         elif self.config.metrics_every:
-            self._probe = RoleGradientProbe(model)
+            self._probe = RoleGradientProbe(model, pairs=self.config.pairs)
+
+    def _begin_emulated(self, model, optimizer, step: int) -> None:
+        if self.untied:  # resumed from a checkpoint saved after the untie: the head's values and state are its own
+            self._emulation.release()
+            self._emulation = None
+            return
+        self._emulation.attach_optimizer(optimizer)
+        if self.trigger.fires(step):
+            self._untie(model, optimizer, step, "deadline")
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._probe is not None:
@@ -115,10 +134,11 @@ class UntieCallback(TrainerCallback, ExportableState):
             return
         self._probe.armed = False
         grads = self._probe.collect()
+        gaps = self._probe.conditional_gaps()
         if grads is None:
             return
         step = state.global_step + 1
-        signals = role_signals(*grads, weight=self._probe.weight, pairs=self.config.pairs)
+        signals = {**role_signals(*grads, weight=self._probe.weight, pairs=self.config.pairs), **gaps}
         if self.divergence is not None:
             self.divergence.update(step, signals)
             signals["trigger"] = self.divergence.average if self.divergence.average is not None else math.nan
@@ -169,9 +189,14 @@ class UntieCallback(TrainerCallback, ExportableState):
 
     def _untie(self, model, optimizer, step: int, reason: str) -> None:
         self._drop_probe()
-        untie_embeddings(model, optimizer, optimizer_state=self.config.optimizer_state)
-        # The head is created after DDP wrapped the model: DDP will not reduce its gradient, so do it ourselves.
-        self._grad_sync_handle = sync_grads_across_ranks(model.get_output_embeddings().weight)
+        if self._emulation is not None:
+            # The head has existed (and been wrapped) from the start: the untie only stops keeping it equal.
+            self._emulation.release(optimizer, optimizer_state=self.config.optimizer_state)
+            self._emulation = None
+        else:
+            untie_embeddings(model, optimizer, optimizer_state=self.config.optimizer_state)
+            # The head is created after DDP wrapped the model: DDP will not reduce its gradient, so do it ourselves.
+            self._grad_sync_handle = sync_grads_across_ranks(model.get_output_embeddings().weight)
         self._mark_untied(step, reason)
         logger.info("untie: untied the LM head from the input embedding at step %d (%s)", step, reason)
 

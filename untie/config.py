@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from untie.surgery import _STATE_INITS, _TIE_INITS
-from untie.triggers import UntieWhen
+from untie.triggers import UntieWhen, pair_signal
 
 #: Default schedule: untie after 30% of the run's optimizer steps. Tying speeds up the start of training and the
 #: untie leaves 70% of the budget for the input and output spaces to separate (see README, "Defaults").
 DEFAULT_UNTIE_AT = 0.3
+#: How the tied phase is implemented (see `UntieConfig.tying_mode`).
+TYING_MODES = ("live", "emulated")
 
 
 @dataclass
@@ -29,7 +31,12 @@ class UntieConfig:
         model unties when it fires or at `untie_at`, whichever comes first. None: untie at `untie_at` only.
     metrics_every: measure every this many optimizer steps (0: never): role signals while tied (they feed the
         trigger), drift between the two spaces after the untie. Logged as `untie/...` with Trainer's next log.
-    pairs: symbol pairs (token ids) whose distances, pushes and tension are measured too, e.g. [[0, 1], [2, 3]].
+    tying_mode: how the tied phase runs. "live": one shared parameter; the head parameter is created at the
+        untie (single device, DDP). "emulated": the head has its own parameter from the start and is kept equal to
+        the embedding, with the tied gradient (`untie.emulation`); the untie only stops that. It costs one more
+        (V, d) parameter while tied and is what sharded engines need.
+    pairs: symbol pairs (token ids) whose distances, pushes, tension and conditional gap are measured too, e.g.
+        [[0, 1], [2, 3]]: pairs you know to be semantically equivalent (synonyms, spelling variants, twins).
     """
 
     untie_at: int | float | None = DEFAULT_UNTIE_AT
@@ -39,6 +46,7 @@ class UntieConfig:
     untie_when: UntieWhen | None = None
     metrics_every: int = 50
     pairs: list[tuple[int, int]] = field(default_factory=list)
+    tying_mode: str = "live"
 
     def __post_init__(self) -> None:
         self.untie_when = UntieWhen.coerce(self.untie_when)
@@ -50,8 +58,9 @@ class UntieConfig:
             self.pairs = [(int(a), int(b)) for a, b in self.pairs]
         except (TypeError, ValueError):
             raise ValueError(f"pairs={self.pairs!r}: pass a list of (token_id, token_id) pairs.") from None
-        if self.untie_when is not None and self.untie_when.signal.startswith("tension"):
-            wanted = self.untie_when.signal.removeprefix("tension").removeprefix("/")
+        per_pair = pair_signal(self.untie_when.signal) if self.untie_when is not None else None
+        if per_pair is not None:
+            wanted = per_pair[1]
             keys = {f"{a}-{b}" for a, b in self.pairs}
             if not self.pairs or (wanted and wanted not in keys):
                 raise ValueError(
@@ -65,6 +74,13 @@ class UntieConfig:
         if isinstance(at, float) and not 0.0 < at < 1.0:
             raise ValueError(
                 f"untie_at={at} is a float outside (0, 1): floats are fractions of max_steps; pass an int for a step."
+            )
+        if self.tying_mode not in TYING_MODES:
+            raise ValueError(f"tying_mode={self.tying_mode!r} is not one of {TYING_MODES}.")
+        if self.tying_mode == "emulated" and self.untie_when is not None:
+            raise ValueError(
+                "untie_when is not available with tying_mode='emulated' yet: the role signals that feed the trigger "
+                "are measured on a shared parameter. Use untie_at (a step or a fraction of the run)."
             )
         if self.optimizer_state not in _STATE_INITS:
             raise ValueError(f"optimizer_state={self.optimizer_state!r} is not one of {_STATE_INITS}.")

@@ -6,6 +6,9 @@ Three families, matching the three moments of a tie-then-untie run:
 * `role_signals`: while tied, what the shared matrix's two roles ask of it. ``input_grad`` is the gradient the
   matrix receives through the embedding lookup, ``output_grad`` the one through the LM head; they sum to the
   tied parameter's gradient. See `role_signals` for the exact definitions.
+* `conditional_gaps`: while tied or not, how differently the model predicts each pair's two symbols, the paper's
+  conditional-equivalence measure; on a pair the user knows to be semantically equivalent, a large gap means the
+  distributional hypothesis fails there.
 * `knn_overlap` and `linear_cka`: after the untie, how far the input and the output spaces have drifted apart,
   sampled and chunked so that they stay fast at a 256k x 4096 vocabulary.
 """
@@ -122,6 +125,35 @@ def role_signals(
             signals[f"push_out/{key}"] = float(push_out[i])
             signals[f"tension/{key}"] = float(tension[i])
     return signals
+
+
+def conditional_gaps(logits: torch.Tensor, pairs: Pairs, positions: torch.Tensor | None = None) -> dict[str, float]:
+    """The conditional gap of each pair (a, b): how differently the model predicts a and b, in nats.
+
+    gap(a, b) = sum_r w_r |log p(a|r) - log p(b|r)| / sum_r w_r over the contexts r (rows of ``logits``, or the
+    rows where ``positions`` is True: those that carry a loss), with w_r = p(a|r) + p(b|r). Zero when the model
+    predicts both symbols alike in every context that matters to them (conditionally equivalent, so the paper's
+    output theorem wants their output rows equal); log(9) = 2.2 for two spellings of one word drawn .1/.9.
+    Weighting by p(a|r) + p(b|r) keeps contexts where neither symbol is plausible from drowning the measure.
+    NaN for a pair that no context makes plausible.
+    """
+    total, weight = pair_gap_sums(logits, pairs, positions)
+    return {pair_key(p): _ratio(t, w) for p, t, w in zip(pairs, total, weight, strict=True)}
+
+
+def pair_gap_sums(
+    logits: torch.Tensor, pairs: Pairs, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and denominator of `conditional_gaps`, as (P,) float64 tensors, to sum over batches and ranks."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    if positions is not None:
+        flat = flat[positions.reshape(-1)]
+    index = torch.as_tensor(pairs, device=flat.device).reshape(-1, 2)
+    log_norm = flat.float().logsumexp(dim=-1, keepdim=True)
+    log_a = flat[:, index[:, 0]].float() - log_norm
+    log_b = flat[:, index[:, 1]].float() - log_norm
+    weight = (log_a.exp() + log_b.exp()).double()
+    return (weight * (log_a - log_b).abs().double()).sum(dim=0), weight.sum(dim=0)
 
 
 def _push_matrix(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,10 @@ contribution from the output gradient that backward hands over anyway:
 Modules of other types (a scaled embedding, a custom head) are differentiated generically, by re-running their
 forward on a detached copy of W under autograd. No extra backward pass over the model is needed; the cost is one
 (V, d) float32 buffer per role on the steps where the probe is armed.
+
+Given symbol ``pairs``, the probe also sums their conditional gaps (`untie.metrics.conditional_gaps`) over the
+positions that carry a loss (those whose logits receive a gradient), from the logits the head produces, and notes
+which tokens the input looked up: a pair whose symbols never occur as input has no semantic evidence to weigh.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from untie.metrics import Pairs, pair_gap_sums, pair_key
 from untie.surgery import _embedding_modules
 
 
@@ -30,7 +35,7 @@ class RoleGradientProbe:
     as DDP averages ``W.grad``), and `remove` to take the hooks off.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, pairs: Pairs = ()) -> None:
         embedding, self.head = _embedding_modules(model)
         if embedding.weight is not self.head.weight:
             raise ValueError(
@@ -42,11 +47,24 @@ class RoleGradientProbe:
         self.armed = False
         self.input_grad: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
+        self.pairs = list(pairs)
+        vocab = self.weight.shape[0]
+        if any(not 0 <= token < vocab for pair in self.pairs for token in pair):
+            raise ValueError(
+                f"pairs={self.pairs} holds token ids outside the model's vocabulary of {vocab}: pass ids in "
+                f"[0, {vocab})."
+            )
+        self._gap_sums: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._seen: torch.Tensor | None = None
         self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
         self._handles.append(self.head.register_forward_hook(self._on_head_forward, with_kwargs=True))
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def _on_embedding_forward(self, module, args, kwargs, output) -> None:
+        if self.armed and self.pairs and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
+            if self._seen is None:
+                self._seen = torch.zeros(self.weight.shape[0], dtype=torch.bool, device=args[0].device)
+            self._seen[args[0].reshape(-1)] = True
         if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(
                 lambda grad: self._accumulate("input_grad", self._input_role(module, args, kwargs, grad))
@@ -54,9 +72,14 @@ class RoleGradientProbe:
 
     def _on_head_forward(self, module, args, kwargs, output) -> None:
         if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(
-                lambda grad: self._accumulate("output_grad", self._output_role(module, args, kwargs, grad))
-            )
+            logits = output.detach() if self.pairs else None
+
+            def on_grad(grad: torch.Tensor) -> None:
+                self._accumulate("output_grad", self._output_role(module, args, kwargs, grad))
+                if logits is not None:
+                    self._accumulate_gaps(logits, grad)
+
+            output.register_hook(on_grad)
 
     def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
         if type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq and not kwargs:
@@ -87,6 +110,14 @@ class RoleGradientProbe:
             self.armed = armed
         return role.float()
 
+    def _accumulate_gaps(self, logits: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add this micro-batch's conditional-gap sums, over the positions whose logits carry a loss."""
+        carries_loss = grad.reshape(-1, grad.shape[-1]).ne(0).any(dim=1)
+        total, weight = pair_gap_sums(logits, self.pairs, carries_loss)
+        if self._gap_sums is not None:
+            total, weight = total + self._gap_sums[0], weight + self._gap_sums[1]
+        self._gap_sums = (total, weight)
+
     def _accumulate(self, name: str, role: torch.Tensor) -> None:
         current = getattr(self, name)
         setattr(self, name, role if current is None else current.add_(role))
@@ -107,9 +138,33 @@ class RoleGradientProbe:
                     grad /= dist.get_world_size()
         return grads if have.item() == 1.0 else None
 
+    def conditional_gaps(self) -> dict[str, float]:
+        """``gap/<a-b>`` of each pair over the step's loss positions (all ranks); NaN where a symbol never occurred
+        as input on any rank (the gap of a symbol the model never reads says nothing about tying). Resets the sums.
+
+        Every rank must call it on the same steps, after `collect` (it all-reduces under torch.distributed).
+        """
+        if not self.pairs:
+            return {}
+        device = self.weight.device
+        index = torch.as_tensor(self.pairs, device=device)
+        if self._gap_sums is None:  # no backward this step on this rank: contribute nothing
+            self._gap_sums = tuple(torch.zeros(len(self.pairs), dtype=torch.float64, device=device) for _ in range(2))
+        total, weight = self._gap_sums
+        seen = self._seen if self._seen is not None else torch.zeros(self.weight.shape[0], dtype=torch.bool)
+        seen = seen.to(device=device, dtype=torch.float64)
+        self._gap_sums, self._seen = None, None
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            for tensor, op in ((total, dist.ReduceOp.SUM), (weight, dist.ReduceOp.SUM), (seen, dist.ReduceOp.MAX)):
+                dist.all_reduce(tensor, op=op)
+        both_seen = (seen[index[:, 0]] > 0) & (seen[index[:, 1]] > 0)
+        gaps = torch.where(both_seen & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
+        return {f"gap/{pair_key(p)}": float(g) for p, g in zip(self.pairs, gaps, strict=True)}
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.armed = False
         self.input_grad = self.output_grad = None
+        self._gap_sums = self._seen = None

@@ -347,17 +347,25 @@ def add_param_like(
     if any(p is new for g in opt.param_groups for p in g["params"]):
         return
     group["params"].append(new)
+    if state == "copy":
+        copy_optimizer_state(optimizer, new=new, like=like)
+
+
+def copy_optimizer_state(optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter) -> None:
+    """Give `new` a copy of `like`'s optimizer state (Adam moments and step); nothing if `like` has none yet."""
+    opt = _inner(optimizer)
     old_state = opt.state.get(like)
-    if state == "copy" and old_state:
-        if _copyable(old_state, like):
-            opt.state[new] = {k: v.clone() if torch.is_tensor(v) else v for k, v in old_state.items()}
-        else:
-            logger.warning(
-                "untie: %s keeps optimizer state that is not per-element (keys %s); the untied head starts with "
-                "fresh optimizer state instead of a copy.",
-                type(opt).__name__,
-                sorted(old_state),
-            )
+    if not old_state:
+        return
+    if _copyable(old_state, like):
+        opt.state[new] = {k: v.clone() if torch.is_tensor(v) else v for k, v in old_state.items()}
+    else:
+        logger.warning(
+            "untie: %s keeps optimizer state that is not per-element (keys %s); the untied head starts with "
+            "fresh optimizer state instead of a copy.",
+            type(opt).__name__,
+            sorted(old_state),
+        )
 
 
 def _copyable(state: dict, like: nn.Parameter) -> bool:

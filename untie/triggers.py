@@ -50,6 +50,14 @@ SIGNAL_DIRECTIONS = {
     "norm_ratio": "above",
     "agreement": "below",
 }
+#: Per-pair signals (need `UntieConfig.pairs`): ``<name>/<a>-<b>`` for one pair, ``<name>`` for the largest over pairs.
+PAIR_SIGNALS = ("tension", "gap")
+
+
+def pair_signal(signal: str) -> tuple[str, str] | None:
+    """("tension", "0-1") for ``tension/0-1``, ("gap", "") for ``gap``; None for a signal that is not per pair."""
+    name, _, pair = signal.partition("/")
+    return (name, pair) if name in PAIR_SIGNALS else None
 
 
 @dataclass
@@ -57,8 +65,9 @@ class UntieWhen:
     """When the divergence trigger unties: the rule, as a JSON-friendly dataclass.
 
     signal: a role signal of `untie.metrics.role_signals` (``cancellation``, ``cosine``, ``conflict``,
-        ``norm_ratio``) or a per-pair one such as ``tension/0-1`` (needs `UntieConfig.pairs`); with several
-        pairs, ``tension`` alone means the largest pair tension.
+        ``norm_ratio``, ``agreement``) or a per-pair one (needs `UntieConfig.pairs`): ``tension/0-1``, or
+        ``gap/0-1``, the pair's conditional gap (`untie.metrics.conditional_gaps`); ``tension`` or ``gap`` alone
+        means the largest over the pairs that were measured.
     threshold: the trigger fires when the smoothed signal is past it: above it, or below it for ``cosine``.
     smoothing: weight of the past in the exponential moving average of the signal, in [0, 1); 0 = raw values.
     warmup: measurements before this step (int) or fraction of `max_steps` (float) only feed the average.
@@ -72,10 +81,10 @@ class UntieWhen:
     patience: int = 5
 
     def __post_init__(self) -> None:
-        if self.signal not in SIGNAL_DIRECTIONS and not self.signal.startswith("tension"):
+        if self.signal not in SIGNAL_DIRECTIONS and pair_signal(self.signal) is None:
             raise ValueError(
                 f"untie_when.signal={self.signal!r} is not a known signal: use one of {sorted(SIGNAL_DIRECTIONS)}, "
-                "'tension' or 'tension/<a>-<b>' (with pairs=...)."
+                "or, with pairs=..., 'gap', 'gap/<a>-<b>', 'tension' or 'tension/<a>-<b>'."
             )
         if not math.isfinite(self.threshold):
             raise ValueError(f"untie_when.threshold={self.threshold} must be a finite number.")
@@ -131,10 +140,10 @@ class DivergenceTrigger:
         self.warmup_step = max(0, round(warmup * max_steps)) if isinstance(warmup, float) else warmup
 
     def value_of(self, signals: dict[str, float]) -> float:
-        """The rule's signal from a dict of measurements (``tension``: the largest pair tension)."""
-        if self.rule.signal == "tension":
-            tensions = [v for k, v in signals.items() if k.startswith("tension/")]
-            return max(tensions) if tensions else math.nan
+        """The rule's signal from a dict of measurements (``tension``, ``gap``: the largest finite pair value)."""
+        if self.rule.signal in PAIR_SIGNALS:
+            values = [v for k, v in signals.items() if k.startswith(self.rule.signal + "/") and math.isfinite(v)]
+            return max(values) if values else math.nan
         return signals.get(self.rule.signal, math.nan)
 
     def update(self, step: int, signals: dict[str, float]) -> bool:

@@ -188,8 +188,10 @@ def load_corpus(
     revision = HUB_PARQUET_REVISIONS.get(dataset)
     if revision and not streaming:
         return DatasetDict(
-            {split: load_dataset(dataset, dataset_config, split=spec, revision=revision)
-             for split, spec in PAPER_SPLITS.items()}  # fmt: skip
+            {
+                split: load_dataset(dataset, dataset_config, split=spec, revision=revision)
+                for split, spec in PAPER_SPLITS.items()
+            }  # fmt: skip
         )
     raw = load_dataset(dataset, dataset_config, revision=revision, streaming=streaming)
     return _with_validation(raw, streaming, validation_fraction, validation_size, seed)
@@ -288,4 +290,3 @@ def tokenize_corpus(
     if isinstance(corpus, DatasetDict):
         kwargs.update(num_proc=num_proc, desc=f"Tokenizing ({objective})")
     return corpus.map(encode, **kwargs)
-

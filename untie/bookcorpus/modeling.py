@@ -59,7 +59,11 @@ class TwinEncoderForMaskedLM(PreTrainedModel):
         self.embed_positions = nn.Embedding(config.max_position_embeddings, d) if config.position_embeddings else None
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(
-                d, config.num_attention_heads, config.intermediate_size, dropout=0.0, activation="gelu",
+                d,
+                config.num_attention_heads,
+                config.intermediate_size,
+                dropout=0.0,
+                activation="gelu",
                 batch_first=True,
             )  # fmt: skip
             for _ in range(config.num_hidden_layers)

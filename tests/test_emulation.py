@@ -1,0 +1,117 @@
+"""Emulated tying (untie.emulation): a separate head that trains exactly as if tied, then forks like a live untie."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+import untie
+from untie.emulation import EmulatedTying
+from untie.testing import ToyLMDataset, tiny_model
+
+# Weight decay, gradient clipping that bites (max_grad_norm below every step's norm) and gradient accumulation.
+HARD = dict(max_steps=16, gradient_accumulation_steps=2, per_device_train_batch_size=4, max_grad_norm=0.3)
+
+
+class _Attach(tf.TrainerCallback):
+    def __init__(self, emulation: EmulatedTying, release_at: int | None = None) -> None:
+        self.emulation, self.release_at = emulation, release_at
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.emulation.attach_optimizer(optimizer)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if state.global_step == self.release_at:
+            self.emulation.release(optimizer)
+
+
+def _train(model, make_args, name, callbacks=()):
+    trainer = tf.Trainer(
+        model=model, args=make_args(output_dir=name, **HARD), train_dataset=ToyLMDataset(64), callbacks=list(callbacks)
+    )
+    trainer.train()
+    return [(h["loss"], h["grad_norm"]) for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_emulated_tying_trains_like_real_tying(arch, make_args, tmp_path):
+    tied = tiny_model(arch)
+    emulated = untie.untie_embeddings(copy.deepcopy(tied))
+    emulation = EmulatedTying(emulated)
+    real_logs = _train(tied, make_args, tmp_path / "tied")
+    emulated_logs = _train(emulated, make_args, tmp_path / "emulated", [_Attach(emulation)])
+    # The same losses and the same pre-clipping gradient norms (clipping sees the tied gradient once, not twice).
+    assert max(n for _, n in real_logs) > 3 * HARD["max_grad_norm"]  # clipping was active
+    for (loss, norm), (loss_e, norm_e) in zip(real_logs, emulated_logs, strict=True):
+        assert loss_e == pytest.approx(loss, abs=1e-5) and norm_e == pytest.approx(norm, rel=1e-5)
+    shared = tied.get_input_embeddings().weight
+    embedding, head = emulated.get_input_embeddings().weight, emulated.get_output_embeddings().weight
+    assert head is not embedding and torch.equal(head, embedding)  # mirrored bit for bit
+    torch.testing.assert_close(embedding, shared, rtol=0, atol=1e-6)  # float summation order only
+    for (name, param), (_, param_e) in zip(tied.named_parameters(), emulated.named_parameters(), strict=False):
+        torch.testing.assert_close(param_e, param, rtol=0, atol=1e-5, msg=name)
+
+
+def test_release_forks_like_a_live_untie(make_args, tmp_path):
+    """Emulated until step 6, then released: equals a tied run live-untied at step 6 (optimizer state copied)."""
+    live = tiny_model("gpt2")
+    emulated = untie.untie_embeddings(copy.deepcopy(live))
+    emulation = EmulatedTying(emulated)
+    _train(live, make_args, tmp_path / "live", [untie.UntieCallback(untie_at=6, metrics_every=0, save_at_untie=False)])
+    _train(emulated, make_args, tmp_path / "emulated", [_Attach(emulation, release_at=6)])
+    assert not emulation.active
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        torch.testing.assert_close(getattr(emulated, get)().weight, getattr(live, get)().weight, rtol=0, atol=1e-5)
+    head, embedding = emulated.get_output_embeddings().weight, emulated.get_input_embeddings().weight
+    assert not torch.allclose(head, embedding)  # they separated after the release
+
+
+def test_emulation_refuses_a_really_tied_model():
+    with pytest.raises(ValueError, match="really tied.*untie_embeddings"):
+        EmulatedTying(tiny_model("gpt2"))
+
+
+# -- through UntieCallback(tying_mode="emulated") --------------------------------------------------------------------
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("state", ["copy", "reset"])
+def test_callback_emulated_mode_equals_a_live_untie(state, make_args, tmp_path):
+    live, emulated = tiny_model("gpt2"), tiny_model("gpt2")
+    _train(live, make_args, tmp_path / "live", [untie.UntieCallback(untie_at=6, optimizer_state=state)])
+    callback = untie.UntieCallback(untie_at=6, optimizer_state=state, tying_mode="emulated")
+    _train(emulated, make_args, tmp_path / "emulated", [callback])
+    assert (callback.untie_step, callback.untie_reason, callback.untied) == (6, "deadline", True)
+    reference, params = _params(live), _params(emulated)
+    assert params.keys() == reference.keys()
+    assert max((params[n] - reference[n]).abs().max().item() for n in reference) <= 1e-5
+
+
+def test_callback_emulated_mode_resumes_before_and_after_the_untie(make_args, tmp_path):
+    def run(resume=None):
+        args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4, max_steps=12)
+        model = tiny_model("gpt2")
+        callback = untie.UntieCallback(untie_at=6, tying_mode="emulated")
+        trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(64), callbacks=[callback])
+        trainer.train(resume_from_checkpoint=resume)
+        assert callback.untie_step == 6
+        return model
+
+    reference = _params(run())
+    for ckpt in ("checkpoint-4", "checkpoint-8"):  # emulating (tied), and after the release at step 6
+        params = _params(run(resume=str(tmp_path / "full" / ckpt)))
+        worst = max((params[n] - reference[n]).abs().max().item() for n in reference)
+        assert worst <= 1e-6, (ckpt, worst)
+
+
+def test_emulated_mode_refuses_the_divergence_trigger():
+    with pytest.raises(ValueError, match="untie_when is not available with tying_mode='emulated'"):
+        untie.UntieConfig(tying_mode="emulated", untie_when="divergence")
+    with pytest.raises(ValueError, match="tying_mode='shared'"):
+        untie.UntieConfig(tying_mode="shared")

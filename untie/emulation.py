@@ -1,0 +1,111 @@
+"""Emulated tying: a model whose LM head has its own parameter from step 0 but trains exactly as if tied.
+
+Sharded engines cannot take a live untie: FSDP2 silently reverts a head parameter created after `fully_shard`, and
+FSDP1 / DeepSpeed cannot add parameters after wrapping. So the head exists from the start, as a copy of the input
+embedding, and `EmulatedTying` keeps the two identical while the run is "tied":
+
+* at the end of every backward (after DDP's all-reduce or FSDP2's reduce-scatter), the head's gradient is folded
+  into the embedding's: ``W_e.grad += W_h.grad`` and ``W_h.grad = None``. The embedding then holds the tied gradient
+  g_in + g_out, gradient clipping sees exactly the tied norm, and the optimizer skips the head (no gradient: no
+  update, no weight decay, no state);
+* after every optimizer step, the head's values are copied from the embedding. Both have one shape and one sharding,
+  so under FSDP2 this is a copy of local shards.
+
+Untying is `release()`: the hooks stop and the head gets a copy of the embedding's optimizer state (or none), the
+same fork as a live untie. The extra memory while tied is the head's parameter and, during backward, its gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from untie.surgery import _embedding_modules, _inner, copy_optimizer_state
+
+
+class EmulatedTying:
+    """Keeps an untied model's LM head equal to its input embedding, with the tied gradient, until `release()`.
+
+    Attach it to the model before wrapping (DDP / FSDP2) and call `attach_optimizer` once the optimizer exists.
+    Hooks are registered on the modules, so they survive `fully_shard` and DDP, which keep the module objects.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.embedding, self.head = _embedding_modules(model)
+        if self.embedding.weight is self.head.weight:
+            raise ValueError(
+                "EmulatedTying needs a model whose head has its own parameter; this one is really tied. Call "
+                "untie.untie_embeddings(model) first (the head starts as an exact copy of the embedding)."
+            )
+        if self.embedding.weight.shape != self.head.weight.shape:
+            raise ValueError(
+                f"EmulatedTying: the embedding {tuple(self.embedding.weight.shape)} and the head "
+                f"{tuple(self.head.weight.shape)} differ in shape, so they cannot be tied."
+            )
+        self.active = True
+        self._fold_queued = False
+        self._handles = [
+            module.register_forward_hook(self._on_lookup)
+            for module in model.modules()
+            if module is not self.head and getattr(module, "weight", None) is self.embedding.weight
+        ]
+        self._step_handle = None
+
+    # -- hooks ------------------------------------------------------------------------------------------------------
+    def _on_lookup(self, module, args, output) -> None:
+        if self.active and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(self._queue_fold)
+
+    def _queue_fold(self, grad: torch.Tensor) -> None:
+        # The lookup's gradient arrives at the very end of backward. A callback queued now runs after the callbacks
+        # queued earlier in this backward: DDP's gradient finalisation and FSDP2's reduce-scatter.
+        if not self._fold_queued:
+            self._fold_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.fold_gradients)
+
+    def fold_gradients(self) -> None:
+        """Move the head's gradient into the embedding's: the embedding holds the tied gradient, the head none."""
+        self._fold_queued = False
+        if not self.active:
+            return
+        embedding, head = self.embedding.weight, self.head.weight
+        if head.grad is None:
+            return
+        if embedding.grad is None:
+            embedding.grad = head.grad.clone()
+        else:
+            embedding.grad.add_(head.grad)
+        head.grad = None
+
+    def mirror_weights(self, *_args) -> None:
+        """Copy the embedding's values into the head (after an optimizer step)."""
+        if self.active:
+            self.head.weight.grad = None
+            with torch.no_grad():
+                self.head.weight.copy_(self.embedding.weight)
+
+    # -- API --------------------------------------------------------------------------------------------------------
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mirror the head after each step of `optimizer`, and start it equal to the embedding."""
+        if self._step_handle is None:
+            self._step_handle = _inner(optimizer).register_step_post_hook(self.mirror_weights)
+        self.mirror_weights()
+
+    def release(self, optimizer: torch.optim.Optimizer | None = None, optimizer_state: str = "copy") -> None:
+        """Untie: stop folding and mirroring; the head's optimizer state starts as a copy of the embedding's or empty.
+
+        Call it between optimizer steps (the head was mirrored by the last one). Nothing is copied into the weights,
+        so releasing a model resumed from a checkpoint saved after the untie keeps its trained head.
+        """
+        self.active = False
+        self.remove()
+        if optimizer is not None and optimizer_state == "copy":
+            copy_optimizer_state(optimizer, new=self.head.weight, like=self.embedding.weight)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._step_handle is not None:
+            self._step_handle.remove()
+            self._step_handle = None
