@@ -1,0 +1,85 @@
+"""Worker for test_fsdp2.py: under `torchrun --nproc_per_node 2`, train a tiny GPT-2 sharded with FSDP2 (gloo, CPU).
+
+Mode "tied" shares one parameter between the embedding and the head (accelerate's layout: both in one FSDP group);
+mode "emulated" gives the head its own parameter and keeps it tied with `EmulatedTying` until RELEASE_STEP (accelerate's
+untied layout: the embedding in its own group, the head with the final norm). Each rank saves its losses, pre-clip
+gradient norms, full matrices at the release step and at the end, and its local shards.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import untie
+from untie.emulation import EmulatedTying
+from untie.testing import ToyLMDataset, tiny_model
+
+STEPS, RELEASE_STEP, MICRO_BATCHES = 12, 7, 2
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def main(out_dir: str, mode: str) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = tiny_model("gpt2")
+    emulation = None
+    if mode == "emulated":
+        untie.untie_embeddings(model)
+        emulation = EmulatedTying(model)  # before sharding: the hooks live on the modules, which fully_shard keeps
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    for block in model.transformer.h:
+        fully_shard(block)
+    if mode == "emulated":
+        fully_shard(embedding)
+        fully_shard([model.transformer.ln_f, head], reshard_after_forward=False)
+    else:
+        fully_shard([model.transformer.ln_f, embedding, head], reshard_after_forward=False)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
+    if emulation is not None:
+        emulation.attach_optimizer(optimizer)
+    data = ToyLMDataset(n=128).ids
+    losses, norms, at_release = [], [], {}
+    for step in range(1, STEPS + 1):
+        total = 0.0
+        for micro in range(MICRO_BATCHES):
+            start = (step * 8 + micro * 4 + rank * 64) % 124
+            ids = data[start : start + 4]
+            loss = model(input_ids=ids, labels=ids).loss / MICRO_BATCHES
+            loss.backward()
+            total += loss.item()
+        norms.append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)).item())  # clipping bites
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+        if step == RELEASE_STEP:
+            if emulation is not None:
+                emulation.release(optimizer)
+            at_release = {"embedding": full(embedding.weight), "head": full(head.weight)}
+    torch.save(
+        {
+            "losses": losses,
+            "norms": norms,
+            "at_release": at_release,
+            "embedding": full(embedding.weight),
+            "head": full(head.weight),
+            "sharded": isinstance(embedding.weight, DTensor) and isinstance(head.weight, DTensor),
+            "local_rows": embedding.weight.to_local().shape[0],
+        },
+        os.path.join(out_dir, f"{mode}-rank{rank}.pt"),
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
