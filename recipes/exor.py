@@ -38,7 +38,7 @@ PRESETS = {
     "quick": dict(
         variants=["main"],
         models=["transformer"],
-        arms=["untied", "tied", "scheduled", "scheduled-reset", "auto"],
+        arms=["untied", "tied", "scheduled", "auto"],
         seeds=[42],
         max_steps=20_000,
         learning_rate=3.8e-3,

@@ -24,7 +24,8 @@ RUN_KEYS = {
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("exor")
-    claims = recipe.main(["--output_dir", str(out), "--workers", "2", *SHORT])
+    arms = ["--arms", "untied", "tied", "scheduled", "scheduled-reset", "auto"]
+    claims = recipe.main(["--output_dir", str(out), "--workers", "2", *arms, *SHORT])
     return out, claims
 
 
