@@ -615,6 +615,17 @@ def _step_axis(ax) -> None:
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if abs(x) >= 1000 else f"{x:g}"))
 
 
+def _save_figure(fig, figures_dir: str, name: str) -> str:
+    """Lay out, write as a PNG and close `fig`; return its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(figures_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_figures(records: list[dict], figures_dir: str) -> list[str]:
     """Per variant and model: distances over steps (tied, untied input, untied output, scheduled) and curves."""
     import matplotlib
@@ -655,11 +666,7 @@ def write_figures(records: list[dict], figures_dir: str) -> list[str]:
             if len(panels) > 3:
                 axes[0][-1].legend(fontsize=6)
             fig.suptitle(f"EXor {variant}, {model}: distances between embedding rows (mean over seeds, min-max band)")
-            fig.tight_layout()
-            path = os.path.join(figures_dir, f"{variant}-{model}-distances.png")
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(path)
+            written.append(_save_figure(fig, figures_dir, f"{variant}-{model}-distances.png"))
 
             fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
             for i, (arm, rs) in enumerate(by_arm.items()):
@@ -685,11 +692,7 @@ def write_figures(records: list[dict], figures_dir: str) -> list[str]:
                 _step_axis(ax)
             axes[0].legend(fontsize=7)
             fig.suptitle(f"EXor {variant}, {model} (mean over seeds)")
-            fig.tight_layout()
-            path = os.path.join(figures_dir, f"{variant}-{model}-curves.png")
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(path)
+            written.append(_save_figure(fig, figures_dir, f"{variant}-{model}-curves.png"))
     return written
 
 
@@ -728,11 +731,7 @@ def write_signal_figures(records: list[dict], figures_dir: str, rule: untie.Unti
                 _step_axis(ax)
             axes[0][0].legend(fontsize=7)
             fig.suptitle(f"EXor {variant}, {model}: what tying costs, per equivalent pair (dotted: trigger fired)")
-            fig.tight_layout()
-            path = os.path.join(figures_dir, f"{variant}-{model}-signals.png")
-            fig.savefig(path, dpi=120)
-            plt.close(fig)
-            written.append(path)
+            written.append(_save_figure(fig, figures_dir, f"{variant}-{model}-signals.png"))
     return written
 
 

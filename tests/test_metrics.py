@@ -193,8 +193,8 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     labels[:, :5] = -100  # no loss on the first positions
     logits = model(input_ids=ids, labels=labels).logits
     logits.sum().mul(0).add(model(input_ids=ids, labels=labels).loss).backward()
-    probe.collect()
-    gaps = probe.conditional_gaps()
+    g_in, _ = probe.collect()
+    gaps = probe.conditional_gaps(g_in)
     # A causal LM's logits at position t predict token t + 1: the loss positions are those with a label at t + 1.
     carries_loss = torch.zeros(labels.shape, dtype=torch.bool)
     carries_loss[:, :-1] = labels[:, 1:] != -100
@@ -203,7 +203,7 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     assert gaps["gap/5-6"] == pytest.approx(expected["5-6"], rel=1e-6)
     assert expected["3-4"] != pytest.approx(conditional_gaps(logits, pairs[:1])["3-4"], rel=1e-3)  # the mask matters
     assert math.isnan(gaps["gap/3-47"])  # 47 was never looked up: no evidence about it
-    assert math.isnan(probe.conditional_gaps()["gap/3-4"])  # reset after reading
+    assert math.isnan(probe.conditional_gaps(g_in)["gap/3-4"])  # reset after reading
 
 
 def test_probe_refuses_pairs_outside_the_vocabulary():

@@ -134,11 +134,11 @@ class UntieCallback(TrainerCallback, ExportableState):
             return
         self._probe.armed = False
         grads = self._probe.collect()
-        gaps = self._probe.conditional_gaps()
         if grads is None:
             return
         step = state.global_step + 1
-        signals = {**role_signals(*grads, weight=self._probe.weight, pairs=self.config.pairs), **gaps}
+        signals = role_signals(*grads, weight=self._probe.weight, pairs=self.config.pairs)
+        signals.update(self._probe.conditional_gaps(grads[0]))
         if self.divergence is not None:
             self.divergence.update(step, signals)
             signals["trigger"] = self.divergence.average if self.divergence.average is not None else math.nan

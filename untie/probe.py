@@ -12,17 +12,19 @@ forward on a detached copy of W under autograd. No extra backward pass over the 
 (V, d) float32 buffer per role on the steps where the probe is armed.
 
 Given symbol ``pairs``, the probe also sums their conditional gaps (`untie.metrics.conditional_gaps`) over the
-positions that carry a loss (those whose logits receive a gradient), from the logits the head produces, and notes
-which tokens the input looked up: a pair whose symbols never occur as input has no semantic evidence to weigh.
+positions that carry a loss (those whose logits receive a gradient), from the logits the head produces.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
+from untie.distributed import world_size
 from untie.metrics import Pairs, pair_gap_sums, pair_key
 from untie.surgery import _embedding_modules
 
@@ -55,16 +57,11 @@ class RoleGradientProbe:
                 f"[0, {vocab})."
             )
         self._gap_sums: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._seen: torch.Tensor | None = None
         self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
         self._handles.append(self.head.register_forward_hook(self._on_head_forward, with_kwargs=True))
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def _on_embedding_forward(self, module, args, kwargs, output) -> None:
-        if self.armed and self.pairs and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
-            if self._seen is None:
-                self._seen = torch.zeros(self.weight.shape[0], dtype=torch.bool, device=args[0].device)
-            self._seen[args[0].reshape(-1)] = True
         if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(
                 lambda grad: self._accumulate("input_grad", self._input_role(module, args, kwargs, grad))
@@ -113,10 +110,12 @@ class RoleGradientProbe:
     def _accumulate_gaps(self, logits: torch.Tensor, grad: torch.Tensor) -> None:
         """Add this micro-batch's conditional-gap sums, over the positions whose logits carry a loss."""
         carries_loss = grad.reshape(-1, grad.shape[-1]).ne(0).any(dim=1)
-        total, weight = pair_gap_sums(logits, self.pairs, carries_loss)
-        if self._gap_sums is not None:
-            total, weight = total + self._gap_sums[0], weight + self._gap_sums[1]
-        self._gap_sums = (total, weight)
+        sums = pair_gap_sums(logits, self.pairs, carries_loss)
+        if self._gap_sums is None:
+            self._gap_sums = sums
+        else:
+            for mine, new in zip(self._gap_sums, sums, strict=True):
+                mine.add_(new)
 
     def _accumulate(self, name: str, role: torch.Tensor) -> None:
         current = getattr(self, name)
@@ -130,35 +129,35 @@ class RoleGradientProbe:
         """
         grads, self.input_grad, self.output_grad = (self.input_grad, self.output_grad), None, None
         have = torch.tensor([float(all(g is not None for g in grads))], device=self.weight.device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if world_size() > 1:
             dist.all_reduce(have, op=dist.ReduceOp.MIN)
             if have.item() == 1.0:
                 for grad in grads:
                     dist.all_reduce(grad, op=dist.ReduceOp.SUM)
                     grad /= dist.get_world_size()
-        return grads if have.item() == 1.0 else None
+        if have.item() != 1.0:
+            self._gap_sums = None  # an incomplete step: its gaps are not read either
+            return None
+        return grads
 
-    def conditional_gaps(self) -> dict[str, float]:
-        """``gap/<a-b>`` of each pair over the step's loss positions (all ranks); NaN where a symbol never occurred
-        as input on any rank (the gap of a symbol the model never reads says nothing about tying). Resets the sums.
+    def conditional_gaps(self, input_grad: torch.Tensor) -> dict[str, float]:
+        """``gap/<a-b>`` of each pair over the step's loss positions (all ranks); resets the sums.
 
-        Every rank must call it on the same steps, after `collect` (it all-reduces under torch.distributed).
+        ``input_grad`` is the step's input-role gradient from `collect`: its nonzero rows are the tokens some rank
+        looked up. A pair with a symbol that never occurred as input is NaN (the gap of a symbol the model never
+        reads says nothing about tying). Every rank must call it on the same steps (it all-reduces).
         """
-        if not self.pairs:
-            return {}
-        device = self.weight.device
-        index = torch.as_tensor(self.pairs, device=device)
-        if self._gap_sums is None:  # no backward this step on this rank: contribute nothing
-            self._gap_sums = tuple(torch.zeros(len(self.pairs), dtype=torch.float64, device=device) for _ in range(2))
+        if self._gap_sums is None:  # nothing measured since the last read (or no pairs)
+            return {f"gap/{pair_key(p)}": math.nan for p in self.pairs}
+        index = torch.as_tensor(self.pairs, device=input_grad.device)
+        # Set by the backward hook that also yields the output role: every rank that collect() vouched for has them.
         total, weight = self._gap_sums
-        seen = self._seen if self._seen is not None else torch.zeros(self.weight.shape[0], dtype=torch.bool)
-        seen = seen.to(device=device, dtype=torch.float64)
-        self._gap_sums, self._seen = None, None
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            for tensor, op in ((total, dist.ReduceOp.SUM), (weight, dist.ReduceOp.SUM), (seen, dist.ReduceOp.MAX)):
-                dist.all_reduce(tensor, op=op)
-        both_seen = (seen[index[:, 0]] > 0) & (seen[index[:, 1]] > 0)
-        gaps = torch.where(both_seen & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
+        self._gap_sums = None
+        if world_size() > 1:
+            for tensor in (total, weight):
+                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        seen = torch.linalg.vector_norm(input_grad[index.reshape(-1)], dim=1).reshape(-1, 2).gt(0).all(dim=1)
+        gaps = torch.where(seen.to(weight.device) & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
         return {f"gap/{pair_key(p)}": float(g) for p, g in zip(self.pairs, gaps, strict=True)}
 
     def remove(self) -> None:
@@ -167,4 +166,4 @@ class RoleGradientProbe:
         self._handles = []
         self.armed = False
         self.input_grad = self.output_grad = None
-        self._gap_sums = self._seen = None
+        self._gap_sums = None
