@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import types
 
 import pytest
 import torch
 import transformers as tf
 
 import untie
-from untie.distributed import refuse_unsupported_engines
+from untie.distributed import resolve_tying_mode, training_engine
 from untie.testing import ToyLMDataset, tiny_model
 
 
@@ -288,15 +289,64 @@ def test_unknown_settings_are_refused():
         untie.UntieCallback(untie_step=3)
 
 
-@pytest.mark.parametrize(
-    ("field", "value", "engine"), [("deepspeed", "ds.json", "DEEPSPEED"), ("fsdp", ["full_shard"], "FSDP")]
-)
-def test_sharded_engines_are_refused(field, value, engine):
-    class Args:
-        fsdp = None
-        deepspeed = None
+@pytest.fixture
+def no_accelerator(monkeypatch):
+    """No Accelerator created yet and no `accelerate launch` environment: the engine comes from the arguments."""
+    from accelerate.state import AcceleratorState, PartialState
 
-    args = Args()
-    setattr(args, field, value)
-    with pytest.raises(RuntimeError, match=f"does not support {engine}.*DDP"):
-        refuse_unsupported_engines(args)
+    monkeypatch.setattr(AcceleratorState, "_shared_state", {})
+    monkeypatch.setattr(PartialState, "_shared_state", {})
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_VERSION", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("settings", "engine"),
+    [
+        ({}, None),
+        ({"fsdp": True, "fsdp_config": {"version": 2}}, "FSDP2"),
+        ({"fsdp": ["full_shard"], "fsdp_config": {"version": 1}}, "FSDP1"),
+        ({"fsdp": True}, "FSDP2"),  # transformers' default FSDP version
+        ({"deepspeed": "ds.json"}, "DEEPSPEED"),
+    ],
+)
+def test_the_engine_is_read_from_the_arguments_before_accelerate_starts(no_accelerator, settings, engine):
+    args = types.SimpleNamespace(**{"fsdp": None, "fsdp_config": None, "deepspeed": None, **settings})
+    assert training_engine(args) == engine
+
+
+def test_the_engine_follows_accelerate_launch_environment(no_accelerator, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    assert training_engine(None) == "FSDP1"
+
+
+def test_the_engine_is_what_accelerate_will_run(make_args):
+    # Once Trainer built its Accelerator (here on CPU, where fsdp arguments would train unsharded) the state decides.
+    tf.Trainer(model=tiny_model("gpt2"), args=make_args(max_steps=1), train_dataset=ToyLMDataset())
+    assert training_engine(types.SimpleNamespace(fsdp=True, fsdp_config={"version": 2}, deepspeed=None)) is None
+
+
+@pytest.mark.parametrize(
+    ("requested", "engine", "mode"),
+    [
+        ("auto", None, "live"),
+        ("live", None, "live"),
+        ("emulated", None, "emulated"),
+        ("auto", "FSDP2", "emulated"),
+        ("emulated", "FSDP2", "emulated"),
+    ],
+)
+def test_tying_mode_auto_picks_emulated_only_where_a_live_untie_cannot_work(requested, engine, mode):
+    assert resolve_tying_mode(requested, engine) == mode
+
+
+def test_live_tying_under_fsdp2_and_unsupported_engines_are_refused():
+    with pytest.raises(RuntimeError, match="tying_mode='live' cannot work under FSDP2.*silently reverted"):
+        resolve_tying_mode("live", "FSDP2")
+    for engine in ("FSDP1", "DEEPSPEED", "MEGATRON_LM", "XLA"):
+        for requested in ("auto", "emulated"):
+            with pytest.raises(RuntimeError, match=f"untie does not support {engine}"):
+                resolve_tying_mode(requested, engine)
+    with pytest.raises(RuntimeError, match="Use FSDP2"):
+        resolve_tying_mode("auto", "DEEPSPEED")

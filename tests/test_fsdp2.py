@@ -50,3 +50,91 @@ def test_after_the_release_the_head_trains_on_its_own_and_ranks_agree(runs):
     assert not torch.equal(rank0["head"], rank0["at_release"]["head"])  # and the head kept training
     assert rank0["norms"] == rank1["norms"]  # each rank's loss is its own batch's; the gradient norm is global
     assert torch.equal(rank0["head"], rank1["head"]) and torch.equal(rank0["embedding"], rank1["embedding"])
+
+
+# -- Trainer + accelerate FSDP2 (fsdp_config={"version": 2}) with UntieCallback -------------------------------------
+TRAINER_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_trainer_run.py")
+UNTIE_AT = 6
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    out = tmp_path_factory.mktemp("fsdp2-trainer")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+    result = subprocess.run([*cmd, TRAINER_WORKER, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8")
+    return out, {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
+
+
+def test_under_trainer_fsdp2_the_callback_picks_emulated_tying_and_matches_a_tied_run(trainer_runs):
+    _, runs = trainer_runs
+    tied, emulated = runs["tied"][0], runs["emulated"][0]
+    assert tied["fsdp"] and tied["sharded"] and tied["tied_parameter"]  # accelerate kept the real tie in one group
+    assert emulated["sharded"] and not emulated["tied_parameter"]
+    assert (emulated["tying_mode"], emulated["untie_step"], emulated["reason"]) == ("emulated", UNTIE_AT, "deadline")
+    before = slice(0, UNTIE_AT)
+    assert min(tied["norms"][before]) > 0.3  # max_grad_norm=0.3 bites: clipping must see the tied norm
+    torch.testing.assert_close(emulated["losses"][before], tied["losses"][before], rtol=0, atol=1e-6)
+    torch.testing.assert_close(emulated["norms"][before], tied["norms"][before], rtol=1e-6, atol=0)
+    torch.testing.assert_close(emulated["at_untie"]["embedding"], tied["at_untie"]["embedding"], rtol=0, atol=1e-6)
+    assert torch.equal(emulated["at_untie"]["head"], emulated["at_untie"]["embedding"])
+
+
+def test_under_trainer_fsdp2_the_head_trains_after_the_untie_and_ranks_agree(trainer_runs):
+    _, runs = trainer_runs
+    rank0, rank1 = runs["emulated"]
+    assert not torch.equal(rank0["final"]["head"], rank0["final"]["embedding"])
+    assert not torch.equal(rank0["final"]["head"], rank0["at_untie"]["head"])
+    assert rank0["norms"] == rank1["norms"]
+    for name in ("head", "embedding"):
+        assert torch.equal(rank0["final"][name], rank1["final"][name])
+
+
+@pytest.mark.parametrize(
+    ("resumed", "original"), [("resume-8", "emulated"), ("resume-4", "emulated"), ("full-resume-8", "full")]
+)
+def test_fsdp2_resume_from_sharded_or_full_checkpoints_equals_the_uninterrupted_run(trainer_runs, resumed, original):
+    # checkpoint-8 is after the untie, checkpoint-4 before it (the run unties after resuming); "full": full state dicts.
+    _, runs = trainer_runs
+    for rank in (0, 1):
+        run, reference = runs[resumed][rank], runs[original][rank]
+        assert (run["untie_step"], run["reason"]) == (UNTIE_AT, "deadline")
+        assert run["losses"][-2:] == reference["losses"][-2:]
+        for name in ("head", "embedding"):
+            assert torch.equal(run["final"][name], reference["final"][name]), name
+
+
+def test_fsdp2_save_model_and_tied_phase_checkpoints_keep_both_matrices_and_reload_untied(trainer_runs):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, runs = trainer_runs
+    final = runs["full"][0]["final"]
+    saved = load_file(out / "saved" / "model.safetensors")
+    assert torch.equal(saved["lm_head.weight"], final["head"])
+    assert torch.equal(saved["transformer.wte.weight"], final["embedding"])
+    model = AutoModelForCausalLM.from_pretrained(out / "saved")
+    assert not model.config.tie_word_embeddings
+    assert torch.equal(model.get_output_embeddings().weight, final["head"])  # not re-tied on load
+    tied_phase = load_file(out / "full" / "checkpoint-4" / "model.safetensors")
+    assert torch.equal(tied_phase["lm_head.weight"], tied_phase["transformer.wte.weight"])  # both saved, equal
+
+
+def test_fsdp2_drift_metrics_after_the_untie_read_the_shards_and_agree_across_ranks(trainer_runs):
+    from untie.metrics import pair_distances
+
+    _, runs = trainer_runs
+    rank0, rank1 = runs["emulated"]
+    assert rank0["history"] == rank1["history"]
+    steps = [h["step"] for h in rank0["history"]]
+    assert steps == [8, 10]  # every 2 steps, once untied (no role signals in the emulated tied phase)
+    last = rank0["history"][-1]
+    assert 0 < last["knn_overlap"] <= 1 and 0 < last["cka"] <= 1
+    # (7, 40) has one row on each rank: the gathered rows are the full matrices' rows.
+    for space, matrix in (("input", "embedding"), ("output", "head")):
+        for key, value in pair_distances(rank0["final"][matrix], [(3, 5), (7, 40)]).items():
+            assert last[f"{space}_distance/{key}"] == pytest.approx(value, rel=1e-6)

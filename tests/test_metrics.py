@@ -17,6 +17,7 @@ from untie.metrics import (
     pair_distances,
     pair_pushes,
     role_signals,
+    sampled_drift_metrics,
 )
 from untie.probe import RoleGradientProbe
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
@@ -116,6 +117,28 @@ def test_drift_metrics_report_overlap_cka_and_pair_distances():
     metrics = drift_metrics(emb, emb.clone(), pairs=[(0, 1)])
     assert metrics["knn_overlap"] == 1.0 and metrics["cka"] == pytest.approx(1.0)
     assert metrics["input_distance/0-1"] == metrics["output_distance/0-1"] == pytest.approx((emb[0] - emb[1]).norm())
+
+
+def test_sampled_drift_metrics_read_only_the_sampled_rows_and_match_drift_metrics():
+    torch.manual_seed(0)
+    first, second = torch.randn(300, 8), torch.randn(300, 8)
+    pairs = [(3, 250), (7, 8)]
+    read = []
+
+    def read_rows(ids):
+        read.append(ids)
+        return first[ids], second[ids]
+
+    # The sample covers the whole vocabulary: the same numbers as on the whole matrices.
+    whole = drift_metrics(first, second, pairs=pairs, seed=5, queries=None, pool=None, rows=None)
+    sampled = sampled_drift_metrics(read_rows, 300, pairs=pairs, seed=5, queries=None, pool=None, rows=None)
+    assert sampled == pytest.approx(whole, rel=1e-6)
+    # A sample of 40 rows reads 40 rows plus the pairs' tokens, and still reports the exact pair distances.
+    sampled = sampled_drift_metrics(read_rows, 300, pairs=pairs, seed=5, queries=16, pool=40, rows=20)
+    assert len(read[-1]) <= 44 and {3, 250, 7, 8} <= set(read[-1].tolist())
+    assert sampled["input_distance/3-250"] == pytest.approx((first[3] - first[250]).norm().item())
+    assert sampled["output_distance/7-8"] == pytest.approx((second[7] - second[8]).norm().item())
+    assert sampled_drift_metrics(lambda ids: (first[ids], first[ids]), 300, seed=1, pool=40)["knn_overlap"] == 1.0
 
 
 def _logits(*rows):

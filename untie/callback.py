@@ -14,9 +14,16 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 from untie.adapters import check_peft_run, is_peft_model
 from untie.checkpoint import install_resume_guard, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, UntieConfig
-from untie.distributed import broadcast_decision, refuse_unsupported_engines, sync_grads_across_ranks
+from untie.distributed import (
+    broadcast_decision,
+    gather_rows,
+    is_sharded,
+    resolve_tying_mode,
+    sync_grads_across_ranks,
+    training_engine,
+)
 from untie.emulation import EmulatedTying
-from untie.metrics import drift_metrics, role_signals
+from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
 from untie.triggers import DivergenceTrigger, ScheduledTrigger
@@ -51,6 +58,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._latest: dict[str, float] = {}
         self._grad_sync_handle = None
         self._emulation: EmulatedTying | None = None
+        self.tying_mode: str | None = None
+        """The tied phase's implementation, "live" or "emulated", resolved from `config.tying_mode` at `on_init_end`."""
 
     # -- ExportableState ------------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -58,6 +67,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             "untied": self.untied,
             "untie_step": self.untie_step,
             "untie_reason": self.untie_reason,
+            "tying_mode": self.tying_mode,
             "trigger": self.divergence.state_dict() if self.divergence else None,
             "history": self.history,
         }
@@ -65,7 +75,14 @@ class UntieCallback(TrainerCallback, ExportableState):
 
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        refuse_unsupported_engines(args)
+        engine = training_engine(args)
+        self.tying_mode = resolve_tying_mode(self.config.tying_mode, engine)
+        if self.tying_mode == "emulated" and self.config.untie_when is not None:
+            raise ValueError(
+                f"untie_when is not available in the emulated tying mode (chosen for {engine or 'this run'}) yet: the "
+                "role signals that feed the trigger are measured on a shared parameter. Use untie_at (a step or a "
+                "fraction of the run)."
+            )
         _run_first(self)
         if is_peft_model(model):
             # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
@@ -88,7 +105,7 @@ class UntieCallback(TrainerCallback, ExportableState):
                     stacklevel=2,
                 )
                 tie_embeddings(model, init=self.config.tie_init)
-            if self.config.tying_mode == "emulated":
+            if self.tying_mode == "emulated":
                 # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
                 untie_embeddings(model)
                 self._emulation = EmulatedTying(model)
@@ -160,9 +177,7 @@ class UntieCallback(TrainerCallback, ExportableState):
                 if self.config.save_at_untie:
                     control.should_save = True
         elif self._measures(step):
-            self._record(
-                step, drift_metrics(*_both_weights(model), pairs=self.config.pairs, seed=step, **_DRIFT_SAMPLE)
-            )
+            self._record(step, self._drift(model, step))
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -186,6 +201,19 @@ class UntieCallback(TrainerCallback, ExportableState):
     def _record(self, step: int, metrics: dict[str, float]) -> None:
         self.history.append({"step": step, **metrics})
         self._latest = metrics
+
+    def _drift(self, model, step: int) -> dict[str, float]:
+        input_weight, output_weight = _both_weights(model)
+        if not is_sharded(input_weight):
+            return drift_metrics(input_weight, output_weight, pairs=self.config.pairs, seed=step, **_DRIFT_SAMPLE)
+        # FSDP2: read only the sampled rows of each rank's shard (every rank samples the same rows).
+        return sampled_drift_metrics(
+            lambda ids: (gather_rows(input_weight, ids), gather_rows(output_weight, ids)),
+            vocab=input_weight.shape[0],
+            pairs=self.config.pairs,
+            seed=step,
+            **_DRIFT_SAMPLE,
+        )
 
     def _untie(self, model, optimizer, step: int, reason: str) -> None:
         self._drop_probe()

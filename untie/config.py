@@ -13,7 +13,7 @@ from untie.triggers import UntieWhen, pair_signal
 #: untie leaves 70% of the budget for the input and output spaces to separate (see README, "Defaults").
 DEFAULT_UNTIE_AT = 0.3
 #: How the tied phase is implemented (see `UntieConfig.tying_mode`).
-TYING_MODES = ("live", "emulated")
+TYING_MODES = ("auto", "live", "emulated")
 
 
 @dataclass
@@ -34,7 +34,7 @@ class UntieConfig:
     tying_mode: how the tied phase runs. "live": one shared parameter; the head parameter is created at the
         untie (single device, DDP). "emulated": the head has its own parameter from the start and is kept equal to
         the embedding, with the tied gradient (`untie.emulation`); the untie only stops that. It costs one more
-        (V, d) parameter while tied and is what sharded engines need.
+        (V, d) parameter while tied and is what FSDP2 needs. "auto" (default): "emulated" under FSDP2, else "live".
     pairs: symbol pairs (token ids) whose distances, pushes, tension and conditional gap are measured too, e.g.
         [[0, 1], [2, 3]]: pairs you know to be semantically equivalent (synonyms, spelling variants, twins).
     """
@@ -46,7 +46,7 @@ class UntieConfig:
     untie_when: UntieWhen | None = None
     metrics_every: int = 50
     pairs: list[tuple[int, int]] = field(default_factory=list)
-    tying_mode: str = "live"
+    tying_mode: str = "auto"
 
     def __post_init__(self) -> None:
         self.untie_when = UntieWhen.coerce(self.untie_when)

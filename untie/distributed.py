@@ -1,43 +1,77 @@
-"""Distributed-training guards: refuse sharded engines, and keep a live-untied head in sync across DDP ranks."""
+"""Distributed training: which engine runs, which tying mode it allows, and keeping ranks in step (DDP, FSDP2)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
-_UNSUPPORTED = (
-    "untie does not support {engine} yet: {why} Train with DDP (plain `accelerate launch` / torchrun) or a single "
-    "device, or untie before wrapping and train the untied model."
-)
 _WHY = {
-    "FSDP": "a live untie under FSDP2 is silently reverted (the head snaps back to the shared embedding) and FSDP1 "
-    "cannot take a new parameter after wrapping.",
-    "DEEPSPEED": "ZeRO builds its flat parameter partitions at engine init and cannot take a new parameter.",
-    "MEGATRON_LM": "Megatron-LM manages embeddings itself.",
-    "XLA": "XLA/TPU re-ties weights when the model is moved to the device.",
+    "FSDP1": "FSDP1 flattens every parameter of a unit into one FlatParameter at wrap time: a head created later is "
+    "never sharded, and the emulated mode's gradient fold needs row-aligned shards. Use FSDP2 (accelerate "
+    "`fsdp_version: 2`, or `fsdp_config={'version': 2}`), where tying_mode='auto' picks the emulated mode.",
+    "DEEPSPEED": "ZeRO builds its flat fp32 partitions at engine init, so a head cannot be added later, and under "
+    "accelerate the engine's step runs inside backward, leaving no point to fold the head's gradient into the "
+    "embedding's (stages 0-3 alike). Use FSDP2 (tying_mode='auto' picks the emulated mode there) or DDP.",
+    "MEGATRON_LM": "Megatron-LM manages (and ties) the embeddings itself.",
+    "XLA": "XLA/TPU re-ties the weights when the model is moved to the device.",
+}
+#: Engines with a separate head parameter from the start only: a head created after wrapping is not managed.
+_EMULATED_ONLY = {
+    "FSDP2": "a live untie under FSDP2 is silently reverted: fully_shard re-assigns the head's parameter to the "
+    "shared embedding at every unshard, and the new parameter never trains.",
 }
 
 
-def refuse_unsupported_engines(args=None) -> None:
-    """Raise a clear error under FSDP, DeepSpeed, Megatron-LM or TPU, where a live untie cannot work."""
-    engines = []
-    if args is not None:
-        if getattr(args, "fsdp", None):
-            engines.append("FSDP")
-        if getattr(args, "deepspeed", None):
-            engines.append("DEEPSPEED")
-    try:
-        from accelerate.state import PartialState
+def training_engine(args=None) -> str | None:
+    """The engine that trains the model: "FSDP2", "FSDP1", "DEEPSPEED", "MEGATRON_LM", "XLA" or None (DDP, one device).
 
-        if PartialState._shared_state:
-            engines.append(PartialState().distributed_type.name)
+    Trainer creates its Accelerator before `on_init_end`, so accelerate's state is what will actually run (e.g.
+    `fsdp=True` on CPU trains unsharded). Without that state, read the arguments and accelerate's launch environment.
+    """
+    try:
+        from accelerate.state import AcceleratorState, PartialState
+
+        if AcceleratorState._shared_state:
+            state = AcceleratorState()
+            name = state.distributed_type.name
+            if name == "FSDP":
+                return f"FSDP{getattr(state.fsdp_plugin, 'fsdp_version', 1)}"
+            return name if name in _WHY else None
+        if PartialState._shared_state and PartialState().distributed_type.name == "XLA":
+            return "XLA"
     except (ImportError, AttributeError, ValueError):
         pass
-    for engine in engines:
-        for key, why in _WHY.items():
-            if key in engine:
-                raise RuntimeError(_UNSUPPORTED.format(engine=engine, why=why))
+    fsdp_config = getattr(args, "fsdp_config", None) or {}
+    if getattr(args, "fsdp", None) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        version = fsdp_config.get("version", os.environ.get("FSDP_VERSION", 2))
+        return f"FSDP{int(version)}"
+    if getattr(args, "deepspeed", None) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "DEEPSPEED"
+    return None
+
+
+def resolve_tying_mode(requested: str, engine: str | None) -> str:
+    """The tied phase's implementation for `engine`: "live" or "emulated"; raise where neither can work.
+
+    "auto" picks "live" (one shared parameter, the cheapest) on one device and under DDP, and "emulated" where a
+    head created after wrapping would not train (FSDP2). A forced mode is honoured unless the engine rules it out.
+    """
+    if engine in _WHY:
+        raise RuntimeError(
+            f"untie does not support {engine}: {_WHY[engine]} A single device and DDP work in either tying_mode."
+        )
+    if engine in _EMULATED_ONLY:
+        if requested == "live":
+            raise RuntimeError(
+                f"tying_mode='live' cannot work under {engine}: {_EMULATED_ONLY[engine]} Use tying_mode='auto' or "
+                "'emulated' (the head gets its own parameter before wrapping and trains exactly as if tied)."
+            )
+        return "emulated"
+    return "live" if requested == "auto" else requested
 
 
 def world_size() -> int:
@@ -81,3 +115,31 @@ def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a distributed tensor (an FSDP2 parameter), of which each rank holds a part."""
+    return isinstance(tensor, DTensor)
+
+
+def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a (V, d) matrix as a plain tensor on every rank, also when FSDP2 shards it by rows.
+
+    Every rank must call it with the same ids. A row-sharded matrix costs one (len(ids), d) all-reduce, not the
+    (V, d) all-gather of `full_tensor()`; other placements fall back to that.
+    """
+    if not is_sharded(weight):
+        return weight.detach()[ids.to(weight.device)]
+    if tuple(weight.placements) != (Shard(0),):
+        return weight.full_tensor().detach()[ids.to(weight.device)]
+    local = weight.to_local().detach()
+    group = weight.device_mesh.get_group()
+    sizes = [torch.zeros(1, dtype=torch.long, device=local.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([local.shape[0]], device=local.device), group=group)
+    offset = int(sum(size.item() for size in sizes[: dist.get_rank(group)]))
+    ids = ids.to(local.device)
+    mine = (ids >= offset) & (ids < offset + local.shape[0])
+    rows = torch.zeros(len(ids), local.shape[1], dtype=local.dtype, device=local.device)
+    rows[mine] = local[ids[mine] - offset]
+    dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+    return rows

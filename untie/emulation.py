@@ -50,6 +50,7 @@ class EmulatedTying:
             if module is not self.head and getattr(module, "weight", None) is self.embedding.weight
         ]
         self._step_handle = None
+        self._state_dict_handle = None
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def _on_lookup(self, module, args, output) -> None:
@@ -86,10 +87,32 @@ class EmulatedTying:
 
     # -- API --------------------------------------------------------------------------------------------------------
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Mirror the head after each step of `optimizer`, and start it equal to the embedding."""
+        """Mirror the head after each step of `optimizer`, and start it equal to the embedding.
+
+        Call it after a resumed run loaded its checkpoint: the head's optimizer state saved with a tied-phase
+        checkpoint (see `_add_head_state`) is dropped again, as the head has none while tied.
+        """
+        inner = _inner(optimizer)
         if self._step_handle is None:
-            self._step_handle = _inner(optimizer).register_step_post_hook(self.mirror_weights)
+            self._step_handle = inner.register_step_post_hook(self.mirror_weights)
+            self._state_dict_handle = inner.register_state_dict_post_hook(self._add_head_state)
+        inner.state.pop(self.head.weight, None)
         self.mirror_weights()
+
+    def _add_head_state(self, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+        """Save the embedding's optimizer state for the head too (the same tensors: no copy) while tied.
+
+        A checkpoint then holds state for every parameter, which torch.distributed.checkpoint's loader (FSDP2
+        resume) requires: it plans one entry per parameter of the freshly initialised optimizer.
+        """
+        if self.active:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            index = {id(p): i for i, p in enumerate(params)}
+            embedding, head = index.get(id(self.embedding.weight)), index.get(id(self.head.weight))
+            state = state_dict["state"]
+            if embedding in state and head is not None and head not in state:
+                state[head] = state[embedding]
+        return state_dict
 
     def release(self, optimizer: torch.optim.Optimizer | None = None, optimizer_state: str = "copy") -> None:
         """Untie: stop folding and mirroring; the head's optimizer state starts as a copy of the embedding's or empty.
@@ -106,6 +129,7 @@ class EmulatedTying:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        if self._step_handle is not None:
-            self._step_handle.remove()
-            self._step_handle = None
+        for handle in (self._step_handle, self._state_dict_handle):
+            if handle is not None:
+                handle.remove()
+        self._step_handle = self._state_dict_handle = None

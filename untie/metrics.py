@@ -16,7 +16,7 @@ Three families, matching the three moments of a tie-then-untie run:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -298,3 +298,34 @@ def drift_metrics(
     for key, value in pair_distances(output_weight, pairs).items():
         metrics[f"output_distance/{key}"] = value
     return metrics
+
+
+def sampled_drift_metrics(
+    read_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    vocab: int,
+    pairs: Pairs = (),
+    seed: int = 0,
+    queries: int | None = 1024,
+    pool: int | None = 16384,
+    rows: int | None = 4096,
+) -> dict[str, float]:
+    """`drift_metrics` when the matrices are read a few rows at a time (sharded or too large to hold whole).
+
+    Samples ``pool`` token ids (plus the pairs' tokens), reads those rows of the input and the output matrix through
+    ``read_rows(ids) -> (input_rows, output_rows)``, and measures on them: neighbours are searched among the
+    sampled tokens and CKA uses ``rows`` of them, the same sampling as `drift_metrics`.
+    """
+    ids = _sample_rows(vocab, pool, _generator(seed), "cpu")
+    paired = torch.tensor([token for pair in pairs for token in pair], dtype=torch.long)
+    ids = torch.unique(torch.cat([ids, paired]))  # sorted
+    input_rows, output_rows = read_rows(ids)
+    position = {int(token): i for i, token in enumerate(ids)}
+    local_pairs = [(position[a], position[b]) for a, b in pairs]
+    metrics = drift_metrics(input_rows, output_rows, local_pairs, seed=seed, queries=queries, pool=None, rows=rows)
+    renamed = {pair_key(local): pair_key(pair) for local, pair in zip(local_pairs, pairs, strict=True)}
+    return {_rename_pair(key, renamed): value for key, value in metrics.items()}
+
+
+def _rename_pair(key: str, renamed: dict[str, str]) -> str:
+    name, _, pair = key.rpartition("/")
+    return f"{name}/{renamed[pair]}" if name and pair in renamed else key

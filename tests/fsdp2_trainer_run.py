@@ -1,0 +1,126 @@
+"""Worker for test_fsdp2.py: Trainer + accelerate FSDP2 (`fsdp_config={"version": 2}`) under `torchrun`, on CPU.
+
+accelerate selects FSDP only on accelerator devices (on CPU it trains unsharded, `MULTI_CPU`). This worker lifts that
+one check, so accelerate's real FSDP2 path runs on CPU with gloo: `fsdp2_prepare_model` (`fully_shard`, DTensor
+parameters), its optimizer, gradient clipping and DCP / full-state-dict checkpoints. Runs, all in one process group:
+
+* ``tied``: the model really tied (one parameter), no callback: the reference for the tied phase;
+* ``emulated``: `UntieCallback(untie_at=UNTIE_AT)` with the default tying_mode ("auto"), sharded checkpoints, and
+  drift metrics every 2 steps after the untie (read from the shards);
+* ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
+* ``full``: the same with full state-dict checkpoints, then `save_model`; ``full-resume-8`` resumes from it.
+
+Each run saves, per rank: losses and gradient norms per step, the full matrices after the untie step and at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers as tf
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
+
+import untie
+from untie.testing import ToyLMDataset, tiny_model
+
+UNTIE_AT, MAX_STEPS, SAVE_STEPS = 6, 10, 4
+PAIRS = [(3, 5), (7, 40)]  # (7, 40): rows on different ranks
+
+
+def _accelerate_fsdp_on_cpu() -> None:
+    original = AcceleratorState.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        plugin = kwargs.get("fsdp_plugin")
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP  # as accelerate does on GPUs
+
+    AcceleratorState.__init__ = init
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+class Snapshot(tf.TrainerCallback):
+    """Full embedding and head after step UNTIE_AT (a collective: every rank takes it)."""
+
+    def __init__(self) -> None:
+        self.at_untie: dict[str, torch.Tensor] = {}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == UNTIE_AT:
+            self.at_untie = _matrices(model)
+
+
+def _matrices(model) -> dict[str, torch.Tensor]:
+    return {"embedding": full(model.get_input_embeddings().weight), "head": full(model.get_output_embeddings().weight)}
+
+
+def _run(out_dir: str, name: str, state_dict_type: str, callback=None, resume: str | None = None) -> tf.Trainer:
+    args = tf.TrainingArguments(
+        os.path.join(out_dir, name),
+        fsdp=True,
+        fsdp_config={"version": 2, "state_dict_type": state_dict_type, "reshard_after_forward": True},
+        use_cpu=True,
+        max_steps=MAX_STEPS,
+        save_steps=SAVE_STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=5e-3,
+        weight_decay=0.1,
+        max_grad_norm=0.3,  # clipping bites every step: the norm must be the tied gradient's
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    snapshot = Snapshot()
+    callbacks = [snapshot] + ([callback] if callback is not None else [])
+    torch.manual_seed(0)
+    trainer = tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(n=96), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume)
+    model = trainer.model
+    record = {
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+        "at_untie": snapshot.at_untie,
+        "final": _matrices(model),
+        "sharded": isinstance(model.get_input_embeddings().weight, DTensor),
+        "tied_parameter": model.get_input_embeddings().weight is model.get_output_embeddings().weight,
+        "fsdp": trainer.is_fsdp_enabled,
+    }
+    if callback is not None:
+        record.update(tying_mode=callback.tying_mode, untie_step=callback.untie_step, reason=callback.untie_reason)
+        record["history"] = callback.history
+    torch.save(record, os.path.join(out_dir, f"{name}-rank{dist.get_rank()}.pt"))
+    return trainer
+
+
+def main(out_dir: str) -> None:
+    _accelerate_fsdp_on_cpu()
+    emulated = os.path.join(out_dir, "emulated")
+    full_dir = os.path.join(out_dir, "full")
+    _run(out_dir, "tied", "SHARDED_STATE_DICT")
+    measured = untie.UntieCallback(untie_at=UNTIE_AT, metrics_every=2, pairs=PAIRS)  # drift after the untie
+    _run(out_dir, "emulated", "SHARDED_STATE_DICT", measured)
+    _run(out_dir, "resume-8", "SHARDED_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{emulated}/checkpoint-8")
+    _run(out_dir, "resume-4", "SHARDED_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{emulated}/checkpoint-4")
+    trainer = _run(out_dir, "full", "FULL_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT))
+    trainer.save_model(os.path.join(out_dir, "saved"))
+    _run(
+        out_dir, "full-resume-8", "FULL_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{full_dir}/checkpoint-8"
+    )
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
