@@ -26,6 +26,8 @@ def main(out_dir: str, arch: str, mode: str) -> None:
     if mode == "trigger":  # the divergence trigger, fed by role signals measured every 2 steps, fires at step 6
         rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=3)
         callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 4)])
+    elif mode == "emulated":  # the head exists (and is DDP-wrapped) from the start, kept tied until step 4
+        callback = untie.UntieCallback(untie_at=4, tying_mode="emulated")
     else:
         callback = untie.UntieCallback(untie_at=4)
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=128), callbacks=[callback])
@@ -37,6 +39,7 @@ def main(out_dir: str, arch: str, mode: str) -> None:
             "distributed_type": trainer.accelerator.distributed_type.name,
             "untie_step": callback.untie_step,
             "untie_reason": callback.untie_reason,
+            "tying_mode": callback.tying_mode,
             "history": callback.history,
             "tied": untie.is_tied(model),
             "input": model.get_parameter(layout.input_weight).detach(),

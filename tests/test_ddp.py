@@ -54,6 +54,17 @@ def test_ranks_untie_together_and_stay_identical(arch, tmp_path):
         assert torch.equal(value, rank1["params"][name]), name
 
 
+def test_emulated_tying_under_ddp_equals_a_live_untie_and_ranks_agree(tmp_path):
+    """DDP reduces the emulated head's gradient itself (it exists at wrap time); the fold comes after that reduction."""
+    live = _torchrun(tmp_path / "live", "gpt2", "sync")
+    rank0, rank1 = _torchrun(tmp_path / "emulated", "gpt2", "emulated")
+    assert (rank0["tying_mode"], live[0]["tying_mode"]) == ("emulated", "live")
+    assert rank0["untie_step"] == rank1["untie_step"] == 4
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
+        torch.testing.assert_close(value, live[0]["params"][name], rtol=0, atol=1e-5)
+
+
 def test_without_gradient_sync_the_untied_head_diverges(tmp_path):
     """Negative control for the test above: DDP alone does not reduce a parameter created after wrapping."""
     rank0, rank1 = _torchrun(tmp_path, "gpt2", "nosync")

@@ -58,11 +58,16 @@ class EmulatedTying:
             output.register_hook(self._queue_fold)
 
     def _queue_fold(self, grad: torch.Tensor) -> None:
-        # The lookup's gradient arrives at the very end of backward. A callback queued now runs after the callbacks
-        # queued earlier in this backward: DDP's gradient finalisation and FSDP2's reduce-scatter.
+        # The lookup's output gradient arrives near the end of backward, but before the embedding's own weight
+        # gradient: DDP queues its gradient finalisation (copying the averaged buckets into .grad) only once that one
+        # is ready, i.e. after this point. So queue a callback that queues the fold: callbacks queued while the
+        # queue runs go to its end, after DDP's finalisation and FSDP2's reduce-scatter (queued at backward start).
         if not self._fold_queued:
             self._fold_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.fold_gradients)
+            torch.autograd.Variable._execution_engine.queue_callback(self._queue_fold_last)
+
+    def _queue_fold_last(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self.fold_gradients)
 
     def fold_gradients(self) -> None:
         """Move the head's gradient into the embedding's: the embedding holds the tied gradient, the head none."""
