@@ -80,8 +80,10 @@ PRESETS = {
         train_sampling_strategy="random",
     ),
 }
-#: The auto arm's divergence rule: the library's default.
-DEFAULT_RULE = untie.UntieWhen()
+#: The auto arm's divergence rule. Every (word, twin) pair is swappable in the input by construction, so the callback
+#: gets them all as `pairs`; untie once the model predicts some word and its twin differently by more than 1 nat
+#: (the conditional gap), i.e. once the distributional hypothesis fails for that pair. The EXor recipe's rule.
+TWIN_RULE = untie.UntieWhen(signal="gap", threshold=1.0, smoothing=0.9, warmup=0.05, patience=5)
 
 
 @dataclass
@@ -325,7 +327,9 @@ class ThroughputMeter(tf.TrainerCallback):
 # -- One arm --
 
 
-def arm_callbacks(arm: str, args: BookCorpusArguments) -> tuple[bool, list[tf.TrainerCallback]]:
+def arm_callbacks(
+    arm: str, args: BookCorpusArguments, twins: untie.bookcorpus.TwinTable
+) -> tuple[bool, list[tf.TrainerCallback]]:
     """Whether the arm's model starts tied, and its untie callback. tied and untied are plain Trainer runs: the
     baselines that the callback's cost is measured against."""
     if arm in ("tied", "untied"):
@@ -334,7 +338,10 @@ def arm_callbacks(arm: str, args: BookCorpusArguments) -> tuple[bool, list[tf.Tr
         return True, [untie.UntieCallback(untie_at=_step_or_fraction(args.untie_at), metrics_every=0)]
     return True, [
         untie.UntieCallback(
-            untie_at=_step_or_fraction(args.auto_deadline), untie_when=DEFAULT_RULE, metrics_every=args.metrics_every
+            untie_at=_step_or_fraction(args.auto_deadline),
+            untie_when=TWIN_RULE,
+            metrics_every=args.metrics_every,
+            pairs=twins.pairs,
         )
     ]
 
@@ -370,7 +377,7 @@ def launch_rank() -> int:
 
 def train_arm(arm: str, args: BookCorpusArguments, data: PreparedData) -> tuple[dict, tf.Trainer]:
     """Train one arm; return its record (summary + histories) and the trainer."""
-    tied, callbacks = arm_callbacks(arm, args)
+    tied, callbacks = arm_callbacks(arm, args, data.twins)
     tf.set_seed(args.seed)  # every arm starts from the same input table and sees the same data draws
     model = build_model(args, data.vocab_size, data.tokenizer.pad_token_id, tied)
     optimizer = torch.optim.AdamW(

@@ -18,6 +18,7 @@ from untie.metrics import (
     pair_pushes,
     role_signals,
     sampled_drift_metrics,
+    summarize_pair_metrics,
 )
 from untie.probe import RoleGradientProbe
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
@@ -139,6 +140,13 @@ def test_sampled_drift_metrics_read_only_the_sampled_rows_and_match_drift_metric
     assert sampled["input_distance/3-250"] == pytest.approx((first[3] - first[250]).norm().item())
     assert sampled["output_distance/7-8"] == pytest.approx((second[7] - second[8]).norm().item())
     assert sampled_drift_metrics(lambda ids: (first[ids], first[ids]), 300, seed=1, pool=40)["knn_overlap"] == 1.0
+
+
+def test_many_pairs_are_logged_as_max_and_mean_and_few_pairs_as_they_are():
+    few = {"cosine": 0.5, "gap/0-1": 2.0, "gap/2-3": math.nan, "input_distance/0-1": 1.0}
+    assert summarize_pair_metrics(few) == pytest.approx(few, nan_ok=True)
+    many = {"cosine": 0.5, **{f"gap/{i}-{i + 100}": float(i) for i in range(10)}, "gap/50-150": math.nan}
+    assert summarize_pair_metrics(many, keep=8) == {"cosine": 0.5, "gap/max": 9.0, "gap/mean": 4.5}
 
 
 def _logits(*rows):

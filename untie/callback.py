@@ -23,7 +23,7 @@ from untie.distributed import (
     training_engine,
 )
 from untie.emulation import EmulatedTying
-from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics
+from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics, summarize_pair_metrics
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
 from untie.triggers import DivergenceTrigger, ScheduledTrigger
@@ -200,7 +200,7 @@ class UntieCallback(TrainerCallback, ExportableState):
 
     def _record(self, step: int, metrics: dict[str, float]) -> None:
         self.history.append({"step": step, **metrics})
-        self._latest = metrics
+        self._latest = summarize_pair_metrics(metrics)  # the history keeps every pair
 
     def _drift(self, model, step: int) -> dict[str, float]:
         input_weight, output_weight = _both_weights(model)

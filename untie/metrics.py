@@ -329,3 +329,21 @@ def sampled_drift_metrics(
 def _rename_pair(key: str, renamed: dict[str, str]) -> str:
     name, _, pair = key.rpartition("/")
     return f"{name}/{renamed[pair]}" if name and pair in renamed else key
+
+
+def summarize_pair_metrics(metrics: dict[str, float], keep: int = 8) -> dict[str, float]:
+    """`metrics` with per-pair entries ("name/a-b") replaced by their max and mean over the finite pair values
+    ("name/max", "name/mean") when there are more than `keep` pairs, so that logs stay readable with many pairs."""
+    per_pair: dict[str, list[float]] = {}
+    for key, value in metrics.items():
+        name, _, pair = key.rpartition("/")
+        if name and pair.replace("-", "").isdigit():
+            per_pair.setdefault(name, []).append(value)
+    if not per_pair or max(len(values) for values in per_pair.values()) <= keep:
+        return dict(metrics)
+    summary = {key: value for key, value in metrics.items() if key.rpartition("/")[0] not in per_pair}
+    for name, values in per_pair.items():
+        finite = [v for v in values if math.isfinite(v)]
+        summary[f"{name}/max"] = max(finite) if finite else math.nan
+        summary[f"{name}/mean"] = sum(finite) / len(finite) if finite else math.nan
+    return summary
