@@ -235,6 +235,12 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     assert expected["3-4"] != pytest.approx(conditional_gaps(logits, pairs[:1])["3-4"], rel=1e-3)  # the mask matters
     assert math.isnan(gaps["gap/3-47"])  # 47 was never looked up: no evidence about it
     assert math.isnan(probe.conditional_gaps(g_in)["gap/3-4"])  # reset after reading
+    # A later step that looks 47 up measures the pair from then on, also in steps where 47 does not occur.
+    for step_ids in (torch.full_like(ids, 47), ids):
+        probe.armed = True
+        model(input_ids=step_ids, labels=labels).loss.backward()
+        last = probe.conditional_gaps(probe.collect()[0])
+    assert math.isfinite(last["gap/3-47"])
 
 
 def test_probe_refuses_pairs_outside_the_vocabulary():

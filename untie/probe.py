@@ -57,6 +57,8 @@ class RoleGradientProbe:
                 f"[0, {vocab})."
             )
         self._gap_sums: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: Which pair symbols have occurred as input in any measured step so far.
+        self._seen = torch.zeros(len(self.pairs), 2, dtype=torch.bool)
         self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
         self._handles.append(self.head.register_forward_hook(self._on_head_forward, with_kwargs=True))
 
@@ -144,8 +146,9 @@ class RoleGradientProbe:
         """``gap/<a-b>`` of each pair over the step's loss positions (all ranks); resets the sums.
 
         ``input_grad`` is the step's input-role gradient from `collect`: its nonzero rows are the tokens some rank
-        looked up. A pair with a symbol that never occurred as input is NaN (the gap of a symbol the model never
-        reads says nothing about tying). Every rank must call it on the same steps (it all-reduces).
+        looked up. A pair with a symbol that has not occurred as input in any measured step yet is NaN (the gap of a
+        symbol the model never reads says nothing about tying); rare symbols need not occur in every step. Every
+        rank must call it on the same steps (it all-reduces).
         """
         if self._gap_sums is None:  # nothing measured since the last read (or no pairs)
             return {f"gap/{pair_key(p)}": math.nan for p in self.pairs}
@@ -156,8 +159,10 @@ class RoleGradientProbe:
         if world_size() > 1:
             for tensor in (total, weight):
                 dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        seen = torch.linalg.vector_norm(input_grad[index.reshape(-1)], dim=1).reshape(-1, 2).gt(0).all(dim=1)
-        gaps = torch.where(seen.to(weight.device) & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
+        looked_up = torch.linalg.vector_norm(input_grad[index.reshape(-1)], dim=1).reshape(-1, 2).gt(0)
+        self._seen |= looked_up.cpu()
+        seen = self._seen.all(dim=1).to(weight.device)
+        gaps = torch.where(seen & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
         return {f"gap/{pair_key(p)}": float(g) for p, g in zip(self.pairs, gaps, strict=True)}
 
     def remove(self) -> None:
