@@ -19,13 +19,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import torch
 import transformers as tf
-from metrics_overhead import RandomTokens, StepTimer
+from common import RandomTokens, StepTimer, benchmark_training_arguments, run_arms_alternating
 
 import untie
 
@@ -79,17 +77,7 @@ def run_arm(args: EmulationBenchmarkArguments) -> dict:
     callbacks = [timer, gradients]
     if args.arm == "emulated":
         callbacks.append(untie.UntieCallback(untie_at=None, tying_mode="emulated", metrics_every=0))
-    training = tf.TrainingArguments(
-        output_dir=os.path.join(args.output_dir, args.arm),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=1e-4,
-        logging_steps=args.steps,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
-    )
+    training = benchmark_training_arguments(os.path.join(args.output_dir, args.arm), args.steps, args.batch_size)
     dataset = RandomTokens(args.steps * args.batch_size, args.sequence_length, config.vocab_size)
     trainer = tf.Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
     if args.arm == "emulated":  # the callback gave the head its own parameter when the Trainer was built
@@ -113,13 +101,12 @@ def main() -> None:
     if args.arm:
         print("RESULT " + json.dumps(run_arm(args)))
         return
-    runs: list[dict] = []
-    for repeat in range(args.repeats):
-        for arm in ARMS:
-            command = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            runs.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
-            print(f"{arm} #{repeat}: mean step {runs[-1]['mean_step_s']:.3f} s, RSS {runs[-1]['peak_rss_mib']:.0f} MiB")
+    runs = run_arms_alternating(
+        __file__,
+        ARMS,
+        args.repeats,
+        lambda run: f"mean step {run['mean_step_s']:.3f} s, RSS {run['peak_rss_mib']:.0f} MiB",
+    )
     median = {
         arm: {
             key: statistics.median(r[key] for r in runs if r["arm"] == arm)

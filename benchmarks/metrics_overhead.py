@@ -19,13 +19,11 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 
 import torch
 import transformers as tf
+from common import RandomTokens, StepTimer, benchmark_training_arguments, run_arms_alternating
 
 import untie
 
@@ -43,31 +41,6 @@ class BenchmarkArguments:
     arm: str | None = field(default=None, metadata={"help": "Internal: run one arm in this process."})
 
 
-class StepTimer(tf.TrainerCallback):
-    """Wall time of every optimizer step, from on_step_begin to on_step_end."""
-
-    def __init__(self) -> None:
-        self.durations: dict[int, float] = {}
-        self._start = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.durations[state.global_step] = time.perf_counter() - self._start
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, length: int, vocab: int) -> None:
-        self.ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def run_arm(args: BenchmarkArguments) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -79,18 +52,7 @@ def run_arm(args: BenchmarkArguments) -> dict:
     if args.arm == "metrics":
         rule = untie.UntieWhen(warmup=args.steps + 1)  # measure and smooth, never fire: time the tied phase
         callbacks.append(untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=args.metrics_every))
-    training = tf.TrainingArguments(
-        output_dir=os.path.join(args.output_dir, args.arm),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.batch_size,
-        learning_rate=1e-4,
-        logging_steps=args.steps,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=not torch.cuda.is_available(),
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-    )
+    training = benchmark_training_arguments(os.path.join(args.output_dir, args.arm), args.steps, args.batch_size)
     dataset = RandomTokens(args.steps * args.batch_size, args.sequence_length, config.vocab_size)
     tf.Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks).train()
     timed = {s: d for s, d in timer.durations.items() if s > 5}
@@ -111,14 +73,12 @@ def main() -> None:
     if args.arm:
         print("RESULT " + json.dumps(run_arm(args)))
         return
-    runs: list[dict] = []
-    for repeat in range(args.repeats):  # alternate the arms, so slow drifts of the machine hit both
-        for arm in ("plain", "metrics"):
-            command = [sys.executable, __file__, *sys.argv[1:], "--arm", arm]
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            runs.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
-            last = runs[-1]
-            print(f"{arm} #{repeat}: mean step {last['mean_step_s']:.3f} s, peak RSS {last['peak_rss_mib']:.0f} MiB")
+    runs = run_arms_alternating(
+        __file__,
+        ("plain", "metrics"),
+        args.repeats,
+        lambda run: f"mean step {run['mean_step_s']:.3f} s, peak RSS {run['peak_rss_mib']:.0f} MiB",
+    )
     plain = [r for r in runs if r["arm"] == "plain"]
     metrics = [r for r in runs if r["arm"] == "metrics"]
     plain_step = statistics.median(r["mean_step_s"] for r in plain)

@@ -67,7 +67,6 @@ class UntieCallback(TrainerCallback, ExportableState):
             "untied": self.untied,
             "untie_step": self.untie_step,
             "untie_reason": self.untie_reason,
-            "tying_mode": self.tying_mode,
             "trigger": self.divergence.state_dict() if self.divergence else None,
             "history": self.history,
         }

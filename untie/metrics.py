@@ -293,10 +293,18 @@ def drift_metrics(
         ),
         "cka": linear_cka(input_weight, output_weight, rows=rows, seed=seed),
     }
-    for key, value in pair_distances(input_weight, pairs).items():
-        metrics[f"input_distance/{key}"] = value
-    for key, value in pair_distances(output_weight, pairs).items():
-        metrics[f"output_distance/{key}"] = value
+    metrics.update(_distances_in_both_spaces(input_weight, output_weight, pairs, names=[pair_key(p) for p in pairs]))
+    return metrics
+
+
+def _distances_in_both_spaces(
+    input_weight: torch.Tensor, output_weight: torch.Tensor, pairs: Pairs, names: Sequence[str]
+) -> dict[str, float]:
+    """``input_distance/<name>`` and ``output_distance/<name>`` of each pair, under the name given for it."""
+    metrics = {}
+    for space, weight in (("input", input_weight), ("output", output_weight)):
+        distances = pair_distances(weight, pairs)
+        metrics.update({f"{space}_distance/{n}": distances[pair_key(p)] for p, n in zip(pairs, names, strict=True)})
     return metrics
 
 
@@ -321,14 +329,10 @@ def sampled_drift_metrics(
     input_rows, output_rows = read_rows(ids)
     position = {int(token): i for i, token in enumerate(ids)}
     local_pairs = [(position[a], position[b]) for a, b in pairs]
-    metrics = drift_metrics(input_rows, output_rows, local_pairs, seed=seed, queries=queries, pool=None, rows=rows)
-    renamed = {pair_key(local): pair_key(pair) for local, pair in zip(local_pairs, pairs, strict=True)}
-    return {_rename_pair(key, renamed): value for key, value in metrics.items()}
-
-
-def _rename_pair(key: str, renamed: dict[str, str]) -> str:
-    name, _, pair = key.rpartition("/")
-    return f"{name}/{renamed[pair]}" if name and pair in renamed else key
+    metrics = drift_metrics(input_rows, output_rows, seed=seed, queries=queries, pool=None, rows=rows)
+    # The pairs' rows sit at other positions in the sample; report them under the pairs' own names.
+    metrics.update(_distances_in_both_spaces(input_rows, output_rows, local_pairs, names=[pair_key(p) for p in pairs]))
+    return metrics
 
 
 def summarize_pair_metrics(metrics: dict[str, float], keep: int = 8) -> dict[str, float]:

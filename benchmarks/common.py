@@ -1,0 +1,66 @@
+"""What the Trainer benchmarks share: a step timer, random tokens, CPU training arguments, and alternating arms."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import transformers as tf
+
+
+class StepTimer(tf.TrainerCallback):
+    """Wall time of every optimizer step, from on_step_begin to on_step_end."""
+
+    def __init__(self) -> None:
+        self.durations: dict[int, float] = {}
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.durations[state.global_step] = time.perf_counter() - self._start
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, length: int, vocab: int) -> None:
+        self.ids = torch.randint(0, vocab, (n, length), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def benchmark_training_arguments(output_dir: str, steps: int, batch_size: int) -> tf.TrainingArguments:
+    """Trainer settings of one timed arm: no checkpoints, no reporting, one log at the end."""
+    return tf.TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=1e-4,
+        logging_steps=steps,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+
+
+def run_arms_alternating(script: str, arms: Sequence[str], repeats: int, describe: Callable[[dict], str]) -> list[dict]:
+    """Run `script --arm <arm>` in a fresh process per arm, arms alternating `repeats` times, so that slow drifts of
+    the machine hit every arm; each run prints one ``RESULT <json>`` line, returned in order."""
+    runs: list[dict] = []
+    for repeat in range(repeats):
+        for arm in arms:
+            command = [sys.executable, script, *sys.argv[1:], "--arm", arm]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            runs.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
+            print(f"{arm} #{repeat}: {describe(runs[-1])}")
+    return runs
