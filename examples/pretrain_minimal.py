@@ -9,9 +9,17 @@ from untie.testing import shakespeare_blocks  # the shipped Shakespeare text, as
 
 tokenizer = load_tokenizer("offline")
 model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=64))
-args = tf.TrainingArguments("runs/pretrain_minimal", max_steps=200, learning_rate=2e-3, per_device_train_batch_size=16,
-                            logging_steps=20, report_to=[], use_cpu=not torch.cuda.is_available())
-trainer = tf.Trainer(model=model, args=args, train_dataset=shakespeare_blocks(tokenizer),
-                     callbacks=[UntieCallback(untie_at=0.3)])
+args = tf.TrainingArguments(
+    "runs/pretrain_minimal",
+    max_steps=200,
+    learning_rate=2e-3,
+    per_device_train_batch_size=16,
+    logging_steps=20,
+    report_to=[],
+    use_cpu=not torch.cuda.is_available(),
+)
+trainer = tf.Trainer(
+    model=model, args=args, train_dataset=shakespeare_blocks(tokenizer), callbacks=[UntieCallback(untie_at=0.3)]
+)
 trainer.train()
 trainer.save_model("runs/pretrain_minimal/final")  # reloads untied with plain from_pretrained
