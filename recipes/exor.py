@@ -111,6 +111,13 @@ class ExorArguments:
         },
     )
     overwrite: bool = field(default=False, metadata={"help": "Train runs again even if their record exists."})
+    report_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Train nothing: report on the grid's runs already in output_dir (e.g. while a long grid is still "
+            "running elsewhere); missing runs are listed and left out."
+        },
+    )
     report_to: str = field(default="none", metadata={"help": "Trainer logging integrations (tensorboard, wandb, ...)."})
     disable_tqdm: bool = field(default=False, metadata={"help": "Hide Trainer's progress bars."})
 
@@ -126,6 +133,8 @@ class ExorArguments:
             arm_callbacks(arm, resolved)  # fail before training anything if an arm cannot run
         for variant in resolved.variants:
             vocabulary(variant)  # raises on an unknown variant
+        if resolved.report_only and resolved.overwrite:
+            raise ValueError("--report_only trains nothing, so --overwrite would retrain nothing: pass one of them.")
         return resolved
 
 
@@ -347,6 +356,13 @@ def run_grid(args: ExorArguments) -> list[dict]:
         for seed in args.seeds
     ]
     todo = [s for s in specs if args.overwrite or not Path(runs_dir, f"{s.name}.json").exists()]
+    if args.report_only:
+        missing = {s.name for s in todo}
+        print(f"EXor: {len(specs)} runs, {len(missing)} not trained yet (left out): {', '.join(sorted(missing))}")
+        if len(missing) == len(specs):
+            raise FileNotFoundError(f"--report_only: no finished run of this grid in {runs_dir}; train some first.")
+        specs = [s for s in specs if s.name not in missing]
+        return [json.loads(Path(runs_dir, f"{spec.name}.json").read_text()) for spec in specs]
     workers = args.workers or min(os.cpu_count() or 1, 8)
     workers = 1 if launch_world_size() > 1 else max(1, min(workers, len(todo)))
     print(

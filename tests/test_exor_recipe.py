@@ -75,6 +75,28 @@ def test_finished_runs_are_reused(short_run, capsys):
     assert record.stat().st_mtime_ns == stamp
 
 
+def test_report_only_reports_the_finished_runs_and_trains_nothing(short_run, tmp_path, capsys):
+    out, _ = short_run
+    report_dir = tmp_path / "report"
+    (report_dir / "runs").mkdir(parents=True)
+    for arm in ("untied", "tied"):
+        name = f"main-transformer-{arm}-42.json"
+        (report_dir / "runs" / name).write_bytes((out / "runs" / name).read_bytes())
+    args = ["--output_dir", str(report_dir), "--arms", "untied", "tied", "--seeds", "42", "43", "--report_only", *SHORT]
+    recipe.main(args)
+    printed = capsys.readouterr().out
+    assert "4 runs, 2 not trained yet (left out): main-transformer-tied-43, main-transformer-untied-43" in printed
+    assert sorted(p.name for p in (report_dir / "runs").iterdir()) == [
+        "main-transformer-tied-42.json", "main-transformer-untied-42.json",
+    ]  # fmt: skip
+    runs = json.loads((report_dir / "results.json").read_text())["runs"]
+    assert sorted((r["arm"], r["seed"]) for r in runs) == [("tied", 42), ("untied", 42)]
+    with pytest.raises(FileNotFoundError, match="no finished run of this grid"):
+        recipe.main(["--output_dir", str(tmp_path / "empty"), "--report_only", *SHORT])
+    with pytest.raises(ValueError, match="pass one of them"):
+        recipe.main(["--output_dir", str(report_dir), "--report_only", "--overwrite", *SHORT])
+
+
 def test_runs_are_reproducible_from_the_seed(tmp_path):
     args = recipe.ExorArguments(output_dir=str(tmp_path), max_steps=15, record_every=5, eval_every=5).resolved()
     spec = recipe.RunSpec("ndh", "mixer", "scheduled", 43)
