@@ -8,7 +8,9 @@ parameters), its optimizer, gradient clipping and DCP / full-state-dict checkpoi
 * ``emulated``: `UntieCallback(untie_at=UNTIE_AT)` with the default tying_mode ("auto"), sharded checkpoints, and
   drift metrics every 2 steps after the untie (read from the shards);
 * ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
-* ``full``: the same with full state-dict checkpoints, then `save_model`; ``full-resume-8`` resumes from it.
+* ``full``: the same with full state-dict checkpoints, then `save_model`; ``full-resume-8`` resumes from it;
+* ``trigger``: `UntieCallback(untie_when=...)` with no deadline: the role signals measured in the emulated tied
+  phase feed the divergence trigger. The ``tied`` run records the same signals with a live `RoleGradientProbe`.
 
 Each run saves, per rank: losses and gradient norms per step, the full matrices after the untie step and at the end.
 """
@@ -26,6 +28,8 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 import untie
+from untie.metrics import role_signals
+from untie.probe import RoleGradientProbe
 from untie.testing import ToyLMDataset, tiny_model
 
 UNTIE_AT, MAX_STEPS, SAVE_STEPS = 6, 10, 4
@@ -59,6 +63,26 @@ class Snapshot(tf.TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step == UNTIE_AT:
             self.at_untie = _matrices(model)
+
+
+class LiveSignals(tf.TrainerCallback):
+    """The role signals of a really tied model every 2 steps, as `UntieCallback` measures them (the reference)."""
+
+    def __init__(self) -> None:
+        self.probe, self.history = None, []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.probe = RoleGradientProbe(model, pairs=PAIRS)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.probe.armed = (state.global_step + 1) % 2 == 0
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.probe.armed:
+            self.probe.armed = False
+            grads = self.probe.collect()
+            signals = role_signals(*grads, weight=self.probe.dense_weight(), pairs=PAIRS)
+            self.history.append({"step": state.global_step + 1, **signals, **self.probe.conditional_gaps(grads[0])})
 
 
 def _matrices(model) -> dict[str, torch.Tensor]:
@@ -98,7 +122,9 @@ def _run(out_dir: str, name: str, state_dict_type: str, callback=None, resume: s
         "tied_parameter": model.get_input_embeddings().weight is model.get_output_embeddings().weight,
         "fsdp": trainer.is_fsdp_enabled,
     }
-    if callback is not None:
+    if isinstance(callback, LiveSignals):
+        record["history"] = callback.history
+    elif callback is not None:
         record.update(tying_mode=callback.tying_mode, untie_step=callback.untie_step, reason=callback.untie_reason)
         record["history"] = callback.history
     torch.save(record, os.path.join(out_dir, f"{name}-rank{dist.get_rank()}.pt"))
@@ -109,7 +135,7 @@ def main(out_dir: str) -> None:
     _accelerate_fsdp_on_cpu()
     emulated = os.path.join(out_dir, "emulated")
     full_dir = os.path.join(out_dir, "full")
-    _run(out_dir, "tied", "SHARDED_STATE_DICT")
+    _run(out_dir, "tied", "SHARDED_STATE_DICT", LiveSignals())
     measured = untie.UntieCallback(untie_at=UNTIE_AT, metrics_every=2, pairs=PAIRS)  # drift after the untie
     _run(out_dir, "emulated", "SHARDED_STATE_DICT", measured)
     _run(out_dir, "resume-8", "SHARDED_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{emulated}/checkpoint-8")
@@ -119,6 +145,9 @@ def main(out_dir: str) -> None:
     _run(
         out_dir, "full-resume-8", "FULL_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{full_dir}/checkpoint-8"
     )
+    rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=2)  # fires at step 4
+    trigger = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=PAIRS)
+    _run(out_dir, "trigger", "SHARDED_STATE_DICT", trigger)
     dist.barrier()
 
 

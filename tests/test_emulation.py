@@ -10,6 +10,7 @@ import transformers as tf
 
 import untie
 from untie.emulation import EmulatedTying
+from untie.probe import RoleGradientProbe
 from untie.testing import ToyLMDataset, tiny_model
 
 # Weight decay, gradient clipping that bites (max_grad_norm below every step's norm) and gradient accumulation.
@@ -110,8 +111,44 @@ def test_callback_emulated_mode_resumes_before_and_after_the_untie(make_args, tm
         assert worst <= 1e-6, (ckpt, worst)
 
 
-def test_emulated_mode_refuses_the_divergence_trigger():
-    with pytest.raises(ValueError, match="untie_when is not available with tying_mode='emulated'"):
-        untie.UntieConfig(tying_mode="emulated", untie_when="divergence")
+def test_probe_splits_the_emulated_tied_gradient_into_its_two_roles():
+    model = untie.untie_embeddings(tiny_model("gpt2"))
+    emulation = EmulatedTying(model)
+    probe = RoleGradientProbe(model, pairs=[(3, 5)], emulated=True)
+    probe.armed = True
+    ids = ToyLMDataset(8).ids[:4]
+    for micro in (ids[:2], ids[2:]):  # two micro-batches: both roles accumulate, like the folded gradient
+        model(input_ids=micro, labels=micro).loss.backward()
+    input_grad, output_grad = probe.collect()
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert head.grad is None and emulation.active  # folded: the embedding holds the tied gradient
+    torch.testing.assert_close(input_grad + output_grad, embedding.grad, rtol=1e-5, atol=1e-7)
+    assert input_grad.abs().sum() > 0 and output_grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="really tied"):
+        RoleGradientProbe(tiny_model("gpt2"), emulated=True)
+    with pytest.raises(ValueError, match="emulated=True"):
+        RoleGradientProbe(untie.untie_embeddings(tiny_model("gpt2")))
+
+
+def test_divergence_trigger_in_emulated_mode_measures_and_fires_like_live_tying(make_args, tmp_path):
+    """The role signals and conditional gaps, and the step the trigger fires, equal a live run's (accumulation 2)."""
+    rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=3)  # fires at step 6
+    settings = dict(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 5), (7, 40)])
+    live, emulated = untie.UntieCallback(**settings), untie.UntieCallback(**settings, tying_mode="emulated")
+    live_model, emulated_model = tiny_model("gpt2"), tiny_model("gpt2")
+    _train(live_model, make_args, tmp_path / "live", [live])
+    _train(emulated_model, make_args, tmp_path / "emulated", [emulated])
+    assert (emulated.tying_mode, emulated.untie_step, emulated.untie_reason) == ("emulated", 6, "trigger")
+    assert (live.untie_step, live.untie_reason) == (6, "trigger")
+    assert [h["step"] for h in emulated.history] == [h["step"] for h in live.history] == [2, 4, 6, 8, 10, 12, 14, 16]
+    for mine, reference in zip(emulated.history[:3], live.history[:3], strict=True):
+        assert "gap/3-5" in mine and "tension/7-40" in mine and mine.keys() == reference.keys()
+        for key, value in reference.items():
+            assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+    reference, params = _params(live_model), _params(emulated_model)
+    assert max((params[n] - reference[n]).abs().max().item() for n in reference) <= 1e-5
+
+
+def test_emulated_mode_refuses_an_unknown_tying_mode():
     with pytest.raises(ValueError, match="tying_mode='shared'"):
         untie.UntieConfig(tying_mode="shared")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -66,7 +67,7 @@ def trainer_runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
     result = subprocess.run([*cmd, TRAINER_WORKER, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8")
+    names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8", "trigger")
     return out, {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
 
 
@@ -129,12 +130,29 @@ def test_fsdp2_drift_metrics_after_the_untie_read_the_shards_and_agree_across_ra
 
     _, runs = trainer_runs
     rank0, rank1 = runs["emulated"]
-    assert rank0["history"] == rank1["history"]
+    assert json.dumps(rank0["history"]) == json.dumps(rank1["history"])  # bit-identical, NaN included
     steps = [h["step"] for h in rank0["history"]]
-    assert steps == [8, 10]  # every 2 steps, once untied (no role signals in the emulated tied phase)
+    assert steps == [2, 4, 6, 8, 10]  # role signals while tied (the untie at 6 is after its measurement), then drift
+    assert "cosine" in rank0["history"][2] and "cka" in rank0["history"][3]
     last = rank0["history"][-1]
     assert 0 < last["knn_overlap"] <= 1 and 0 < last["cka"] <= 1
     # (7, 40) has one row on each rank: the gathered rows are the full matrices' rows.
     for space, matrix in (("input", "embedding"), ("output", "head")):
         for key, value in pair_distances(rank0["final"][matrix], [(3, 5), (7, 40)]).items():
             assert last[f"{space}_distance/{key}"] == pytest.approx(value, rel=1e-6)
+
+
+def test_fsdp2_divergence_trigger_reads_the_emulated_role_signals_and_unties_every_rank(trainer_runs):
+    _, runs = trainer_runs
+    rank0, rank1 = runs["trigger"]
+    for run in (rank0, rank1):
+        assert (run["tying_mode"], run["untie_step"], run["reason"]) == ("emulated", 4, "trigger")
+    assert json.dumps(rank0["history"]) == json.dumps(rank1["history"])  # bit-identical, NaN included
+    assert not torch.equal(rank0["final"]["head"], rank0["final"]["embedding"])  # untied at 4, trained apart
+    # The signals of the emulated tied phase equal a live probe's on the really tied FSDP2 run (same data, seed).
+    reference = runs["tied"][0]["history"]
+    assert [h["step"] for h in reference] == [2, 4, 6, 8, 10]
+    for mine, live in zip(rank0["history"][:2], reference[:2], strict=True):
+        assert {"cosine", "cancellation", "agreement", "gap/3-5", "tension/7-40"} <= mine.keys()
+        for key, value in live.items():
+            assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key

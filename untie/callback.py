@@ -74,14 +74,7 @@ class UntieCallback(TrainerCallback, ExportableState):
 
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        engine = training_engine(args)
-        self.tying_mode = resolve_tying_mode(self.config.tying_mode, engine)
-        if self.tying_mode == "emulated" and self.config.untie_when is not None:
-            raise ValueError(
-                f"untie_when is not available in the emulated tying mode (chosen for {engine or 'this run'}) yet: the "
-                "role signals that feed the trigger are measured on a shared parameter. Use untie_at (a step or a "
-                "fraction of the run)."
-            )
+        self.tying_mode = resolve_tying_mode(self.config.tying_mode, training_engine(args))
         _run_first(self)
         if is_peft_model(model):
             # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
@@ -139,6 +132,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._emulation.attach_optimizer(optimizer)
         if self.trigger.fires(step):
             self._untie(model, optimizer, step, "deadline")
+        elif self.config.metrics_every:
+            self._probe = RoleGradientProbe(model, pairs=self.config.pairs, emulated=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._probe is not None:
@@ -153,7 +148,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         if grads is None:
             return
         step = state.global_step + 1
-        signals = role_signals(*grads, weight=self._probe.weight, pairs=self.config.pairs)
+        signals = role_signals(*grads, weight=self._probe.dense_weight(), pairs=self.config.pairs)
         signals.update(self._probe.conditional_gaps(grads[0]))
         if self.divergence is not None:
             self.divergence.update(step, signals)

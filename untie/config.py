@@ -77,11 +77,6 @@ class UntieConfig:
             )
         if self.tying_mode not in TYING_MODES:
             raise ValueError(f"tying_mode={self.tying_mode!r} is not one of {TYING_MODES}.")
-        if self.tying_mode == "emulated" and self.untie_when is not None:
-            raise ValueError(
-                "untie_when is not available with tying_mode='emulated' yet: the role signals that feed the trigger "
-                "are measured on a shared parameter. Use untie_at (a step or a fraction of the run)."
-            )
         if self.optimizer_state not in _STATE_INITS:
             raise ValueError(f"optimizer_state={self.optimizer_state!r} is not one of {_STATE_INITS}.")
         if self.tie_init not in _TIE_INITS:

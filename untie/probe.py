@@ -22,30 +22,48 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
-from untie.distributed import world_size
+from untie.distributed import is_sharded, world_size
 from untie.metrics import Pairs, pair_gap_sums, pair_key
 from untie.surgery import _embedding_modules
 
 
 class RoleGradientProbe:
-    """Hooks on a tied model's embedding and head that, while ``armed``, accumulate the two role gradients.
+    """Hooks on a tied (or emulated-tied) model's embedding and head that, while ``armed``, sum the two role gradients.
 
     The gradients accumulate over the micro-batches of an optimizer step, like ``W.grad`` does; before any
     clipping or all-reduce. Call `collect` after the step's last backward to get them (averaged over ranks,
     as DDP averages ``W.grad``), and `remove` to take the hooks off.
     """
 
-    def __init__(self, model: nn.Module, pairs: Pairs = ()) -> None:
+    def __init__(self, model: nn.Module, pairs: Pairs = (), emulated: bool = False) -> None:
         embedding, self.head = _embedding_modules(model)
-        if embedding.weight is not self.head.weight:
+        if emulated:
+            # `untie.emulation.EmulatedTying`: the head has its own parameter, kept equal to the embedding, and the
+            # embedding receives the tied gradient; the roles are the same two module uses.
+            if embedding.weight is self.head.weight or embedding.weight.shape != self.head.weight.shape:
+                raise ValueError(
+                    "RoleGradientProbe(emulated=True) needs a head with its own parameter of the embedding's shape "
+                    "(untie.emulation.EmulatedTying); this model is really tied or its matrices differ in shape."
+                )
+        elif embedding.weight is not self.head.weight:
             raise ValueError(
-                "RoleGradientProbe needs a tied model: the input embedding and the LM head share no weight."
+                "RoleGradientProbe needs a tied model: the input embedding and the LM head share no weight (for "
+                "emulated tying pass emulated=True)."
             )
         self.weight: nn.Parameter = embedding.weight
         # Every other module holding W is an input use: T5 and BART look it up through encoder and decoder modules.
         self.lookups = [m for m in model.modules() if m is not self.head and getattr(m, "weight", None) is self.weight]
+        if is_sharded(self.weight):
+            plain = [_module_type(m) is nn.Embedding for m in self.lookups] + [_module_type(self.head) is nn.Linear]
+            if not all(plain):
+                raise ValueError(
+                    "RoleGradientProbe on a sharded (FSDP2) matrix supports plain nn.Embedding lookups and an "
+                    f"nn.Linear head; this model has {[_module_type(m).__name__ for m in (*self.lookups, self.head)]}. "
+                    "Measure on one device or under DDP, or untie at a fixed step (untie_at)."
+                )
         self.armed = False
         self.input_grad: torch.Tensor | None = None
         self.output_grad: torch.Tensor | None = None
@@ -81,7 +99,12 @@ class RoleGradientProbe:
             output.register_hook(on_grad)
 
     def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
-        if type(module) is nn.Embedding and module.max_norm is None and not module.scale_grad_by_freq and not kwargs:
+        if (
+            _module_type(module) is nn.Embedding
+            and module.max_norm is None
+            and not module.scale_grad_by_freq
+            and not kwargs
+        ):
             ids = args[0].reshape(-1)
             role = torch.zeros(self.weight.shape, dtype=torch.float32, device=grad.device)
             role.index_add_(0, ids, grad.reshape(-1, grad.shape[-1]).float())
@@ -91,7 +114,7 @@ class RoleGradientProbe:
         return self._generic_role(module, args, kwargs, grad)
 
     def _output_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
-        if type(module) is nn.Linear and not kwargs:
+        if _module_type(module) is nn.Linear and not kwargs:
             hidden = args[0]
             return (grad.reshape(-1, grad.shape[-1]).T @ hidden.reshape(-1, hidden.shape[-1]).to(grad.dtype)).float()
         return self._generic_role(module, args, kwargs, grad)
@@ -124,6 +147,11 @@ class RoleGradientProbe:
         setattr(self, name, role if current is None else current.add_(role))
 
     # -- API --------------------------------------------------------------------------------------------------------
+    def dense_weight(self) -> torch.Tensor:
+        """W as one plain (V, d) tensor on every rank, for the pair pushes of `role_signals`: the parameter itself,
+        or under FSDP2 its full tensor (an all-gather; every rank must call it)."""
+        return self.weight.full_tensor() if is_sharded(self.weight) else self.weight
+
     def collect(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's (input_grad, output_grad), averaged over ranks; None if no backward ran while armed.
 
@@ -172,3 +200,8 @@ class RoleGradientProbe:
         self.armed = False
         self.input_grad = self.output_grad = None
         self._gap_sums = None
+
+
+def _module_type(module: nn.Module) -> type:
+    """The module's own class; FSDP2's `fully_shard` swaps in a subclass (``FSDPEmbedding``) that adds nothing."""
+    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule))
