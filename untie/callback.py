@@ -132,7 +132,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._emulation.attach_optimizer(optimizer)
         if self.trigger.fires(step):
             self._untie(model, optimizer, step, "deadline")
-        elif self.config.metrics_every:
+        elif self.config.metrics_every and (self.divergence is not None or not is_sharded(_both_weights(model)[0])):
+            # Sharded (FSDP2), a measurement costs dense (V, d) buffers on every rank: only when a trigger reads it.
             self._probe = RoleGradientProbe(model, pairs=self.config.pairs, emulated=True)
 
     def on_step_begin(self, args, state, control, **kwargs):
