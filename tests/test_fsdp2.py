@@ -156,3 +156,32 @@ def test_fsdp2_divergence_trigger_reads_the_emulated_role_signals_and_unties_eve
         assert {"cosine", "cancellation", "agreement", "gap/3-5", "tension/7-40"} <= mine.keys()
         for key, value in live.items():
             assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+
+
+SHARDED_PROBE = """
+import os, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import untie
+from untie.probe import RoleGradientProbe
+from untie.testing import tiny_model
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+for arch in ("gpt2", "gemma"):
+    model = untie.untie_embeddings(tiny_model(arch))
+    fully_shard(model)
+    try:
+        RoleGradientProbe(model, emulated=True)
+        print(arch, "measured")
+    except ValueError as error:
+        print(arch, "refused:", error)
+dist.destroy_process_group()
+"""
+
+
+def test_sharded_role_probe_takes_plain_modules_and_refuses_a_scaled_embedding():
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    code = SHARDED_PROBE.format(port=_free_port())
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gpt2 measured" in result.stdout
+    assert "gemma refused: RoleGradientProbe on a sharded (FSDP2) matrix supports plain nn.Embedding" in result.stdout
+    assert "GemmaTextScaledWordEmbedding" in result.stdout
