@@ -76,7 +76,7 @@ def test_words_outside_the_vocabulary_are_reported_and_skipped(tokenizer):
     assert twins.words == ("the",)
     with pytest.raises(ValueError, match="variant"):
         build_twins(tokenizer, "ndh")
-    with pytest.raises(ValueError, match="None of the common words"):
+    with pytest.raises(ValueError, match="None of the common words"), pytest.warns(UserWarning, match="qwxzv"):
         build_twins(tokenizer, "dh", words=("qwxzv",))
 
 
