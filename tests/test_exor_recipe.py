@@ -159,6 +159,27 @@ def test_auto_claims_need_the_trigger_where_the_hypothesis_fails_and_a_recovered
     assert [c[1] for c in claims] == [False, False, True]
 
 
+def _geometry_record(arm, input_01, output_01):
+    geometry = {"input": {"0-1": input_01, "0-2": 1.0}, "output": {"0-1": output_01, "0-2": 1.0}}
+    return {"arm": arm, "history": {"geometry": [geometry]}}
+
+
+@pytest.mark.parametrize(
+    ("input_01", "output_01", "holds"),
+    [
+        (0.1, 0.5, True),  # the untied pattern, though output (0,1) ends closer than the tied arm's 0.7
+        (0.4, 0.9, False),  # input (0,1) not close
+        (0.1, 0.2, False),  # output (0,1) collapsed with the input
+    ],
+)
+def test_scheduled_geometry_claim_asks_for_the_untied_pattern(input_01, output_01, holds):
+    tied = [_geometry_record("tied", 0.7, 0.7)]
+    text, verdict, evidence = recipe.scheduled_geometry_claim(
+        "transformer", "scheduled", 75_000, [_geometry_record("scheduled", input_01, output_01)], tied
+    )
+    assert verdict is holds and "step 75000" in text and f"input 0-1 {input_01:.3f} vs 0.700" in evidence
+
+
 def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():
     param = torch.nn.Parameter(torch.zeros(1))
     ours = torch.optim.SGD([param], lr=5e-4)
