@@ -345,7 +345,7 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
 
 
 def run_grid(args: ExorArguments) -> list[dict]:
-    """Train every missing run of the grid, in parallel processes where allowed, and load all records."""
+    """Train every missing run of the grid (none with --report_only) and load the finished runs' records."""
     runs_dir = os.path.join(args.output_dir, "runs")
     os.makedirs(runs_dir, exist_ok=True)
     specs = [
@@ -362,12 +362,18 @@ def run_grid(args: ExorArguments) -> list[dict]:
         if len(missing) == len(specs):
             raise FileNotFoundError(f"--report_only: no finished run of this grid in {runs_dir}; train some first.")
         specs = [s for s in specs if s.name not in missing]
-        return [json.loads(Path(runs_dir, f"{spec.name}.json").read_text()) for spec in specs]
+    else:
+        train_missing(todo, len(specs), args, runs_dir)
+        if launch_rank() != 0:
+            return []  # only rank 0 writes records and the report
+    return [json.loads(Path(runs_dir, f"{spec.name}.json").read_text()) for spec in specs]
+
+
+def train_missing(todo: list[RunSpec], total: int, args: ExorArguments, runs_dir: str) -> None:
+    """Train the runs in `todo` (of `total` in the grid), in parallel processes where allowed."""
     workers = args.workers or min(os.cpu_count() or 1, 8)
     workers = 1 if launch_world_size() > 1 else max(1, min(workers, len(todo)))
-    print(
-        f"EXor: {len(specs)} runs, {len(specs) - len(todo)} already done, training {len(todo)} with {workers} workers"
-    )
+    print(f"EXor: {total} runs, {total - len(todo)} already done, training {len(todo)} with {workers} workers")
     if workers == 1:
         for spec in todo:
             train_run(spec, args, runs_dir)
@@ -375,9 +381,6 @@ def run_grid(args: ExorArguments) -> list[dict]:
         with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
             for future in [pool.submit(train_run, spec, args, runs_dir) for spec in todo]:
                 future.result()
-    if launch_rank() != 0:
-        return []  # only rank 0 writes records and the report
-    return [json.loads(Path(runs_dir, f"{spec.name}.json").read_text()) for spec in specs]
 
 
 # -- Analysis --
