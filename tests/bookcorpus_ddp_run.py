@@ -12,6 +12,7 @@ import transformers as tf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import bookcorpus as recipe  # noqa: E402
+import worker_exit  # noqa: E402
 
 
 def main(out_dir: str) -> None:
@@ -37,4 +38,6 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    worker_exit.start()
     main(sys.argv[1])
+    worker_exit.finish()

@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import worker_exit
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -77,9 +78,9 @@ def main(out_dir: str, mode: str) -> None:
         },
         os.path.join(out_dir, f"{mode}-rank{rank}.pt"),
     )
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    worker_exit.start()
     main(sys.argv[1], sys.argv[2])
+    worker_exit.finish()

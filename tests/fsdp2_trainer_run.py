@@ -23,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 import transformers as tf
+import worker_exit
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
@@ -148,8 +149,9 @@ def main(out_dir: str) -> None:
     rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=2)  # fires at step 4
     trigger = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=PAIRS)
     _run(out_dir, "trigger", "SHARDED_STATE_DICT", trigger)
-    dist.barrier()
 
 
 if __name__ == "__main__":
+    worker_exit.start()
     main(sys.argv[1])
+    worker_exit.finish()
