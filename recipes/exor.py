@@ -394,6 +394,17 @@ def group(records: list[dict], **match) -> list[dict]:
     return [r for r in records if all(r[k] == v for k, v in match.items())]
 
 
+def on_common_seeds(*groups: list[dict]) -> list[list[dict]]:
+    """Each group of runs restricted to the seeds that every group has: arms are compared on the same seeds only, so
+    a grid that is still running (one arm ahead of another) never compares means over different seeds."""
+    seeds = set.intersection(*({r["seed"] for r in rs} for rs in groups)) if groups else set()
+    return [[r for r in rs if r["seed"] in seeds] for rs in groups]
+
+
+def seeds_text(records: list[dict]) -> str:
+    return "seeds " + ", ".join(str(seed) for seed in sorted({r["seed"] for r in records}))
+
+
 def relative(geometry: dict, space: str, pair: str) -> float:
     """A pair's distance over the reference pair (0,2) of different bits: weight decay shrinks all rows alike."""
     return geometry[space][pair] / max(geometry[space]["0-2"], 1e-12)
@@ -405,9 +416,9 @@ def mean_relative(records: list[dict], space: str, pair: str) -> float:
 
 
 def check_claims(records: list[dict]) -> list[dict]:
-    """The paper's claims (issue acceptance 1-4), checked on seed means for every model. A pair is *close* when its
-    distance is below SEPARATION times the reference pair's, *apart* otherwise. Claims whose arms or variants were
-    not run are listed with holds=None."""
+    """The paper's claims (issue acceptance 1-4), checked on seed means for every model, each on the seeds that all of
+    its arms have. A pair is *close* when its distance is below SEPARATION times the reference pair's, *apart*
+    otherwise. Claims whose arms or variants were not run are listed with holds=None."""
     claims = []
 
     def claim(text: str, holds: bool | None, evidence: str) -> None:
@@ -428,49 +439,51 @@ def check_claims(records: list[dict]) -> list[dict]:
             d = {(s, p): mean_relative(untied, s, p) for s in ("input", "output") for p in ("0-1", "2-3")}
             holds = max(d["input", "0-1"], d["input", "2-3"], d["output", "2-3"]) < SEPARATION <= d["output", "0-1"]
             evidence = ", ".join(f"{s} {p} {v:.3f}" for (s, p), v in d.items())
-            claim(text, holds, f"d/d(0,2): {evidence}")
+            claim(text, holds, f"d/d(0,2): {evidence} ({seeds_text(untied)})")
         else:
             claim(text, None, "not run: needs the untied arm on main")
 
         text = f"[{model}] tied (main): (2,3) close, (0,1) apart, final loss above the untied arm's"
-        if tied and untied:
-            t01, t23 = mean_relative(tied, "input", "0-1"), mean_relative(tied, "input", "2-3")
-            loss_tied, loss_untied = final_mean(tied, "final_loss"), final_mean(untied, "final_loss")
+        tied_, untied_ = on_common_seeds(tied, untied)
+        if tied_:
+            t01, t23 = mean_relative(tied_, "input", "0-1"), mean_relative(tied_, "input", "2-3")
+            loss_tied, loss_untied = final_mean(tied_, "final_loss"), final_mean(untied_, "final_loss")
             claim(
                 text,
                 t23 < SEPARATION <= t01 and loss_tied > loss_untied,
-                f"d/d(0,2): 0-1 {t01:.3f}, 2-3 {t23:.3f}; loss tied {loss_tied:.4f} vs untied {loss_untied:.4f}",
+                f"d/d(0,2): 0-1 {t01:.3f}, 2-3 {t23:.3f}; loss tied {loss_tied:.4f} vs untied {loss_untied:.4f} "
+                f"({seeds_text(tied_)})",
             )
         else:
             claim(text, None, "not run: needs the tied and untied arms on main")
 
         text = f"[{model}] NDH: the untied arm learns the task far better than the tied arm (>= 0.1 accuracy)"
-        if arms["ndh", "untied"] and arms["ndh", "tied"]:
-            acc_u, acc_t = (
-                final_mean(arms["ndh", "untied"], "train_accuracy"),
-                final_mean(arms["ndh", "tied"], "train_accuracy"),
-            )
+        ndh_untied, ndh_tied = on_common_seeds(arms["ndh", "untied"], arms["ndh", "tied"])
+        if ndh_untied:
+            acc_u, acc_t = final_mean(ndh_untied, "train_accuracy"), final_mean(ndh_tied, "train_accuracy")
             ceiling = vocabulary("ndh").bayes_accuracy()
             claim(
                 text,
                 acc_u - acc_t >= 0.1,
-                f"train accuracy untied {acc_u:.3f} vs tied {acc_t:.3f} (ceiling {ceiling:.2f})",
+                f"train accuracy untied {acc_u:.3f} vs tied {acc_t:.3f} "
+                f"(ceiling {ceiling:.2f}; {seeds_text(ndh_tied)})",
             )
         else:
             claim(text, None, "not run: needs the tied and untied arms on ndh (--variants ndh)")
 
         for arm in ("scheduled", "scheduled-reset"):
-            scheduled = arms["main", arm]
-            if not (scheduled and untied and tied):
+            scheduled, untied_, tied_ = on_common_seeds(arms["main", arm], untied, tied)
+            if not scheduled:
                 continue
             step = scheduled[0]["untie_step"]
-            claim(*scheduled_geometry_claim(model, arm, step, scheduled, tied))
-            gap_before = loss_gap_at(scheduled, untied, step)
-            gap_end = final_mean(scheduled, "final_loss") - final_mean(untied, "final_loss")
+            claim(*scheduled_geometry_claim(model, arm, step, scheduled, tied_))
+            gap_before = loss_gap_at(scheduled, untied_, step)
+            gap_end = final_mean(scheduled, "final_loss") - final_mean(untied_, "final_loss")
             claim(
                 f"[{model}] {arm} (main): the loss gap to the untied arm shrinks after the untie",
                 gap_end < gap_before,
-                f"loss gap to untied: {gap_before:+.4f} at the untie -> {gap_end:+.4f} at the end",
+                f"loss gap to untied: {gap_before:+.4f} at the untie -> {gap_end:+.4f} at the end "
+                f"({seeds_text(scheduled)})",
             )
         claims_for_auto(model, arms, claim)
     return claims
@@ -490,7 +503,7 @@ def scheduled_geometry_claim(
         "(0,1) close and closer than in the tied arm, output (0,1) apart",
         in_sched < min(in_tied, SEPARATION) and out_sched >= SEPARATION,
         f"d/d(0,2) {arm} vs tied at the end: input 0-1 {in_sched:.3f} vs {in_tied:.3f}, output 0-1 {out_sched:.3f} vs "
-        f"{out_tied:.3f} (close below {SEPARATION})",
+        f"{out_tied:.3f} (close below {SEPARATION}; {seeds_text(scheduled)})",
     )
 
 
@@ -511,8 +524,8 @@ def claims_for_auto(model: str, arms: dict, claim) -> None:
         return statistics.fmean(r["final_loss"] for r in rs)
 
     for variant in ("main", "ndh"):
-        needed = [arms[variant, arm] for arm in ("auto", "scheduled", "untied", "tied")]
-        if not all(needed):
+        needed = on_common_seeds(*(arms[variant, arm] for arm in ("auto", "scheduled", "untied", "tied")))
+        if not needed[0]:
             continue
         a, sched, u, t = (mean_loss(rs) for rs in needed)
         # Close: the auto arm keeps at most a quarter of what tying costs (tied - untied), or 0.02 nats if tying
@@ -522,16 +535,16 @@ def claims_for_auto(model: str, arms: dict, claim) -> None:
             f"[{model}] auto ({variant}): final loss at most the scheduled arm's, and close to the untied arm's",
             a <= sched and close,
             f"final loss: auto {a:.4f}, scheduled {sched:.4f}, untied {u:.4f}, tied {t:.4f} (gaps to untied: auto "
-            f"{a - u:+.4f}, scheduled {sched - u:+.4f}, tied {t - u:+.4f})",
+            f"{a - u:+.4f}, scheduled {sched - u:+.4f}, tied {t - u:+.4f}; {seeds_text(needed[0])})",
         )
-    rescued = [arms["ndh", arm] for arm in ("auto", "untied", "tied")]
-    if all(rescued):
+    rescued = on_common_seeds(*(arms["ndh", arm] for arm in ("auto", "untied", "tied")))
+    if rescued[0]:
         acc_a, acc_u, acc_t = (statistics.fmean(r["train_accuracy"] for r in rs) for rs in rescued)
         claim(
             f"[{model}] auto (ndh): learns the task as well as the untied arm (train accuracy within 0.05) and no "
             "worse than the tied arm",
             acc_a >= acc_u - 0.05 and acc_a >= acc_t,
-            f"train accuracy: auto {acc_a:.3f}, untied {acc_u:.3f}, tied {acc_t:.3f}",
+            f"train accuracy: auto {acc_a:.3f}, untied {acc_u:.3f}, tied {acc_t:.3f} ({seeds_text(rescued[0])})",
         )
 
 
@@ -552,14 +565,16 @@ def post_untie_loss(record: dict) -> float:
 
 
 def recovery_comparison(records: list[dict]) -> list[dict]:
-    """Copied vs reset optimizer state on the scheduled arm, per variant and model: the better one has the lower
-    mean loss after the untie."""
+    """Copied vs reset optimizer state on the scheduled arm, per variant and model, on the seeds both have: the better
+    one has the lower mean loss after the untie."""
     rows = []
     for variant in sorted({r["variant"] for r in records}):
         for model in sorted({r["model"] for r in records}):
-            copy = group(records, variant=variant, model=model, arm="scheduled")
-            reset = group(records, variant=variant, model=model, arm="scheduled-reset")
-            if copy and reset:
+            copy, reset = on_common_seeds(
+                group(records, variant=variant, model=model, arm="scheduled"),
+                group(records, variant=variant, model=model, arm="scheduled-reset"),
+            )
+            if copy:
                 row = {"variant": variant, "model": model, "seeds": len(copy)}
                 for name, rs in (("copy", copy), ("reset", reset)):
                     row[f"{name}_final_loss"] = statistics.fmean(r["final_loss"] for r in rs)

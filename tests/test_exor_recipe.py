@@ -159,9 +159,28 @@ def test_auto_claims_need_the_trigger_where_the_hypothesis_fails_and_a_recovered
     assert [c[1] for c in claims] == [False, False, True]
 
 
+def test_claims_compare_arms_on_the_seeds_they_share():
+    """A grid still running has one arm ahead of another: the means are taken over the common seeds only."""
+    records = [
+        _record("main", "auto", 42, 0.53, trigger_step=8_500),
+        _record("main", "auto", 43, 1.18, trigger_step=8_500),  # a seed the other arms have not reached yet
+        _record("main", "scheduled", 42, 0.56),
+        _record("main", "untied", 42, 0.52),
+        _record("main", "tied", 42, 0.68),
+    ]
+    auto, untied = recipe.on_common_seeds(recipe.group(records, arm="auto"), recipe.group(records, arm="untied"))
+    assert [r["seed"] for r in auto] == [42] and [r["seed"] for r in untied] == [42]
+    claims = []
+    arms = {(v, a): recipe.group(records, variant=v, arm=a) for v in recipe.VARIANTS for a in recipe.ARMS}
+    recipe.claims_for_auto("transformer", arms, lambda text, holds, evidence: claims.append((text, holds, evidence)))
+    (main_loss,) = [c for c in claims if c[1] is not None and "auto (main)" in c[0]]
+    assert main_loss[1] is True and "auto 0.5300" in main_loss[2] and "seeds 42)" in main_loss[2]
+    assert recipe.on_common_seeds(recipe.group(records, arm="auto"), []) == [[], []]
+
+
 def _geometry_record(arm, input_01, output_01):
     geometry = {"input": {"0-1": input_01, "0-2": 1.0}, "output": {"0-1": output_01, "0-2": 1.0}}
-    return {"arm": arm, "history": {"geometry": [geometry]}}
+    return {"arm": arm, "seed": 42, "history": {"geometry": [geometry]}}
 
 
 @pytest.mark.parametrize(
