@@ -397,8 +397,13 @@ def group(records: list[dict], **match) -> list[dict]:
 def on_common_seeds(*groups: list[dict]) -> list[list[dict]]:
     """Each group of runs restricted to the seeds that every group has: arms are compared on the same seeds only, so
     a grid that is still running (one arm ahead of another) never compares means over different seeds."""
-    seeds = set.intersection(*({r["seed"] for r in rs} for rs in groups)) if groups else set()
+    seeds = set.intersection(*({r["seed"] for r in rs} for rs in groups))
     return [[r for r in rs if r["seed"] in seeds] for rs in groups]
+
+
+def seed_mean(records: list[dict], key: str) -> float:
+    """Mean of a record field (final_loss, train_accuracy, ...) over the runs' seeds."""
+    return statistics.fmean(r[key] for r in records)
 
 
 def seeds_text(records: list[dict]) -> str:
@@ -424,9 +429,6 @@ def check_claims(records: list[dict]) -> list[dict]:
     def claim(text: str, holds: bool | None, evidence: str) -> None:
         claims.append({"claim": text, "holds": None if holds is None else bool(holds), "evidence": evidence})
 
-    def final_mean(rs: list[dict], key: str) -> float:
-        return statistics.fmean(r[key] for r in rs)
-
     for model in sorted({r["model"] for r in records}):
         arms = {
             (variant, arm): group(records, variant=variant, model=model, arm=arm)
@@ -447,7 +449,7 @@ def check_claims(records: list[dict]) -> list[dict]:
         tied_, untied_ = on_common_seeds(tied, untied)
         if tied_:
             t01, t23 = mean_relative(tied_, "input", "0-1"), mean_relative(tied_, "input", "2-3")
-            loss_tied, loss_untied = final_mean(tied_, "final_loss"), final_mean(untied_, "final_loss")
+            loss_tied, loss_untied = seed_mean(tied_, "final_loss"), seed_mean(untied_, "final_loss")
             claim(
                 text,
                 t23 < SEPARATION <= t01 and loss_tied > loss_untied,
@@ -460,7 +462,7 @@ def check_claims(records: list[dict]) -> list[dict]:
         text = f"[{model}] NDH: the untied arm learns the task far better than the tied arm (>= 0.1 accuracy)"
         ndh_untied, ndh_tied = on_common_seeds(arms["ndh", "untied"], arms["ndh", "tied"])
         if ndh_untied:
-            acc_u, acc_t = final_mean(ndh_untied, "train_accuracy"), final_mean(ndh_tied, "train_accuracy")
+            acc_u, acc_t = seed_mean(ndh_untied, "train_accuracy"), seed_mean(ndh_tied, "train_accuracy")
             ceiling = vocabulary("ndh").bayes_accuracy()
             claim(
                 text,
@@ -478,7 +480,7 @@ def check_claims(records: list[dict]) -> list[dict]:
             step = scheduled[0]["untie_step"]
             claim(*scheduled_geometry_claim(model, arm, step, scheduled, tied_))
             gap_before = loss_gap_at(scheduled, untied_, step)
-            gap_end = final_mean(scheduled, "final_loss") - final_mean(untied_, "final_loss")
+            gap_end = seed_mean(scheduled, "final_loss") - seed_mean(untied_, "final_loss")
             claim(
                 f"[{model}] {arm} (main): the loss gap to the untied arm shrinks after the untie",
                 gap_end < gap_before,
@@ -520,14 +522,11 @@ def claims_for_auto(model: str, arms: dict, claim) -> None:
     else:
         claim(text, None, "not run: needs the auto arm on main, ydh and ndh")
 
-    def mean_loss(rs: list[dict]) -> float:
-        return statistics.fmean(r["final_loss"] for r in rs)
-
     for variant in ("main", "ndh"):
         needed = on_common_seeds(*(arms[variant, arm] for arm in ("auto", "scheduled", "untied", "tied")))
         if not needed[0]:
             continue
-        a, sched, u, t = (mean_loss(rs) for rs in needed)
+        a, sched, u, t = (seed_mean(rs, "final_loss") for rs in needed)
         # Close: the auto arm keeps at most a quarter of what tying costs (tied - untied), or 0.02 nats if tying
         # costs nothing.
         close = a - u <= (0.25 * (t - u) if t > u else 0.02)
@@ -539,7 +538,7 @@ def claims_for_auto(model: str, arms: dict, claim) -> None:
         )
     rescued = on_common_seeds(*(arms["ndh", arm] for arm in ("auto", "untied", "tied")))
     if rescued[0]:
-        acc_a, acc_u, acc_t = (statistics.fmean(r["train_accuracy"] for r in rs) for rs in rescued)
+        acc_a, acc_u, acc_t = (seed_mean(rs, "train_accuracy") for rs in rescued)
         claim(
             f"[{model}] auto (ndh): learns the task as well as the untied arm (train accuracy within 0.05) and no "
             "worse than the tied arm",
@@ -577,7 +576,7 @@ def recovery_comparison(records: list[dict]) -> list[dict]:
             if copy:
                 row = {"variant": variant, "model": model, "seeds": len(copy)}
                 for name, rs in (("copy", copy), ("reset", reset)):
-                    row[f"{name}_final_loss"] = statistics.fmean(r["final_loss"] for r in rs)
+                    row[f"{name}_final_loss"] = seed_mean(rs, "final_loss")
                     row[f"{name}_post_untie_loss"] = statistics.fmean(post_untie_loss(r) for r in rs)
                 row["better"] = "copy" if row["copy_post_untie_loss"] <= row["reset_post_untie_loss"] else "reset"
                 rows.append(row)
