@@ -95,15 +95,35 @@ def test_untie_is_loss_preserving(make_args):
     assert abs(losses[6] - losses[5]) <= max(jumps)  # the step after the untie continues the curve
 
 
-def test_class_passed_without_arguments_uses_default_schedule(make_args):
+def test_class_passed_without_arguments_runs_the_trigger_with_a_30_percent_deadline(make_args):
     model = tiny_model("gpt2")
     trainer = tf.Trainer(
         model=model, args=make_args(max_steps=20), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback]
     )
     trainer.train()
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
-    assert cb.untie_step == 6  # 0.3 * 20
+    assert cb.config.untie_when == untie.UntieWhen()  # the pair-free rule: no pairs were given
+    assert (cb.untie_step, cb.untie_reason) == (6, "deadline")  # 0.3 * 20; no measurement before step 50
     assert not untie.is_tied(model)
+
+
+def test_default_trigger_unties_before_the_deadline_when_it_fires(make_args, monkeypatch):
+    # Half of the two roles' updates cancel at every measurement: the default rule (warm-up 5% = step 2, patience 5)
+    # fires at step 6, before the default deadline at 30% of 40 steps (12).
+    monkeypatch.setattr(untie.callback, "role_signals", lambda *a, **k: {"cancellation": 0.9})
+    callback = untie.UntieCallback(metrics_every=1)
+    _train(tiny_model("gpt2"), make_args(max_steps=40), [callback])
+    assert (callback.untie_step, callback.untie_reason, callback.divergence.fired_step) == (6, "trigger", 6)
+
+
+def test_a_chosen_untie_at_is_an_exact_schedule_unless_a_rule_is_given(make_args, monkeypatch):
+    monkeypatch.setattr(untie.callback, "role_signals", lambda *a, **k: {"cancellation": 0.9})
+    scheduled = untie.UntieCallback(untie_at=0.3, metrics_every=1)  # the default's value, but chosen
+    _train(tiny_model("gpt2"), make_args(max_steps=40), [scheduled])
+    assert scheduled.config.untie_when is None and (scheduled.untie_step, scheduled.untie_reason) == (12, "deadline")
+    deadline = untie.UntieCallback(untie_at=0.3, untie_when="divergence", metrics_every=1)
+    _train(tiny_model("gpt2"), make_args(max_steps=40), [deadline])
+    assert (deadline.untie_step, deadline.untie_reason) == (6, "trigger")
 
 
 def test_logs_reach_integrations_registered_before_the_callback(make_args):

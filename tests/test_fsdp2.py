@@ -67,7 +67,7 @@ def trainer_runs(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
     result = subprocess.run([*cmd, TRAINER_WORKER, str(out)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8", "trigger")
+    names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8", "trigger", "default")
     return out, {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
 
 
@@ -156,6 +156,14 @@ def test_fsdp2_divergence_trigger_reads_the_emulated_role_signals_and_unties_eve
         assert {"cosine", "cancellation", "agreement", "gap/3-5", "tension/7-40"} <= mine.keys()
         for key, value in live.items():
             assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+
+
+def test_fsdp2_default_trigger_is_off_and_the_deadline_unties(trainer_runs):
+    _, runs = trainer_runs
+    for run in runs["default"]:
+        assert (run["tying_mode"], run["untie_step"], run["reason"]) == ("emulated", 3, "deadline")
+        assert [h["step"] for h in run["history"]] == [4, 6, 8, 10]  # drift after the untie; no tied-phase probe
+        assert "cosine" not in run["history"][0]
 
 
 SHARDED_PROBE = """

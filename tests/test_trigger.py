@@ -89,6 +89,7 @@ def test_rule_and_config_validation_and_json_round_trip():
     assert config.untie_when == untie.UntieWhen(signal="tension/0-1", patience=2)
     assert untie.UntieConfig.from_json(config.to_json()) == config
     assert untie.UntieConfig(untie_when="divergence").untie_when == untie.UntieWhen()
+    assert untie.UntieConfig(untie_when="divergence", pairs=[(0, 1)]).untie_when == untie.UntieWhen("gap", 1.0)
     for bad, message in [
         ({"signal": "loss"}, "not a known signal"),
         ({"smoothing": 1.0}, "smoothing"),
@@ -105,6 +106,25 @@ def test_rule_and_config_validation_and_json_round_trip():
     assert untie.UntieConfig(untie_when={"signal": "gap/0-1"}, pairs=[(0, 1)]).untie_when.direction == "above"
     with pytest.raises(ValueError, match="metrics_every > 0"):
         untie.UntieConfig(untie_when="divergence", metrics_every=0)
+
+
+@pytest.mark.parametrize(
+    "settings, rule, untie_at",
+    [
+        ({}, untie.UntieWhen(), 0.3),  # the default: the pair-free rule, with a deadline at 30% of the run
+        ({"pairs": [(0, 1)]}, untie.UntieWhen("gap", 1.0), 0.3),  # with pairs, the paper's criterion
+        ({"untie_at": 100}, None, 100),  # a chosen step is a fixed schedule
+        ({"untie_at": 0.3}, None, 0.3),  # even the default's value, once chosen
+        ({"untie_at": None}, None, None),  # a tied baseline
+        ({"metrics_every": 0}, None, 0.3),  # nothing to read: the deadline alone
+        ({"untie_at": 100, "untie_when": "divergence"}, untie.UntieWhen(), 100),  # the trigger, with a deadline
+    ],
+)
+def test_the_default_trigger_is_on_unless_the_user_chose_a_schedule(settings, rule, untie_at):
+    config = untie.UntieConfig(**settings)
+    assert (config.untie_when, config.untie_at) == (rule, untie_at)
+    assert untie.UntieConfig.from_json(config.to_json()) == config  # the JSON form is explicit: it round-trips
+    assert json.loads(config.to_json())["untie_at"] == untie_at
 
 
 # -- in Trainer ------------------------------------------------------------------------------------------------------

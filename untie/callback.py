@@ -37,7 +37,8 @@ _DRIFT_SAMPLE = {"queries": 256, "pool": 4096, "rows": 2048}
 class UntieCallback(TrainerCallback, ExportableState):
     """Train tied, then untie the LM head from the input embedding when tying starts to hurt, or at a deadline.
 
-    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`. Every `metrics_every` steps it measures
+    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: the divergence trigger, with a deadline
+    at 30% of the run; `UntieCallback(untie_at=N)` alone unties at N. Every `metrics_every` steps it measures
     the role signals of the shared matrix (drift between the two spaces once untied), feeds them to the divergence
     trigger (`untie_when`), and logs them as `untie/...` with Trainer's next log, next to `untie/tied` and
     `untie/untie_step`; `history` keeps every measurement. Saves its state in checkpoints and restores the untied
@@ -130,10 +131,16 @@ class UntieCallback(TrainerCallback, ExportableState):
             self._emulation = None
             return
         self._emulation.attach_optimizer(optimizer)
+        sharded = is_sharded(_both_weights(model)[0])
+        if sharded and self.config.trigger_by_default:
+            # Sharded (FSDP2), a measurement costs dense (V, d) buffers and a gather of W on every rank: the trigger
+            # runs there only when the user asks for it (untie_when=...); the default is the deadline alone.
+            logger.info("untie: FSDP2: the default divergence trigger is off (pass untie_when to turn it on).")
+            self.divergence = None
         if self.trigger.fires(step):
             self._untie(model, optimizer, step, "deadline")
-        elif self.config.metrics_every and (self.divergence is not None or not is_sharded(_both_weights(model)[0])):
-            # Sharded (FSDP2), a measurement costs dense (V, d) buffers on every rank: only when a trigger reads it.
+        elif self.config.metrics_every and (self.divergence is not None or not sharded):
+            # Sharded, a measurement is taken only when a trigger reads it.
             self._probe = RoleGradientProbe(model, pairs=self.config.pairs, emulated=True)
 
     def on_step_begin(self, args, state, control, **kwargs):

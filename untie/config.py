@@ -7,11 +7,20 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from untie.surgery import _STATE_INITS, _TIE_INITS
-from untie.triggers import UntieWhen, pair_signal
+from untie.triggers import UntieWhen, default_rule, pair_signal
 
-#: Default schedule: untie after 30% of the run's optimizer steps. Tying speeds up the start of training and the
-#: untie leaves 70% of the budget for the input and output spaces to separate (see README, "Defaults").
-DEFAULT_UNTIE_AT = 0.3
+
+class DefaultDeadline(float):
+    """The default `untie_at`, a float that `UntieConfig` can tell from a step the user chose: left at its default,
+    `untie_at` is the divergence trigger's deadline; chosen by the user (with no `untie_when`), a fixed schedule."""
+
+
+#: Default deadline: untie after 30% of the run's optimizer steps unless the divergence trigger fires first. Tying
+#: speeds up the start of training and the untie leaves 70% of the budget for the two spaces to separate.
+DEFAULT_UNTIE_AT = DefaultDeadline(0.3)
+#: `untie_when`'s default: the trigger is on (`default_rule`) when `untie_at` is left at its default, off when the
+#: user chose `untie_at` (an explicit step is a schedule). A private object, so no user value can mean it.
+_TRIGGER_UNLESS_SCHEDULED: Any = object()
 #: How the tied phase is implemented (see `UntieConfig.tying_mode`).
 TYING_MODES = ("auto", "live", "emulated")
 
@@ -27,8 +36,11 @@ class UntieConfig:
     tie_init: when the model arrives untied, the Trainer's model is tied at construction from this matrix:
         "input", "output" or "mean".
     save_at_untie: ask Trainer for a checkpoint at the untie step.
-    untie_when: the divergence trigger's rule (`untie.UntieWhen`, its dict, or "divergence" for the defaults); the
-        model unties when it fires or at `untie_at`, whichever comes first. None: untie at `untie_at` only.
+    untie_when: the divergence trigger's rule (`untie.UntieWhen`, its dict, or "divergence" for `default_rule`:
+        ``gap`` > 1 nat with `pairs`, the pair-free rule without); the model unties when it fires or at `untie_at`,
+        whichever comes first. None: untie at `untie_at` only. Left out, it is "divergence" when `untie_at` is
+        left out too (trigger + 30% deadline), and None when `untie_at` is given (a fixed schedule) or
+        `metrics_every` is 0 (nothing to read).
     metrics_every: measure every this many optimizer steps (0: never): role signals while tied (they feed the
         trigger), drift between the two spaces after the untie. Logged as `untie/...` with Trainer's next log.
     tying_mode: how the tied phase runs. "live": one shared parameter; the head parameter is created at the
@@ -43,21 +55,19 @@ class UntieConfig:
     optimizer_state: str = "copy"
     tie_init: str = "input"
     save_at_untie: bool = True
-    untie_when: UntieWhen | None = None
+    untie_when: UntieWhen | None = _TRIGGER_UNLESS_SCHEDULED
     metrics_every: int = 50
     pairs: list[tuple[int, int]] = field(default_factory=list)
     tying_mode: str = "auto"
 
     def __post_init__(self) -> None:
-        self.untie_when = UntieWhen.coerce(self.untie_when)
         if isinstance(self.metrics_every, bool) or not isinstance(self.metrics_every, int) or self.metrics_every < 0:
             raise ValueError(f"metrics_every={self.metrics_every!r} must be an int >= 0 (0 turns the metrics off).")
-        if self.untie_when is not None and self.metrics_every == 0:
-            raise ValueError("untie_when needs measurements: set metrics_every > 0 (e.g. 50) or untie_when=None.")
         try:
             self.pairs = [(int(a), int(b)) for a, b in self.pairs]
         except (TypeError, ValueError):
             raise ValueError(f"pairs={self.pairs!r}: pass a list of (token_id, token_id) pairs.") from None
+        self._resolve_trigger()
         per_pair = pair_signal(self.untie_when.signal) if self.untie_when is not None else None
         if per_pair is not None:
             wanted = per_pair[1]
@@ -75,12 +85,29 @@ class UntieConfig:
             raise ValueError(
                 f"untie_at={at} is a float outside (0, 1): floats are fractions of max_steps; pass an int for a step."
             )
+        if isinstance(at, DefaultDeadline):
+            self.untie_at = float(at)  # resolved: the JSON form is a plain number, and round-trips as a chosen one
         if self.tying_mode not in TYING_MODES:
             raise ValueError(f"tying_mode={self.tying_mode!r} is not one of {TYING_MODES}.")
         if self.optimizer_state not in _STATE_INITS:
             raise ValueError(f"optimizer_state={self.optimizer_state!r} is not one of {_STATE_INITS}.")
         if self.tie_init not in _TIE_INITS:
             raise ValueError(f"tie_init={self.tie_init!r} is not one of {_TIE_INITS}.")
+
+    def _resolve_trigger(self) -> None:
+        """Turn `untie_when` (default, "divergence", a dict, ...) into an `UntieWhen` or None, and check it."""
+        self.trigger_by_default = False
+        if self.untie_when is _TRIGGER_UNLESS_SCHEDULED:
+            # A step the user chose is a schedule, and metrics_every=0 leaves the trigger nothing to read.
+            scheduled = not isinstance(self.untie_at, DefaultDeadline) or self.metrics_every == 0
+            self.untie_when = None if scheduled else "divergence"
+            #: The trigger is on by default, not by the user's choice (not a field: the JSON form is explicit).
+            self.trigger_by_default = not scheduled
+        if self.untie_when == "divergence":
+            self.untie_when = default_rule(with_pairs=bool(self.pairs))
+        self.untie_when = UntieWhen.coerce(self.untie_when)
+        if self.untie_when is not None and self.metrics_every == 0:
+            raise ValueError("untie_when needs measurements: set metrics_every > 0 (e.g. 50) or untie_when=None.")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -101,11 +101,12 @@ class UntieWhen:
 
     @classmethod
     def coerce(cls, value: UntieWhen | dict | str | None) -> UntieWhen | None:
-        """Accept an `UntieWhen`, its dict form, ``"divergence"`` (the defaults) or None (no trigger)."""
+        """Accept an `UntieWhen`, its dict form or None (no trigger); ``"divergence"`` is resolved by `UntieConfig`
+        (`default_rule`), which knows whether pairs were given: here it stands for the pair-free rule."""
         if value is None or isinstance(value, cls):
             return value
         if value == "divergence":
-            return cls()
+            return default_rule(with_pairs=False)
         if isinstance(value, dict):
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(value) - known)
@@ -119,6 +120,13 @@ class UntieWhen:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def default_rule(with_pairs: bool) -> UntieWhen:
+    """The rule ``"divergence"`` (and the default `UntieConfig`) stands for: with pairs, the paper's own criterion,
+    untie once a declared pair is predicted more than 1 nat apart (``gap``); without, the pair-free rule (the
+    defaults of `UntieWhen`: more than half of the two roles' updates cancel)."""
+    return UntieWhen(signal="gap", threshold=1.0) if with_pairs else UntieWhen()
 
 
 class DivergenceTrigger:
