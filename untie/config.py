@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from untie.surgery import _STATE_INITS, _TIE_INITS
-from untie.triggers import UntieWhen, default_rule, pair_signal
+from untie.triggers import UntieWhen, pair_signal
 
 
 class DefaultDeadline(float):
@@ -67,7 +67,7 @@ class UntieConfig:
             self.pairs = [(int(a), int(b)) for a, b in self.pairs]
         except (TypeError, ValueError):
             raise ValueError(f"pairs={self.pairs!r}: pass a list of (token_id, token_id) pairs.") from None
-        self._resolve_trigger()
+        self._resolve_defaults()
         per_pair = pair_signal(self.untie_when.signal) if self.untie_when is not None else None
         if per_pair is not None:
             wanted = per_pair[1]
@@ -85,8 +85,6 @@ class UntieConfig:
             raise ValueError(
                 f"untie_at={at} is a float outside (0, 1): floats are fractions of max_steps; pass an int for a step."
             )
-        if isinstance(at, DefaultDeadline):
-            self.untie_at = float(at)  # resolved: the JSON form is a plain number, and round-trips as a chosen one
         if self.tying_mode not in TYING_MODES:
             raise ValueError(f"tying_mode={self.tying_mode!r} is not one of {TYING_MODES}.")
         if self.optimizer_state not in _STATE_INITS:
@@ -94,20 +92,21 @@ class UntieConfig:
         if self.tie_init not in _TIE_INITS:
             raise ValueError(f"tie_init={self.tie_init!r} is not one of {_TIE_INITS}.")
 
-    def _resolve_trigger(self) -> None:
-        """Turn `untie_when` (default, "divergence", a dict, ...) into an `UntieWhen` or None, and check it."""
-        self.trigger_by_default = False
-        if self.untie_when is _TRIGGER_UNLESS_SCHEDULED:
-            # A step the user chose is a schedule, and metrics_every=0 leaves the trigger nothing to read.
-            scheduled = not isinstance(self.untie_at, DefaultDeadline) or self.metrics_every == 0
+    def _resolve_defaults(self) -> None:
+        """Turn `untie_when` (left out, "divergence", a dict, ...) into an `UntieWhen` or None, and `untie_at` into a
+        plain number: the JSON form is explicit, so a round trip gives the same settings."""
+        # A step the user chose is a schedule, and metrics_every=0 leaves the trigger nothing to read.
+        scheduled = not isinstance(self.untie_at, DefaultDeadline) or self.metrics_every == 0
+        left_out = self.untie_when is _TRIGGER_UNLESS_SCHEDULED
+        #: The trigger is on by default, not by the user's choice (not a field: the JSON form is explicit).
+        self.trigger_by_default = left_out and not scheduled
+        if left_out:
             self.untie_when = None if scheduled else "divergence"
-            #: The trigger is on by default, not by the user's choice (not a field: the JSON form is explicit).
-            self.trigger_by_default = not scheduled
-        if self.untie_when == "divergence":
-            self.untie_when = default_rule(with_pairs=bool(self.pairs))
-        self.untie_when = UntieWhen.coerce(self.untie_when)
+        self.untie_when = UntieWhen.coerce(self.untie_when, with_pairs=bool(self.pairs))
         if self.untie_when is not None and self.metrics_every == 0:
             raise ValueError("untie_when needs measurements: set metrics_every > 0 (e.g. 50) or untie_when=None.")
+        if isinstance(self.untie_at, DefaultDeadline):
+            self.untie_at = float(self.untie_at)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -100,13 +100,13 @@ class UntieWhen:
         return SIGNAL_DIRECTIONS.get(self.signal, "above")
 
     @classmethod
-    def coerce(cls, value: UntieWhen | dict | str | None) -> UntieWhen | None:
-        """Accept an `UntieWhen`, its dict form or None (no trigger); ``"divergence"`` is resolved by `UntieConfig`
-        (`default_rule`), which knows whether pairs were given: here it stands for the pair-free rule."""
+    def coerce(cls, value: UntieWhen | dict | str | None, with_pairs: bool = False) -> UntieWhen | None:
+        """Accept an `UntieWhen`, its dict form, ``"divergence"`` (`default_rule`, which depends on whether pairs are
+        measured) or None (no trigger)."""
         if value is None or isinstance(value, cls):
             return value
         if value == "divergence":
-            return default_rule(with_pairs=False)
+            return default_rule(with_pairs)
         if isinstance(value, dict):
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(value) - known)
