@@ -43,6 +43,12 @@ def test_results_schema(short_run):
         if run["arm"] == "tied":
             assert run["input_distance"] == run["output_distance"]
     assert {"claim", "holds", "evidence"} <= set(results["claims"][0])
+    # One seed: the geometry claims are tested, the loss claims reported with their numbers but not tested.
+    verdicts = {c["claim"].removeprefix("[transformer] "): c for c in results["claims"]}
+    assert isinstance(verdicts["tied (main): (2,3) close, (0,1) apart"]["holds"], bool)
+    tied_loss = verdicts["tied (main): final loss above the untied arm's"]
+    assert tied_loss["holds"] is None and tied_loss["evidence"].startswith("not tested on 1 seed(s)")
+    assert "loss tied " in tied_loss["evidence"]
     assert results["optimizer_state_recovery"][0]["better"] in ("copy", "reset")
     table = (out / "results.md").read_text()
     assert "| main | transformer | scheduled | 1 | 20 |" in table and "The paper's claims" in table
@@ -133,49 +139,76 @@ def _record(variant, arm, seed, loss, accuracy=0.7, trigger_step=None):
             "train_accuracy": accuracy, "trigger_step": trigger_step}  # fmt: skip
 
 
-def test_auto_claims_need_the_trigger_where_the_hypothesis_fails_and_a_recovered_loss():
-    records = [
-        _record("main", "auto", 42, 0.53, trigger_step=8_750),
-        _record("ydh", "auto", 42, 0.40, trigger_step=None),
-        _record("ndh", "auto", 42, 0.20, accuracy=0.93, trigger_step=9_000),
-        _record("main", "scheduled", 42, 0.56),
-        _record("main", "untied", 42, 0.52),
-        _record("main", "tied", 42, 0.68),
-        _record("ndh", "untied", 42, 0.19, accuracy=0.94),
-        _record("ndh", "tied", 42, 0.70, accuracy=0.65),
-    ]
+def _auto_claims(records):
+    """claims_for_auto's verdicts (dicts with claim, holds, evidence), in the order it states them."""
     claims = []
     arms = {(v, a): recipe.group(records, variant=v, arm=a) for v in recipe.VARIANTS for a in recipe.ARMS}
-    recipe.claims_for_auto("transformer", arms, lambda text, holds, evidence: claims.append((text, holds, evidence)))
-    fires, main_loss, ndh_rescue = claims  # ndh has no scheduled arm: its loss claim is not checked
-    assert fires[1] is True and "main: 8,750; ydh: never; ndh: 9,000" in fires[2]
-    assert main_loss[1] is True  # 0.53 <= 0.56, and 0.01 above untied is within a quarter of tied's 0.16
-    assert ndh_rescue[1] is True
+    recipe.claims_for_auto("transformer", arms, lambda *args, **kw: claims.append(recipe.claim_record(*args, **kw)))
+    return claims
+
+
+SEEDS = (42, 43, 44)  # MIN_SEEDS_FOR_OUTCOMES: the loss / accuracy claims are tested
+
+
+def test_auto_claims_need_the_trigger_where_the_hypothesis_fails_and_a_recovered_loss():
+    records = [
+        record
+        for seed in SEEDS
+        for record in (
+            _record("main", "auto", seed, 0.53, trigger_step=8_750),
+            _record("ydh", "auto", seed, 0.40, trigger_step=None),
+            _record("ndh", "auto", seed, 0.20, accuracy=0.93, trigger_step=9_000),
+            _record("main", "scheduled", seed, 0.56),
+            _record("main", "untied", seed, 0.52),
+            _record("main", "tied", seed, 0.68),
+            _record("ndh", "untied", seed, 0.19, accuracy=0.94),
+            _record("ndh", "tied", seed, 0.70, accuracy=0.65),
+        )
+    ]
+    fires, main_loss, ndh_rescue = _auto_claims(records)  # ndh has no scheduled arm: its loss claim is not checked
+    assert fires["holds"] is True and "main: 8,750, 8,750, 8,750; ydh: never" in fires["evidence"]
+    assert main_loss["holds"] is True  # 0.53 <= 0.56, and 0.01 above untied is within a quarter of tied's 0.16
+    assert ndh_rescue["holds"] is True
     # The trigger firing in ydh before it fires in ndh breaks the claim; so does an auto loss above scheduled's.
-    records[1]["trigger_step"] = 8_000
-    records[0]["final_loss"] = 0.57
-    claims.clear()
-    recipe.claims_for_auto("transformer", arms, lambda text, holds, evidence: claims.append((text, holds, evidence)))
-    assert [c[1] for c in claims] == [False, False, True]
+    for record in records:
+        if record["arm"] == "auto" and record["variant"] == "ydh":
+            record["trigger_step"] = 8_000
+        if record["arm"] == "auto" and record["variant"] == "main":
+            record["final_loss"] = 0.57
+    assert [c["holds"] for c in _auto_claims(records)] == [False, False, True]
 
 
 def test_claims_compare_arms_on_the_seeds_they_share():
     """A grid still running has one arm ahead of another: the means are taken over the common seeds only."""
-    records = [
-        _record("main", "auto", 42, 0.53, trigger_step=8_500),
-        _record("main", "auto", 43, 1.18, trigger_step=8_500),  # a seed the other arms have not reached yet
-        _record("main", "scheduled", 42, 0.56),
-        _record("main", "untied", 42, 0.52),
-        _record("main", "tied", 42, 0.68),
-    ]
+    records = [_record("main", "auto", 45, 1.18, trigger_step=8_500)]  # a seed the other arms have not reached yet
+    for seed in SEEDS:
+        records += [
+            _record("main", "auto", seed, 0.53, trigger_step=8_500),
+            _record("main", "scheduled", seed, 0.56),
+            _record("main", "untied", seed, 0.52),
+            _record("main", "tied", seed, 0.68),
+        ]
     auto, untied = recipe.on_common_seeds(recipe.group(records, arm="auto"), recipe.group(records, arm="untied"))
-    assert [r["seed"] for r in auto] == [42] and [r["seed"] for r in untied] == [42]
-    claims = []
-    arms = {(v, a): recipe.group(records, variant=v, arm=a) for v in recipe.VARIANTS for a in recipe.ARMS}
-    recipe.claims_for_auto("transformer", arms, lambda text, holds, evidence: claims.append((text, holds, evidence)))
-    (main_loss,) = [c for c in claims if c[1] is not None and "auto (main)" in c[0]]
-    assert main_loss[1] is True and "auto 0.5300" in main_loss[2] and "seeds 42)" in main_loss[2]
+    assert [r["seed"] for r in auto] == list(SEEDS) and [r["seed"] for r in untied] == list(SEEDS)
+    (main_loss,) = [c for c in _auto_claims(records) if "auto (main)" in c["claim"]]
+    assert main_loss["holds"] is True and "auto 0.5300" in main_loss["evidence"]
+    assert "seeds 42, 43, 44)" in main_loss["evidence"]
     assert recipe.on_common_seeds(recipe.group(records, arm="auto"), []) == [[], []]
+
+
+def test_loss_and_accuracy_claims_on_too_few_seeds_are_reported_not_tested():
+    """One seed either learns parity or sits at chance: its loss says nothing about a mean over seeds."""
+    records = [
+        _record("main", "auto", seed, loss, trigger_step=8_500)
+        for seed, loss in ((42, 0.53), (43, 1.18))  # learned / at chance
+    ]
+    records += [_record("main", arm, seed, 0.60) for arm in ("scheduled", "untied", "tied") for seed in (42, 43)]
+    (main_loss,) = [c for c in _auto_claims(records) if "auto (main)" in c["claim"]]
+    assert main_loss["holds"] is None and main_loss["evidence"].startswith("not tested on 2 seed(s)")
+    assert "auto 0.8550" in main_loss["evidence"]  # the numbers are still reported
+    # A geometry or trigger claim (no outcome_seeds) is tested on any number of seeds.
+    assert recipe.claim_record("geometry", True, "d/d(0,2): ...")["holds"] is True
+    assert recipe.claim_record("loss", False, "loss ...", outcome_seeds=recipe.MIN_SEEDS_FOR_OUTCOMES)["holds"] is False
 
 
 def _geometry_record(arm, input_01, output_01):
