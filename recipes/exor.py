@@ -75,7 +75,7 @@ SEPARATION = 0.3
 #: Loss and accuracy claims compare seed means of runs that each either learn parity or sit on the chance plateau for
 #: a long time: on the paper preset one arm's final losses spread by 0.25-0.28 (standard deviation) over seeds, more
 #: than the effects claimed. So they are checked on at least this many seeds shared by their arms, and reported as not
-#: tested below that. The geometry claims hold seed by seed (paper.md section 1.7) and are checked on any number.
+#: tested below that. The geometry claims are checked on any number: in runs that learn they hold seed by seed.
 MIN_SEEDS_FOR_OUTCOMES = 3
 
 
