@@ -185,6 +185,60 @@ def test_resume_before_at_and_after_untie_matches_uninterrupted_run(arch, state,
         assert worst <= 1e-6, (ckpt, worst)
 
 
+@pytest.mark.parametrize("tying_mode", ["live", "emulated"])
+def test_resume_with_trainer_restoring_callback_states_matches_uninterrupted_run(
+    tying_mode, make_args, tmp_path, monkeypatch
+):
+    """With restore_callback_states_from_checkpoint=True, Trainer swaps in a new UntieCallback built from the
+    checkpoint: it takes over the model's setup and the trigger's streak, and the run ends as if never stopped."""
+    monkeypatch.setattr(untie.callback, "role_signals", lambda *a, **k: {"cancellation": 0.9})
+    rule = untie.UntieWhen(signal="cancellation", threshold=0.5, smoothing=0.0, warmup=0, patience=6)
+
+    def run(resume=None):
+        args = make_args(
+            output_dir=str(tmp_path / "full"),
+            save_strategy="steps",
+            save_steps=4,
+            restore_callback_states_from_checkpoint=True,
+        )
+        model = tiny_model("gpt2")
+        callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=1, tying_mode=tying_mode)
+        trainer = _train(model, args, [callback], resume=resume)
+        live = trainer.callback_handler.callbacks[0]
+        assert isinstance(live, untie.UntieCallback) and (live is callback) == (resume is None)
+        # The streak saved at step 4 (4 of 6) carries over: the trigger fires at step 6, not at 4 + 6.
+        assert (live.untie_step, live.untie_reason, live.divergence.fired_step) == (6, "trigger", 6)
+        assert [h["step"] for h in live.history][:6] == [1, 2, 3, 4, 5, 6]
+        return model
+
+    reference = _params(run())
+    for ckpt in ("checkpoint-4", "checkpoint-8"):  # before and after the untie at step 6
+        params = _params(run(resume=str(tmp_path / "full" / ckpt)))
+        assert params.keys() == reference.keys()
+        worst = max((params[n] - reference[n]).abs().max().item() for n in reference)
+        assert worst <= 1e-6, (ckpt, worst)
+
+
+def test_a_restored_default_callback_still_knows_its_trigger_is_the_default(make_args, tmp_path):
+    """The saved args name the default rule explicitly; the swapped-in callback takes from the model's setup that the
+    user left it at its default (which FSDP2 turns off unless asked for)."""
+    args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=8)
+    _train(tiny_model("gpt2"), args, [untie.UntieCallback()])
+    original = untie.UntieCallback()
+    args = make_args(output_dir=str(tmp_path / "full"), restore_callback_states_from_checkpoint=True)
+    trainer = _train(tiny_model("gpt2"), args, [original], resume=str(tmp_path / "full" / "checkpoint-8"))
+    live = trainer.callback_handler.callbacks[0]
+    assert live is not original and live.config.untie_when == original.config.untie_when
+    assert live.config.trigger_by_default and (live.untie_step, live.untie_reason) == (4, "deadline")
+
+
+def test_a_callback_added_after_the_trainer_was_built_is_refused(make_args):
+    trainer = tf.Trainer(model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset())
+    trainer.add_callback(untie.UntieCallback(untie_at=6))
+    with pytest.raises(RuntimeError, match=r"Pass it to the constructor: Trainer\(\.\.\., callbacks="):
+        trainer.train()
+
+
 def test_resume_without_callback_uses_prepare_for_resume(make_args, tmp_path):
     args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=8)
     reference_model = tiny_model("gpt2")

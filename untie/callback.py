@@ -6,6 +6,7 @@ import logging
 import math
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import TrainerCallback
@@ -32,6 +33,20 @@ logger = logging.getLogger(__name__)
 
 #: Sample sizes of the drift metrics measured during training: about 0.1 s on CPU for GPT-2 small.
 _DRIFT_SAMPLE = {"queries": 256, "pool": 4096, "rows": 2048}
+#: The callback's attributes saved in checkpoints. Trainer's `restore_callback_states_from_checkpoint` sets each one
+#: back with `setattr` on a new instance, so every key must be an attribute that takes its saved value.
+_SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history")
+#: The model attribute where `on_init_end` leaves what it prepared, for a callback that Trainer re-creates later.
+_SETUP_ATTR = "_untie_callback_setup"
+
+
+@dataclass
+class _Setup:
+    """What `UntieCallback.on_init_end` prepared on a model, for an instance that did not see that event."""
+
+    tying_mode: str
+    emulation: EmulatedTying | None
+    trigger_by_default: bool
 
 
 class UntieCallback(TrainerCallback, ExportableState):
@@ -47,7 +62,8 @@ class UntieCallback(TrainerCallback, ExportableState):
 
     def __init__(self, untie_at: int | float | None = DEFAULT_UNTIE_AT, **settings: Any) -> None:
         self.config = UntieConfig(untie_at=untie_at, **settings)
-        self.trigger = ScheduledTrigger(self.config.untie_at)
+        self.deadline = ScheduledTrigger(self.config.untie_at)
+        """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
         self.divergence = DivergenceTrigger(self.config.untie_when) if self.config.untie_when else None
         self.untied = False
         self.untie_step: int | None = None
@@ -64,19 +80,27 @@ class UntieCallback(TrainerCallback, ExportableState):
 
     # -- ExportableState ------------------------------------------------------------------------------------------
     def state(self) -> dict:
-        attributes = {
-            "untied": self.untied,
-            "untie_step": self.untie_step,
-            "untie_reason": self.untie_reason,
-            "trigger": self.divergence.state_dict() if self.divergence else None,
-            "history": self.history,
-        }
-        return {"args": self.config.to_dict(), "attributes": attributes}
+        return {"args": self.config.to_dict(), "attributes": {name: getattr(self, name) for name in _SAVED_ATTRIBUTES}}
+
+    @property
+    def trigger_state(self) -> dict | None:
+        """The divergence trigger's running state (average, streak, firing step); None without a trigger."""
+        return self.divergence.state_dict() if self.divergence is not None else None
+
+    @trigger_state.setter
+    def trigger_state(self, value: dict | None) -> None:
+        if self.divergence is not None and value:
+            self.divergence.load_state_dict(value)
 
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, training_engine(args))
         _run_first(self)
+        self._prepare(model, state)
+        setattr(model, _SETUP_ATTR, _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default))
+
+    def _prepare(self, model, state) -> None:
+        """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
         if is_peft_model(model):
             # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
             keep_untied = was_untied(model) or self.config.untie_at == 0
@@ -104,8 +128,10 @@ class UntieCallback(TrainerCallback, ExportableState):
                 self._emulation = EmulatedTying(model)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.tying_mode is None:
+            self._adopt_setup(model)
         self._restore(state)
-        self.trigger.resolve(state.max_steps)
+        self.deadline.resolve(state.max_steps)
         if self.divergence is not None:
             self.divergence.resolve(state.max_steps)
         if self._emulation is not None:
@@ -120,10 +146,24 @@ class UntieCallback(TrainerCallback, ExportableState):
                 "UntieCallback: the checkpoint state says the model was untied, but the model is tied. Resume with "
                 "the same model class, or call untie.prepare_for_resume(model, checkpoint_dir) before train()."
             )
-        elif self.trigger.fires(state.global_step):
+        elif self.deadline.fires(state.global_step):
             self._untie(model, optimizer, state.global_step, "deadline")
         elif self.config.metrics_every:
             self._probe = RoleGradientProbe(model, pairs=self.config.pairs)
+
+    def _adopt_setup(self, model) -> None:
+        """Take over what `on_init_end` prepared. With `restore_callback_states_from_checkpoint=True`, Trainer replaces
+        this callback on resume with a new instance, built from the checkpoint's `args` after that event."""
+        setup = getattr(model, _SETUP_ATTR, None)
+        if setup is None:
+            raise RuntimeError(
+                "UntieCallback was added after the Trainer was built (trainer.add_callback): it must prepare the "
+                "model before the optimizer and the checkpoint loader see it. Pass it to the constructor: "
+                "Trainer(..., callbacks=[UntieCallback(...)])."
+            )
+        self.tying_mode, self._emulation = setup.tying_mode, setup.emulation
+        self.config.trigger_by_default = setup.trigger_by_default  # the saved args name the default rule explicitly
+        _run_first(self)  # Trainer appended the new instance after the logging integrations
 
     def _begin_emulated(self, model, optimizer, step: int) -> None:
         if self.untied:  # resumed from a checkpoint saved after the untie: the head's values and state are its own
@@ -137,7 +177,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             # runs there only when the user asks for it (untie_when=...); the default is the deadline alone.
             logger.info("untie: FSDP2: the default divergence trigger is off (pass untie_when to turn it on).")
             self.divergence = None
-        if self.trigger.fires(step):
+        if self.deadline.fires(step):
             self._untie(model, optimizer, step, "deadline")
         elif self.config.metrics_every and (self.divergence is not None or not sharded):
             # Sharded, a measurement is taken only when a trigger reads it.
@@ -171,7 +211,7 @@ class UntieCallback(TrainerCallback, ExportableState):
                 # Every rank takes rank 0's decision, at the same step.
                 if broadcast_decision(self.divergence.fired_step is not None):
                     reason = "trigger"
-            if reason is None and self.trigger.fires(step):
+            if reason is None and self.deadline.fires(step):
                 reason = "deadline"
             if reason is not None:
                 self._untie(model, optimizer, step, reason)
@@ -247,8 +287,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         if state.global_step == 0:
             return
         self.history = [h for h in attributes.get("history", []) if h["step"] <= state.global_step]
-        if self.divergence is not None and attributes.get("trigger"):
-            self.divergence.load_state_dict(attributes["trigger"])
+        self.trigger_state = attributes.get("trigger_state", attributes.get("trigger"))  # "trigger": its earlier name
         if attributes.get("untied"):
             self.untied = True
             self.untie_step = attributes.get("untie_step")
