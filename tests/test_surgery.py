@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers as tf
 from torch import nn
 
 import untie
@@ -145,6 +146,28 @@ def test_optimizer_gets_head_in_same_group_and_scheduler_keeps_working(state):
     assert [order[id(p)] for p in opt.param_groups[0]["params"]] == sorted(order[id(p)] for p in decay + [head])
     _step(model, opt, sched)  # torch >= 2.13 schedulers raise here after add_param_group
     assert head.grad is None and int(opt.state[head]["step"]) == (2 if state == "copy" else 1)
+
+
+def test_copy_takes_adafactors_factored_moments_and_refuses_quantised_state(caplog):
+    model = tiny_model("gpt2")
+    opt = tf.optimization.Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
+    _step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+    shared = model.get_input_embeddings().weight
+    assert {"exp_avg_sq_row", "exp_avg_sq_col"} <= set(opt.state[shared])  # (V,) and (d,): not the matrix's shape
+    untie.untie_embeddings(model, opt, optimizer_state="copy")
+    head = model.get_output_embeddings().weight
+    for key, value in opt.state[shared].items():
+        copied = opt.state[head][key]
+        assert (torch.equal(copied, value) and copied is not value) if torch.is_tensor(value) else copied == value
+
+    model = tiny_model("gpt2")
+    opt = torch.optim.AdamW(model.parameters())
+    shared = model.get_input_embeddings().weight
+    opt.state[shared] = {"step": torch.tensor(3.0), "state1": torch.zeros(shared.shape, dtype=torch.uint8)}  # 8-bit
+    with caplog.at_level("WARNING", logger="untie.surgery"):
+        untie.untie_embeddings(model, opt, optimizer_state="copy")
+    assert model.get_output_embeddings().weight not in opt.state
+    assert "quantised optimizer state" in caplog.text and "fresh optimizer state" in caplog.text
 
 
 def _step(model, opt, sched):

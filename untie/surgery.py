@@ -352,26 +352,28 @@ def add_param_like(
 
 
 def copy_optimizer_state(optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter) -> None:
-    """Give `new` a copy of `like`'s optimizer state (Adam moments and step); nothing if `like` has none yet."""
+    """Give `new` a copy of `like`'s optimizer state (Adam moments, Adafactor's factored moments, step); nothing if
+    `like` has none yet. Quantised state (8-bit optimizers) is not copied: the head starts fresh, with a warning."""
     opt = _inner(optimizer)
     old_state = opt.state.get(like)
     if not old_state:
         return
-    if _copyable(old_state, like):
+    if _copyable(old_state):
         opt.state[new] = {k: v.clone() if torch.is_tensor(v) else v for k, v in old_state.items()}
     else:
         logger.warning(
-            "untie: %s keeps optimizer state that is not per-element (keys %s); the untied head starts with "
+            "untie: %s keeps quantised optimizer state (keys %s) that cannot be copied; the untied head starts with "
             "fresh optimizer state instead of a copy.",
             type(opt).__name__,
             sorted(old_state),
         )
 
 
-def _copyable(state: dict, like: nn.Parameter) -> bool:
-    """Only copy state made of per-element tensors (Adam moments) and scalars (step); quantised state is not."""
+def _copyable(state: dict) -> bool:
+    """Copy state made of floating-point statistics of the matrix (Adam's per-element moments, Adafactor's row and
+    column moments) and scalars (step); not quantised state (integer codes of an 8-bit optimizer)."""
     for value in state.values():
-        if torch.is_tensor(value) and value.numel() > 1 and (value.shape != like.shape or value.dtype.itemsize < 2):
+        if torch.is_tensor(value) and value.numel() > 1 and not (value.is_floating_point() and value.itemsize >= 2):
             return False
     return True
 
