@@ -175,6 +175,46 @@ def test_nan_signals_never_untie(make_args, monkeypatch):
     assert len(callback.history) == 12
 
 
+def test_measurements_that_see_no_backward_warn_once_and_never_untie(make_args, monkeypatch):
+    """The probe's hooks never run (a frozen matrix, or hooks a stale torch.compile graph does not call): say so."""
+    monkeypatch.setattr(untie.probe.RoleGradientProbe, "_on_embedding_forward", lambda *args, **kwargs: None)
+    rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=1)  # any value fires
+    callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=1)
+    with pytest.warns(UserWarning, match="ran no backward through the tied matrix") as caught:
+        trainer, _ = _train(make_args(), callback)
+    assert len([w for w in caught if "ran no backward" in str(w.message)]) == 1
+    assert callback.history == [] and callback.untie_step is None and untie.is_tied(trainer.model)
+
+
+@pytest.mark.slow
+def test_under_torch_compile_the_probe_measures_like_eager_unless_a_stale_graph_hides_its_hooks(make_args):
+    """Fresh compile: the same signals as eager. A model of the same class compiled before without the hooks: dynamo
+    reuses that graph (it does not guard module hooks), the hooks never run, and the callback warns."""
+    import torch
+
+    def run(compiled, measure=True):
+        """Role signals at steps 2 and 4, the untie at 4, drift at 6 and 8; llama has no dropout, so compiled and
+        eager runs agree up to rounding."""
+        callback = untie.UntieCallback(untie_at=4, untie_when=None, metrics_every=2 if measure else 0)
+        model = tiny_model("llama")
+        args = make_args(max_steps=8, torch_compile=compiled)
+        tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+        assert callback.untie_step == 4 and not untie.is_tied(model)
+        signals = [h["cosine"] for h in callback.history if "cosine" in h]
+        return signals, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    torch._dynamo.reset()
+    eager, eager_params = run(False)
+    compiled, compiled_params = run(True)
+    assert len(eager) == 2 and compiled == pytest.approx(eager, abs=1e-4)
+    torch.testing.assert_close(compiled_params, eager_params, rtol=0, atol=1e-4)
+    torch._dynamo.reset()
+    run(True, measure=False)  # compiles the class without the probe's hooks
+    with pytest.warns(UserWarning, match="torch._dynamo.reset"):
+        assert run(True)[0] == []
+    torch._dynamo.reset()
+
+
 def test_resume_keeps_the_history_and_the_trigger_state(make_args):
     rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=4)
     args = make_args(save_strategy="steps", save_steps=4)

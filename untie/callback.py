@@ -75,6 +75,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._latest: dict[str, float] = {}
         self._grad_sync_handle = None
         self._emulation: EmulatedTying | None = None
+        self._unmeasured_warned = False
         self.tying_mode: str | None = None
         """The tied phase's implementation, "live" or "emulated", resolved from `config.tying_mode` at `on_init_end`."""
 
@@ -194,6 +195,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._probe.armed = False
         grads = self._probe.collect()
         if grads is None:
+            self._warn_unmeasured()
             return
         step = state.global_step + 1
         signals = role_signals(*grads, weight=self._probe.dense_weight(), pairs=self.config.pairs)
@@ -269,6 +271,18 @@ class UntieCallback(TrainerCallback, ExportableState):
             self._grad_sync_handle = sync_grads_across_ranks(model.get_output_embeddings().weight)
         self._mark_untied(step, reason)
         logger.info("untie: untied the LM head from the input embedding at step %d (%s)", step, reason)
+
+    def _warn_unmeasured(self) -> None:
+        if not self._unmeasured_warned:
+            self._unmeasured_warned = True
+            warnings.warn(
+                "UntieCallback: a measurement step ran no backward through the tied matrix's two roles, so the role "
+                "signals (and the divergence trigger, which then waits for the deadline) are missing. Is the matrix "
+                "frozen? Under torch.compile, module hooks added after a model of the same class was compiled in "
+                "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
+                "torch._dynamo.reset() before building the Trainer.",
+                stacklevel=2,
+            )
 
     def _drop_probe(self) -> None:
         if self._probe is not None:
