@@ -7,6 +7,7 @@ import math
 import os
 
 import pytest
+import torch
 import transformers as tf
 
 import untie
@@ -190,7 +191,6 @@ def test_measurements_that_see_no_backward_warn_once_and_never_untie(make_args, 
 def test_under_torch_compile_the_probe_measures_like_eager_unless_a_stale_graph_hides_its_hooks(make_args):
     """Fresh compile: the same signals as eager. A model of the same class compiled before without the hooks: dynamo
     reuses that graph (it does not guard module hooks), the hooks never run, and the callback warns."""
-    import torch
 
     def run(compiled, measure=True):
         """Role signals at steps 2 and 4, the untie at 4, drift at 6 and 8; llama has no dropout, so compiled and
