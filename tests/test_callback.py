@@ -12,7 +12,7 @@ import transformers as tf
 
 import untie
 from untie.distributed import resolve_tying_mode, training_engine
-from untie.testing import ToyLMDataset, tiny_model
+from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 
 def _train(model, args, callbacks=(), resume=None):
@@ -236,6 +236,58 @@ def test_a_callback_added_after_the_trainer_was_built_is_refused(make_args):
     trainer = tf.Trainer(model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset())
     trainer.add_callback(untie.UntieCallback(untie_at=6))
     with pytest.raises(RuntimeError, match=r"Pass it to the constructor: Trainer\(\.\.\., callbacks="):
+        trainer.train()
+
+
+def _untied_gpt2():
+    """A tiny GPT-2 whose config does not tie (an untied model from elsewhere, as a model_init may return)."""
+    make_config, model_class = TINY_MODELS["gpt2"]
+    config = make_config()
+    config.tie_word_embeddings = False
+    return model_class(config)
+
+
+def test_every_train_call_with_model_init_is_a_fresh_tie_then_untie_run(make_args):
+    """hyperparameter_search calls train() once per trial on one Trainer, and Trainer builds each trial's model with
+    model_init after the callbacks' init: each model is tied like the constructor's, and each run starts afresh."""
+    callback = untie.UntieCallback(untie_at=4, metrics_every=2)
+    trainer = tf.Trainer(model_init=_untied_gpt2, args=make_args(), train_dataset=ToyLMDataset(), callbacks=[callback])
+    runs = []
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="arrived untied; tying it"):
+            trainer.train()
+        assert (callback.untie_step, callback.untie_reason) == (4, "deadline")
+        assert [h["step"] for h in callback.history] == [2, 4, 6, 8, 10, 12]
+        runs.append((_params(trainer.model), _losses(trainer)))
+    assert runs[0][1] == runs[1][1]  # the second run is the first again: nothing carried over
+    assert all(torch.equal(runs[0][0][n], runs[1][0][n]) for n in runs[0][0])
+
+
+def test_resume_with_model_init_after_the_untie_matches_uninterrupted_run(make_args, tmp_path):
+    """The model Trainer builds with model_init gets the checkpoint guard before the checkpoint is loaded into it."""
+
+    def run(resume=None):
+        args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4)
+        callback = untie.UntieCallback(untie_at=6)
+        trainer = tf.Trainer(
+            model_init=lambda: tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        assert (callback.untie_step, callback.untie_reason) == (6, "deadline")
+        return trainer.model
+
+    reference = _params(run())
+    resumed = _params(run(resume=str(tmp_path / "full" / "checkpoint-8")))
+    assert resumed.keys() == reference.keys()
+    assert max((resumed[n] - reference[n]).abs().max().item() for n in reference) <= 1e-6
+
+
+def test_a_model_swapped_in_after_the_trainer_was_built_is_refused(make_args):
+    trainer = tf.Trainer(
+        model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback()]
+    )
+    trainer.model = trainer.model_wrapped = _untied_gpt2()
+    with pytest.raises(RuntimeError, match="did not prepare .* Build a new Trainer with that model"):
         trainer.train()
 
 

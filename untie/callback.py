@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -97,41 +98,51 @@ class UntieCallback(TrainerCallback, ExportableState):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, training_engine(args))
         _run_first(self)
-        self._prepare(model, state)
-        setattr(model, _SETUP_ATTR, _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default))
+        self._prepare(model)
+        trainer = _calling(self, lambda caller: getattr(caller, "callback_handler", None))
+        if trainer is not None and trainer.model_init is not None:
+            # Every train() call (each hyperparameter_search trial) builds a fresh model with model_init, after this
+            # event and before the optimizer and the checkpoint loader see it: prepare each one the same way.
+            trainer.model_init = _preparing(trainer.model_init, self._prepare)
 
-    def _prepare(self, model, state) -> None:
+    def _prepare(self, model) -> None:
         """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
+        self._emulation = None
         if is_peft_model(model):
             # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
             keep_untied = was_untied(model) or self.config.untie_at == 0
             check_peft_run(model, tied=is_tied(model), untie_recorded=untie_recorded(model), keep_untied=keep_untied)
-            self._mark_untied(state.global_step, "start")
-            return
-        install_resume_guard(model)
-        if was_untied(model) or self.config.untie_at == 0:
-            # A checkpoint this library untied (re-tied on reload for T5/BART at equal values) or an untie at step 0:
-            # untie now, before the optimizer exists and the model is wrapped.
-            # On an already-untied model this only re-applies the bookkeeping that a reload loses.
-            untie_embeddings(model)
-            self._mark_untied(state.global_step, "start")  # global_step is 0 here; a resume restores its own reason
         else:
-            if not is_tied(model):
-                warnings.warn(
-                    f"UntieCallback: the model arrived untied; tying it with tie_init={self.config.tie_init!r} (the "
-                    "other matrix is dropped). To keep it untied, pass untie_at=0.",
-                    stacklevel=2,
-                )
-                tie_embeddings(model, init=self.config.tie_init)
-            if self.tying_mode == "emulated":
-                # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
+            install_resume_guard(model)
+            if was_untied(model) or self.config.untie_at == 0:
+                # A checkpoint this library untied (re-tied on reload for T5/BART at equal values) or an untie at
+                # step 0: untie now, before the optimizer exists and the model is wrapped. On an already-untied
+                # model this only re-applies the bookkeeping that a reload loses.
                 untie_embeddings(model)
-                self._emulation = EmulatedTying(model)
+            else:
+                if not is_tied(model):
+                    warnings.warn(
+                        f"UntieCallback: the model arrived untied; tying it with tie_init={self.config.tie_init!r} "
+                        "(the other matrix is dropped). To keep it untied, pass untie_at=0.",
+                        stacklevel=2,
+                    )
+                    tie_embeddings(model, init=self.config.tie_init)
+                if self.tying_mode == "emulated":
+                    # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
+                    untie_embeddings(model)
+                    self._emulation = EmulatedTying(model)
+        setattr(model, _SETUP_ATTR, _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default))
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.tying_mode is None:
             self._adopt_setup(model)
-        self._restore(state)
+        elif getattr(model, _SETUP_ATTR, None) is None:
+            raise RuntimeError(
+                "UntieCallback: Trainer is about to train a model that UntieCallback did not prepare (was "
+                "trainer.model replaced after the Trainer was built?): its tied structure and checkpoint guard would "
+                "be missing. Build a new Trainer with that model, or give Trainer a model_init that returns it."
+            )
+        self._start_run(state)
         self.deadline.resolve(state.max_steps)
         if self.divergence is not None:
             self.divergence.resolve(state.max_steps)
@@ -295,37 +306,63 @@ class UntieCallback(TrainerCallback, ExportableState):
             self.untie_step = step
             self.untie_reason = reason
 
-    def _restore(self, state) -> None:
-        """Take the untie step, trigger state and history from the checkpoint (Trainer does not restore them)."""
-        attributes = saved_callback_state(getattr(state, "stateful_callbacks", None)).get("attributes", {})
-        if state.global_step == 0:
-            return
+    def _start_run(self, state) -> None:
+        """This train() call's run state: the checkpoint's when resuming (Trainer does not restore it), else fresh, as
+        the callback may come from an earlier train() call (training again, a hyperparameter_search trial)."""
+        attributes = {}
+        if state.global_step > 0:
+            attributes = saved_callback_state(getattr(state, "stateful_callbacks", None)).get("attributes", {})
         self.history = [h for h in attributes.get("history", []) if h["step"] <= state.global_step]
+        self.divergence = DivergenceTrigger(self.config.untie_when) if self.config.untie_when else None
         self.trigger_state = attributes.get("trigger_state", attributes.get("trigger"))  # "trigger": its earlier name
-        if attributes.get("untied"):
-            self.untied = True
-            self.untie_step = attributes.get("untie_step")
-            self.untie_reason = attributes.get("untie_reason")
+        self.untied = bool(attributes.get("untied"))
+        self.untie_step = attributes.get("untie_step") if self.untied else None
+        self.untie_reason = attributes.get("untie_reason") if self.untied else None
+        self._latest, self._unmeasured_warned = {}, False
 
 
 def _both_weights(model) -> tuple:
     return model.get_input_embeddings().weight, model.get_output_embeddings().weight
 
 
+def _calling(callback: TrainerCallback, handler_of=lambda caller: caller):
+    """The object calling `callback`'s event whose CallbackHandler (`handler_of(object)`) holds it, or None.
+
+    Callbacks are handed neither the handler nor the trainer, so look for them among the callers' frames.
+    """
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        handler = handler_of(caller)
+        if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
+            return caller
+        frame = frame.f_back
+    return None
+
+
 def _run_first(callback: TrainerCallback) -> None:
     """Move `callback` to the front of the Trainer's callback list.
 
     Trainer runs reporting integrations (TensorBoard, W&B) before user callbacks, so `untie/*` keys added in
-    `on_log` would miss them. Callbacks are not handed the trainer, so find the handler that is calling us.
+    `on_log` would miss them.
     """
-    frame = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            break
-        handler = frame.f_locals.get("self")
-        if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
-            handler.callbacks.remove(callback)
-            handler.callbacks.insert(0, callback)
-            return
-        frame = frame.f_back
-    logger.warning("untie: could not move UntieCallback ahead of the logging integrations; untie/* keys may be late.")
+    handler = _calling(callback)
+    if handler is None:
+        logger.warning("untie: could not move UntieCallback ahead of the logging integrations; untie/* may be late.")
+        return
+    handler.callbacks.remove(callback)
+    handler.callbacks.insert(0, callback)
+
+
+def _preparing(model_init, prepare):
+    """`model_init` followed by `prepare` on the model it returns (keeping the signature Trainer inspects)."""
+
+    @functools.wraps(model_init)
+    def prepared_model_init(*trial):
+        model = model_init(*trial)
+        prepare(model)
+        return model
+
+    return prepared_model_init
