@@ -32,7 +32,9 @@ def _torchrun(tmp_path, arch: str, mode: str) -> list[dict]:
         arch,
         mode,
     ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    result = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=1800
+    )  # a hang guard (a deadlocked worker), not a speed limit
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
 

@@ -16,9 +16,8 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _run(script: str, cwd: Path, *args: str) -> str:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True, timeout=300
-    )
+    # No timeout: the suite must pass on a loaded machine (examples state their measured times in their docstrings).
+    result = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

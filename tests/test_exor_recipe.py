@@ -72,6 +72,23 @@ def test_scheduled_arm_is_the_tied_arm_until_the_untie(short_run):
     assert all(s["input"]["0-1"] != s["output"]["0-1"] for s in after)
 
 
+def test_same_seed_gives_the_same_numbers_whatever_the_worker_count(short_run, tmp_path):
+    """The fixture trained with --workers 2 (two runs at once in spawned processes); one worker must agree exactly."""
+    out, _ = short_run
+    single = tmp_path / "one-worker"
+    recipe.main(["--output_dir", str(single), "--workers", "1", "--arms", "tied", "scheduled", "auto", *SHORT])
+
+    def records(folder):
+        runs = json.loads((folder / "results.json").read_text())["runs"]
+        return {r["arm"]: {k: v for k, v in r.items() if k != "runtime_s"} for r in runs}
+
+    two_workers, one_worker = records(out), records(single)
+    for arm in ("tied", "scheduled", "auto"):
+        assert one_worker[arm] == two_workers[arm], arm
+        history = json.loads((single / "runs" / f"main-transformer-{arm}-42.json").read_text())["history"]
+        assert history == json.loads((out / "runs" / f"main-transformer-{arm}-42.json").read_text())["history"]
+
+
 def test_finished_runs_are_reused(short_run, capsys):
     out, _ = short_run
     record = out / "runs" / "main-transformer-untied-42.json"
@@ -268,7 +285,9 @@ def test_recipe_runs_under_a_two_process_launch(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
     cmd += [str(recipe_path), "--output_dir", str(tmp_path), "--arms", "tied", "scheduled", *SHORT]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=1800
+    )  # a hang guard (a deadlocked worker), not a speed limit
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "training 2 with 1 workers" in result.stdout
     runs = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}

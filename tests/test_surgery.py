@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import warnings
+
 import pytest
 import torch
 import transformers as tf
+from safetensors import safe_open
 from torch import nn
 
 import untie
@@ -68,7 +72,7 @@ def test_untied_model_survives_save_reload_tie_weights_and_resize(arch, tmp_path
     assert all(torch.equal(after[k], v) for k, v in saved.items())
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in ("t5", "bart")])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "t5"])
 def test_plain_reload_needs_no_untie_call(arch, tmp_path):
     """Where the config flag can record the untie, a plain from_pretrained + tie_weights/resize stays untied."""
     model = tiny_model(arch)
@@ -83,12 +87,50 @@ def test_plain_reload_needs_no_untie_call(arch, tmp_path):
     assert all(torch.equal(_trainable_state(reloaded)[k], v) for k, v in saved.items())
 
 
-@pytest.mark.parametrize("arch", ["t5", "bart"])
-def test_upstream_reties_reloaded_encoder_decoder_without_untie_call(arch, tmp_path):
-    """Known upstream behaviour (transformers 5.23): the shared `tie_word_embeddings` flag of T5/BART cannot be set
-    to False, so a plain reload followed by `tie_weights()` re-ties the head. untie.untie_embeddings() after the
-    reload (or UntieCallback, which calls it) prevents it; see test above. This test fails when upstream changes."""
-    model = tiny_model(arch)
+def test_an_untied_bart_saves_its_embeddings_as_equal_copies_and_untie_shares_them_again(tmp_path):
+    """BART's flag also ties the encoder/decoder embeddings to `shared`; it is saved False anyway (so plain
+    transformers cannot re-tie the head), with all three embeddings stored equal; untie_embeddings re-shares them."""
+    model = tiny_model("bart")
+    untie.untie_embeddings(model)
+    _train_a_little(model)
+    assert model.model.encoder.embed_tokens.weight is model.model.shared.weight  # one matrix while training
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys() if k.endswith(("shared.weight", "embed_tokens.weight"))}
+    assert len(stored) == 3 and all(torch.equal(t, stored["model.shared.weight"]) for t in stored.values())
+    plain = type(model).from_pretrained(tmp_path)
+    assert plain.model.encoder.embed_tokens.weight is not plain.model.shared.weight  # upstream: loaded apart, equal
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # re-sharing equal copies is silent
+        untie.untie_embeddings(plain)
+    shared = plain.model.shared.weight
+    assert plain.model.encoder.embed_tokens.weight is shared and plain.model.decoder.embed_tokens.weight is shared
+    assert torch.equal(plain.lm_head.weight, model.lm_head.weight) and not untie.is_tied(plain)
+    untie.tie_embeddings(plain)  # re-tying gives the plain BART structure and flag back
+    assert untie.is_tied(plain) and plain.config.tie_word_embeddings is True
+    plain.save_pretrained(tmp_path / "tied")
+    assert untie.is_tied(type(model).from_pretrained(tmp_path / "tied"))
+
+
+def test_untie_leaves_embeddings_trained_apart_with_a_warning(tmp_path):
+    model = tiny_model("bart")
+    untie.untie_embeddings(model)
+    model.save_pretrained(tmp_path)
+    plain = type(model).from_pretrained(tmp_path)
+    with torch.no_grad():
+        plain.model.encoder.embed_tokens.weight.add_(0.1)  # fine-tuned apart with plain transformers
+    with pytest.warns(UserWarning, match="differs from model.shared.weight"):
+        untie.untie_embeddings(plain)
+    assert plain.model.encoder.embed_tokens.weight is not plain.model.shared.weight
+
+
+def test_upstream_reties_reloaded_t5_without_untie_call(tmp_path):
+    """Known upstream behaviour (transformers 5.23): T5's config forces `tie_word_embeddings=True` on load (a saved
+    False becomes `scale_decoder_outputs=False`), so a plain reload followed by `tie_weights()` re-ties the head.
+    untie.untie_embeddings() after the reload (or UntieCallback, which calls it) prevents it; see test above. This test
+    fails when upstream changes."""
+    model = tiny_model("t5")
     untie.untie_embeddings(model)
     _train_a_little(model)
     model.save_pretrained(tmp_path)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -12,9 +14,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
+from transformers.trainer_utils import get_last_checkpoint
 
 from untie.adapters import check_peft_run, is_peft_model
-from untie.checkpoint import install_resume_guard, saved_callback_state
+from untie.checkpoint import SavedRun, check_complete, install_resume_guard, read_saved_run, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, UntieConfig
 from untie.distributed import (
     broadcast_decision,
@@ -77,6 +80,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._grad_sync_handle = None
         self._emulation: EmulatedTying | None = None
         self._unmeasured_warned = False
+        self._resuming: SavedRun | None = None
         self.tying_mode: str | None = None
         """The tied phase's implementation, "live" or "emulated", resolved from `config.tying_mode` at `on_init_end`."""
 
@@ -97,13 +101,23 @@ class UntieCallback(TrainerCallback, ExportableState):
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, training_engine(args))
+        handler = _calling(self)
+        others = [cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, UntieCallback) and cb is not self]
+        if others:
+            raise ValueError(
+                f"Trainer has {len(others) + 1} UntieCallbacks; one model has one untie. Pass a single "
+                "UntieCallback(...) with all its settings."
+            )
         _run_first(self)
         self._prepare(model)
         trainer = _calling(self, lambda caller: getattr(caller, "callback_handler", None))
-        if trainer is not None and trainer.model_init is not None:
-            # Every train() call (each hyperparameter_search trial) builds a fresh model with model_init, after this
-            # event and before the optimizer and the checkpoint loader see it: prepare each one the same way.
-            trainer.model_init = _preparing(trainer.model_init, self._prepare)
+        if trainer is not None:
+            if trainer.model_init is not None:
+                # Every train() call (each hyperparameter_search trial) builds a fresh model with model_init, after
+                # this event and before the optimizer and the checkpoint loader see it: prepare each one the same way.
+                trainer.model_init = _preparing(trainer.model_init, self._prepare)
+            # train() loads a resumed checkpoint before any callback event: check it and match the model to it first.
+            trainer.train = _checking_resume(trainer, self._before_resume)
 
     def _prepare(self, model) -> None:
         """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
@@ -131,6 +145,51 @@ class UntieCallback(TrainerCallback, ExportableState):
                     # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
                     untie_embeddings(model)
                     self._emulation = EmulatedTying(model)
+        setattr(model, _SETUP_ATTR, _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default))
+        if self._resuming is not None:
+            self._match_checkpoint(model, self._resuming)
+
+    def _before_resume(self, trainer, folder: str | None) -> None:
+        """Called by `trainer.train` before anything is loaded: refuse an incomplete checkpoint folder, and give the
+        model (built now, or by model_init right after) the structure of the checkpoint's run."""
+        self._resuming = None
+        if folder is None:
+            return
+        check_complete(folder)
+        model = trainer.model
+        if model is None or is_peft_model(model):
+            return  # model_init builds it next (and _prepare matches it); PEFT adapters hold no embedding
+        self._resuming = read_saved_run(folder, model)
+        if trainer.model_init is None:
+            self._match_checkpoint(model, self._resuming)
+
+    def _match_checkpoint(self, model, saved: SavedRun) -> None:
+        """Make a tied-phase checkpoint's implementation (live: one matrix; emulated: a head kept equal) the model's,
+        before the optimizer is built, so the weights and the optimizer state load into the same structure."""
+        if is_peft_model(model) or saved.untied is not False or saved.head_stored is None:
+            return  # untied checkpoints are matched by the load guard; unknown formats (FSDP) are left to Trainer
+        if saved.head_stored and self._emulation is None:
+            # Written with emulated tying (FSDP2's default, or asked for): its head and optimizer state are separate.
+            if self.config.tying_mode == "live":
+                raise ValueError(
+                    f"{saved.folder} was written in the tied phase with emulated tying (a head kept equal to the "
+                    "embedding, FSDP2's mode), but this run asks for tying_mode='live'. Resume it with "
+                    "UntieCallback(tying_mode='emulated') or tying_mode='auto' (which follows the checkpoint)."
+                )
+            logger.info("untie: %s was written with emulated tying; this run resumes it emulated.", saved.folder)
+            if is_tied(model):
+                untie_embeddings(model)
+            self.tying_mode, self._emulation = "emulated", EmulatedTying(model)
+        elif not saved.head_stored and self._emulation is not None:
+            raise ValueError(
+                f"{saved.folder} was written in the tied phase with live tying (one shared matrix), but this run "
+                "emulates tying (FSDP2, or tying_mode='emulated'): its optimizer state does not fit. Resume it where "
+                "live tying runs (one device or DDP) with tying_mode='auto' or 'live'."
+            )
+        elif not saved.head_stored and not is_tied(model):
+            # untie_at=0 untied the model before the run; the checkpoint's run is tied: tie again so that it loads,
+            # and the deadline unties it at the resume step (warned about in _start_run).
+            tie_embeddings(model, init="input")
         setattr(model, _SETUP_ATTR, _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default))
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -229,8 +288,10 @@ class UntieCallback(TrainerCallback, ExportableState):
             if reason is not None:
                 self._untie(model, optimizer, step, reason)
                 control.should_log = True
-                if self.config.save_at_untie:
+                if self.config.save_at_untie and args.save_strategy != "no":
                     control.should_save = True
+                elif self.config.save_at_untie:
+                    logger.info("untie: no checkpoint at the untie step: save_strategy='no' (save_at_untie skipped).")
         elif self._measures(step):
             self._record(step, self._drift(model, step))
         return control
@@ -319,6 +380,30 @@ class UntieCallback(TrainerCallback, ExportableState):
         self.untie_step = attributes.get("untie_step") if self.untied else None
         self.untie_reason = attributes.get("untie_reason") if self.untied else None
         self._latest, self._unmeasured_warned = {}, False
+        if state.global_step > 0:
+            saved_args = saved_callback_state(getattr(state, "stateful_callbacks", None)).get("args", {})
+            self._warn_changed_settings(saved_args, state.global_step)
+        self._resuming = None
+
+    def _warn_changed_settings(self, saved_args: dict, step: int) -> None:
+        """Say which schedule settings differ from the checkpoint's run, and what they do now."""
+        now = json.loads(json.dumps(self.config.to_dict()))  # as saved: tuples are lists
+        changed = [k for k in ("untie_at", "untie_when") if k in saved_args and saved_args[k] != now[k]]
+        if not changed:
+            return
+        what = ", ".join(f"{k}: {saved_args[k]!r} -> {now[k]!r}" for k in changed)
+        if self.untied:
+            warnings.warn(
+                f"UntieCallback: resumed with changed settings ({what}), which have no effect: the checkpoint's run "
+                f"untied at step {self.untie_step} ({self.untie_reason}) and a resumed run does not re-tie.",
+                stacklevel=3,
+            )
+        else:
+            warnings.warn(
+                f"UntieCallback: resumed at step {step} with changed settings ({what}); the tied run continues "
+                "under the new ones (a deadline already passed unties at the resume step).",
+                stacklevel=3,
+            )
 
 
 def _both_weights(model) -> tuple:
@@ -354,6 +439,26 @@ def _run_first(callback: TrainerCallback) -> None:
         return
     handler.callbacks.remove(callback)
     handler.callbacks.insert(0, callback)
+
+
+def _checking_resume(trainer, before_resume):
+    """`trainer.train`, calling `before_resume(trainer, folder)` with the checkpoint folder it will resume from (None
+    when it does not resume) before anything is built or loaded."""
+    train = trainer.train
+    if getattr(train, "_untie_checks_resume", False):
+        return train
+
+    @functools.wraps(train)
+    def train_checking_resume(resume_from_checkpoint=None, *args, **kwargs):
+        folder = resume_from_checkpoint
+        if folder is True:
+            output_dir = trainer.args.output_dir
+            folder = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+        before_resume(trainer, os.fspath(folder) if folder else None)
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    train_checking_resume._untie_checks_resume = True
+    return train_checking_resume
 
 
 def _preparing(model_init, prepare):

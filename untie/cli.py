@@ -16,7 +16,10 @@ EXIT_CODES = {
     2: "bad command line (argparse), or a bad value such as an unknown token in --pairs",
     3: "checkpoint not found: no such folder, no config.json, or the hub could not provide it",
     4: "the model has no input embedding or LM head to tie or untie (try --head)",
-    5: "convert wrote the checkpoint but it did not reload in the requested state",
+    5: "convert built the checkpoint but it did not reload in the requested state (OUT is left untouched)",
+    6: "checkpoint incomplete or damaged: no weights, a missing or truncated file, a stale index, invalid config.json",
+    7: "OUT cannot be written: read-only, disk full, or a file where a folder must be (OUT is left untouched)",
+    8: "the checkpoint ships its own modelling code (auto_map), which untie does not run",
 }
 
 _DESCRIPTION = """\
@@ -43,7 +46,7 @@ exit codes:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of `untie` (shared by the entry point and `python -m untie`)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="untie", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="{inspect,convert}")
@@ -109,23 +112,55 @@ def _source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
 
 
+class _CommandLineError(Exception):
+    """An argparse error, raised instead of exiting so that `--json` can report it."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _CommandLineError(f"{self.prog}: error: {message}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run `untie ...`; returns the exit code (see EXIT_CODES)."""
+    """Run `untie ...`; returns the exit code (see EXIT_CODES).
+
+    With `--json`, stdout carries exactly one JSON object, also on an error: `{"error": ..., "exit_code": ...}`.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
     parser = build_parser()
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
+        args = parser.parse_args(argv)
+        command = args.command
         if args.command == "inspect":
             return _inspect(args, parser)
         if args.command == "convert" and args.init != "input" and not args.tie:
             parser.error("--init only applies with --tie")
         return _convert(args)
+    except _CommandLineError as error:
+        return _fail(str(error), 2, as_json, usage=parser.format_usage())
     except CheckpointError as error:
-        print(f"untie {args.command}: error: {error}", file=sys.stderr)
-        return error.exit_code
+        return _fail(f"untie {command}: error: {error}", error.exit_code, as_json)
     except (ValueError, FileExistsError) as error:
-        print(f"untie {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return _fail(f"untie {command}: error: {error}", 2, as_json)
+    except OSError as error:  # disk full, read-only, a file in the path: never a traceback
+        return _fail(f"untie {command}: error: {error}", 7 if command == "convert" else 1, as_json)
+    except Exception as error:
+        if not as_json:
+            raise
+        import traceback
+
+        traceback.print_exc()
+        return _fail(f"untie {command}: unexpected error: {type(error).__name__}: {error}", 1, as_json)
+
+
+def _fail(message: str, exit_code: int, as_json: bool, usage: str = "") -> int:
+    print(usage + message, file=sys.stderr)
+    if as_json:
+        print(json.dumps({"error": message, "exit_code": exit_code}, indent=2))
+    return exit_code
 
 
 def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -61,6 +62,8 @@ class UntieConfig:
     tying_mode: str = "auto"
 
     def __post_init__(self) -> None:
+        if isinstance(self.metrics_every, numbers.Integral) and not isinstance(self.metrics_every, bool):
+            self.metrics_every = int(self.metrics_every)
         if isinstance(self.metrics_every, bool) or not isinstance(self.metrics_every, int) or self.metrics_every < 0:
             raise ValueError(f"metrics_every={self.metrics_every!r} must be an int >= 0 (0 turns the metrics off).")
         try:
@@ -77,6 +80,10 @@ class UntieConfig:
                     f"untie_when.signal={self.untie_when.signal!r} needs that pair in pairs=..., got {self.pairs}."
                 )
         at = self.untie_at
+        if isinstance(at, numbers.Integral) and not isinstance(at, bool):
+            at = self.untie_at = int(at)  # numpy / torch integers are steps too
+        elif isinstance(at, numbers.Real) and not isinstance(at, (bool, numbers.Integral)):
+            at = self.untie_at = float(at)
         if isinstance(at, bool) or not (at is None or isinstance(at, (int, float))):
             raise ValueError(f"untie_at={at!r}: pass an int step, a float fraction in (0, 1), or None (never).")
         if isinstance(at, int) and at < 0:

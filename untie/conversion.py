@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import warnings
 from typing import Any
 
 import torch
 
-from untie.loading import CheckpointError, open_checkpoint
-from untie.surgery import TieInit, is_tied, tie_embeddings, untie_embeddings
+from untie.loading import CheckpointError, OutputNotWritable, open_checkpoint
+from untie.surgery import TieInit, is_tied, other_ties, tie_embeddings, untie_embeddings
 
 #: Files `save_pretrained` writes itself, or weights in formats the converted folder must not keep.
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
 _WRITTEN = {"config.json", "generation_config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+#: Training state of the source run, not of the converted model: its UntieCallback state would contradict the new
+#: tying (a `--tie` output that says "untied" is untied again by `prepare_for_resume`). Optimizer, scheduler and RNG
+#: files are not copied either (their extensions are in `_NOT_COPIED`).
+_RUN_STATE = {"trainer_state.json"}
 
 
 class ConversionFailed(CheckpointError):
@@ -43,10 +48,7 @@ def convert_checkpoint(
     Returns what was done and checked; raises `ConversionFailed` if the reloaded model is not in the new state.
     """
     source, output_dir = os.fspath(source), os.fspath(output_dir)
-    if os.path.isdir(source) and os.path.abspath(source) == os.path.abspath(output_dir):
-        raise ValueError(f"convert writes a new folder: OUT must differ from the source ({source}).")
-    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise FileExistsError(f"{output_dir} exists and is not empty; choose a new folder or pass --overwrite.")
+    _check_output_dir(source, output_dir, overwrite=overwrite)
     checkpoint = open_checkpoint(source, head=head, revision=revision)
     model = checkpoint.load()
     was_tied = is_tied(model)
@@ -56,8 +58,6 @@ def convert_checkpoint(
             untie_embeddings(model)
         else:
             tie_embeddings(model, init=init)
-    model.save_pretrained(output_dir)
-    copied = _copy_side_files(checkpoint, output_dir)
     summary: dict[str, Any] = {
         "source": source,
         "output_dir": output_dir,
@@ -65,22 +65,83 @@ def convert_checkpoint(
         "before": "tied" if was_tied else "untied",
         "after": "untied" if untie else "tied",
         "init": None if untie else init,
-        "copied_files": copied,
+        "copied_files": [],
         "checks": [],
         "notes": [],
     }
     if was_tied != untie:
         summary["notes"].append(f"the model was already {summary['after']}; its config was updated to say so.")
-    if verify:
-        summary["checks"], notes = verify_conversion(checkpoint.model_class, output_dir, model, untied=untie)
-        summary["notes"] += notes
+    # Everything is written into a hidden sibling of OUT and renamed to OUT only once the reload checks pass: a kill,
+    # a full disk or a failed check never leaves an OUT that looks finished.
+    staging = _staging_dir(output_dir)
+    try:
+        try:
+            model.save_pretrained(staging)
+            summary["copied_files"] = _copy_side_files(checkpoint, staging)
+        except OSError as error:
+            raise OutputNotWritable(f"could not write {output_dir}: {error}.") from error
+        if verify:
+            summary["checks"], notes = verify_conversion(checkpoint.model_class, staging, model, untied=untie)
+            summary["notes"] += notes
+        _replace(staging, output_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return summary
+
+
+def _check_output_dir(source: str, output_dir: str, *, overwrite: bool) -> None:
+    """Refuse an OUT that is the source (also through a symlink, either way) or inside it, or non-empty."""
+    if os.path.exists(source):
+        real_source, real_output = os.path.realpath(source), os.path.realpath(output_dir)
+        if real_output == real_source or real_output.startswith(real_source.rstrip(os.sep) + os.sep):
+            raise ValueError(
+                f"convert writes a new folder: OUT ({output_dir}) is the source ({source}) or inside it once links are "
+                f"resolved (both lead to {real_source}). Choose another OUT."
+            )
+    if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise FileExistsError(f"{output_dir} exists and is not empty; choose a new folder or pass --overwrite.")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise OutputNotWritable(f"OUT {output_dir} is a file; choose a folder path.")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    blocker = parent
+    while not os.path.exists(blocker):
+        blocker = os.path.dirname(blocker)
+    if not os.path.isdir(blocker):
+        raise OutputNotWritable(f"cannot create {output_dir}: {blocker} is a file, not a folder.")
+
+
+def _staging_dir(output_dir: str) -> str:
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.partial-", dir=parent)
+    except OSError as error:
+        raise OutputNotWritable(f"could not create {output_dir}: {error}.") from error
+
+
+def _replace(staging: str, output_dir: str) -> None:
+    """Move the finished `staging` folder to `output_dir`, replacing what `--overwrite` allowed to replace."""
+    try:
+        if not os.path.lexists(output_dir):
+            os.rename(staging, output_dir)
+            return
+        parent, name = os.path.split(os.path.abspath(output_dir))
+        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+        os.rmdir(old)  # a unique free name for the folder being replaced
+        os.rename(output_dir, old)
+        os.rename(staging, output_dir)
+    except OSError as error:
+        raise OutputNotWritable(f"could not move the converted checkpoint into {output_dir}: {error}.") from error
+    if os.path.islink(old):
+        os.unlink(old)
+    else:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def verify_conversion(model_class, output_dir: str, converted, *, untied: bool) -> tuple[list[str], list[str]]:
     """Reload `output_dir` with plain `from_pretrained` and check its state survives tie_weights() and a resize."""
     checks, notes = [], []
-    reloaded = model_class.from_pretrained(output_dir, dtype="auto")
+    reloaded = model_class.from_pretrained(output_dir, dtype="auto", trust_remote_code=False)
     state = "untied" if untied else "tied"
     loader = "plain from_pretrained"
     if untied and getattr(reloaded.config, "tie_word_embeddings", False):
@@ -95,6 +156,23 @@ def verify_conversion(model_class, output_dir: str, converted, *, untied: bool) 
             f"so it stays True. Plain from_pretrained loads this checkpoint {plainly}, and tie_weights() or "
             "resize_token_embeddings() re-tie the head (upstream, transformers 5.23). Call "
             "untie.untie_embeddings(model) right after from_pretrained (UntieCallback does it by itself)."
+        )
+    apart = {
+        t: src
+        for t, src in other_ties(reloaded).items()
+        if reloaded.get_parameter(t) is not reloaded.get_parameter(src)
+    }
+    if apart:
+        _expect(
+            all(torch.equal(reloaded.get_parameter(t), reloaded.get_parameter(src)) for t, src in apart.items()),
+            f"{', '.join(sorted(apart))} reload equal to {', '.join(sorted(set(apart.values())))}",
+            checks,
+        )
+        notes.append(
+            f"{reloaded.config.model_type}: the config no longer declares the tie (so no tie_weights() or "
+            "resize_token_embeddings() can re-tie the head), and plain from_pretrained loads "
+            f"{', '.join(sorted(apart))} as equal copies instead of one shared matrix. untie.untie_embeddings(model) "
+            "after from_pretrained shares them again (UntieCallback does it by itself)."
         )
     _expect(is_tied(reloaded) != untied, f"{loader} loads it {state}", checks)
     _expect(_same_embeddings(reloaded, converted), "the reloaded embedding and head equal the converted ones", checks)
@@ -134,7 +212,7 @@ def _copy_side_files(checkpoint, output_dir: str) -> list[str]:
     if checkpoint.is_local:
         for name in sorted(os.listdir(checkpoint.source)):
             path = os.path.join(checkpoint.source, name)
-            if not os.path.isfile(path) or name.endswith(_NOT_COPIED) or name in _WRITTEN:
+            if not os.path.isfile(path) or name.endswith(_NOT_COPIED) or name in _WRITTEN | _RUN_STATE:
                 continue
             shutil.copy2(path, os.path.join(output_dir, name))
             copied.append(name)

@@ -73,7 +73,11 @@ def describe(
         "loaded": loaded,
     }
     if layout.output_bias is not None:
-        report["output_bias"] = {"name": layout.output_bias, "tied_to": list(layout.bias_aliases) or None}
+        # Only names that really share the bias in the model from_pretrained builds: an untied checkpoint stores the
+        # alias (BERT's cls.predictions.bias) as its own tensor, which the layout still lists as a declared source.
+        bias = model.get_parameter(layout.output_bias)
+        shared = [name for name in layout.bias_aliases if model.get_parameter(name) is bias]
+        report["output_bias"] = {"name": layout.output_bias, "tied_to": shared or None}
         if not bias_stored:
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
     report["status"] = _status(report, declared_tied, head_stored)

@@ -14,6 +14,7 @@ from functools import cached_property
 
 import torch
 import transformers as tf
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 #: `--head` choices: the Auto class used to load a checkpoint with a language-modeling head.
@@ -25,6 +26,8 @@ HEADS = {
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+#: Weight files from_pretrained reads besides safetensors (checked for presence only).
+_OTHER_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
 class CheckpointError(Exception):
@@ -41,6 +44,24 @@ class NoEmbeddings(CheckpointError):
     """The model has no LM head (or no input embedding) to tie or untie."""
 
     exit_code = 4
+
+
+class CheckpointUnreadable(CheckpointError):
+    """The checkpoint is incomplete or damaged: no weights, a missing or truncated file, a stale index, bad JSON."""
+
+    exit_code = 6
+
+
+class OutputNotWritable(CheckpointError):
+    """OUT cannot be written: read-only, the disk is full, or a file stands where a folder must be."""
+
+    exit_code = 7
+
+
+class RemoteCodeRefused(CheckpointError):
+    """The checkpoint ships its own modelling code (`auto_map`), which untie does not run."""
+
+    exit_code = 8
 
 
 @dataclass
@@ -77,7 +98,16 @@ class Checkpoint:
 
     def load(self) -> tf.PreTrainedModel:
         """The model with its weights, as plain `from_pretrained` gives it (stored dtype)."""
-        return self.model_class.from_pretrained(self.source, revision=self.revision, dtype="auto")
+        try:
+            return self.model_class.from_pretrained(
+                self.source, revision=self.revision, dtype="auto", trust_remote_code=False
+            )
+        except (OSError, RuntimeError, ValueError, SafetensorError) as error:
+            if not self.is_local:
+                raise
+            raise CheckpointUnreadable(
+                f"{self.source}: from_pretrained could not load the weights ({type(error).__name__}: {error})."
+            ) from error
 
 
 def open_checkpoint(source: str | os.PathLike, head: str = "auto", revision: str | None = None) -> Checkpoint:
@@ -88,6 +118,8 @@ def open_checkpoint(source: str | os.PathLike, head: str = "auto", revision: str
     config = _config(source, revision)
     model_class = _model_class(source, config, head)
     checkpoint = Checkpoint(source, config, model_class, revision)
+    if checkpoint.is_local:
+        stored_keys(checkpoint)  # every weight file present and readable, or a CheckpointUnreadable naming the file
     model = checkpoint.empty_model
     if model.get_output_embeddings() is None or model.get_input_embeddings() is None:
         raise NoEmbeddings(
@@ -100,21 +132,48 @@ def open_checkpoint(source: str | os.PathLike, head: str = "auto", revision: str
 
 def _config(source: str, revision: str | None) -> tf.PretrainedConfig:
     if os.path.isdir(source):
-        if not os.path.isfile(os.path.join(source, "config.json")):
+        config_file = os.path.join(source, "config.json")
+        if not os.path.isfile(config_file):
             raise CheckpointNotFound(
                 f"{source} has no config.json: pass the folder that save_pretrained() or a Trainer checkpoint wrote."
             )
+        try:
+            with open(config_file) as f:
+                raw = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CheckpointUnreadable(f"{config_file} is not valid JSON ({error}); restore or rewrite it.") from error
+        if not isinstance(raw, dict):
+            raise CheckpointUnreadable(f"{config_file} holds a JSON {type(raw).__name__}, not an object.")
+        _refuse_remote_code(source, raw.get("auto_map"))
     elif os.path.exists(source):
         raise CheckpointNotFound(f"{source} is a file; pass the checkpoint folder that contains it.")
     elif not _HUB_ID.match(source):
         raise CheckpointNotFound(f"{source}: no such folder (and not a hub id such as `openai-community/gpt2`).")
     try:
-        return tf.AutoConfig.from_pretrained(source, revision=revision)
-    except (OSError, ValueError) as error:
+        # trust_remote_code=False: never run a checkpoint's code, and never prompt on stdout (it would break --json)
+        config = tf.AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=False)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        if "trust_remote_code" in str(error):
+            _refuse_remote_code(source, True)
+        if os.path.isdir(source):
+            raise CheckpointUnreadable(
+                f"{source}/config.json cannot be read by transformers ({type(error).__name__}: {error})."
+            ) from error
         raise CheckpointNotFound(
             f"{source}: no such folder, and the hub could not provide it ({type(error).__name__}: {error}). Check "
             "the path; for a hub id, check the spelling, your network and `hf auth login` for gated models."
         ) from error
+    _refuse_remote_code(source, getattr(config, "auto_map", None))
+    return config
+
+
+def _refuse_remote_code(source: str, auto_map) -> None:
+    if auto_map:
+        raise RemoteCodeRefused(
+            f"{source} ships its own modelling code (auto_map in config.json), and untie never runs a checkpoint's "
+            "code. If you trust it, load it in Python with trust_remote_code=True and call untie.untie_embeddings / "
+            "untie.tie_embeddings, then save_pretrained."
+        )
 
 
 def _model_class(source: str, config: tf.PretrainedConfig, head: str) -> type[tf.PreTrainedModel]:
@@ -145,18 +204,55 @@ def _auto_class(source: str, config: tf.PretrainedConfig, head: str) -> type[tf.
 
 
 def stored_keys(checkpoint: Checkpoint) -> dict[str, str] | None:
-    """Every tensor name in the checkpoint's safetensors files, mapped to its file; None without safetensors."""
-    index = checkpoint.file(_INDEX)
-    if index is not None:
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
-    single = checkpoint.file(_SINGLE)
-    if single is None:
-        return None
-    from safetensors import safe_open
+    """Every tensor name in the checkpoint's safetensors files, mapped to its file; None without safetensors.
 
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), _SINGLE)
+    Files are chosen as from_pretrained chooses them: `model.safetensors` first, else the index and its shards. In a
+    local folder every file is opened, so a missing shard, a truncated file or a stale index raises
+    `CheckpointUnreadable` (naming the file) instead of a report on half a checkpoint.
+    """
+    single = checkpoint.file(_SINGLE)
+    if single is not None:
+        return dict.fromkeys(_safetensors_keys(single), _SINGLE)
+    index = checkpoint.file(_INDEX)
+    if index is None:
+        if checkpoint.is_local and not any(checkpoint.file(name) for name in _OTHER_WEIGHTS):
+            raise CheckpointUnreadable(
+                f"{checkpoint.source} has a config.json but no weights (no model.safetensors, no "
+                f"{_INDEX} with its shards, no pytorch_model.bin): was it copied or saved only in part?"
+            )
+        return None
+    try:
+        with open(index) as f:
+            weight_map = dict(json.load(f)["weight_map"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointUnreadable(
+            f"{index} is not a valid safetensors index ({type(error).__name__}: {error})."
+        ) from error
+    if checkpoint.is_local:
+        for shard in sorted(set(weight_map.values())):
+            path = checkpoint.file(shard)
+            if path is None:
+                raise CheckpointUnreadable(
+                    f"{checkpoint.source}: {_INDEX} lists the shard {shard}, which is missing (a copy or a save that "
+                    "stopped part way). Copy the missing shard, or save the model again."
+                )
+            missing = {key for key, file in weight_map.items() if file == shard} - set(_safetensors_keys(path))
+            if missing:
+                raise CheckpointUnreadable(
+                    f"{checkpoint.source}: {_INDEX} is stale: it places {sorted(missing)[:3]} in {shard}, which does "
+                    "not hold them. Save the model again (or delete the stale index if model.safetensors is whole)."
+                )
+    return weight_map
+
+
+def _safetensors_keys(path: str) -> list[str]:
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as error:
+        raise CheckpointUnreadable(
+            f"{path} cannot be read ({error}): a truncated or damaged file. Copy or save it again."
+        ) from error
 
 
 def stored_name(model: nn.Module, name: str, keys: dict[str, str]) -> str | None:
@@ -168,7 +264,5 @@ def stored_name(model: nn.Module, name: str, keys: dict[str, str]) -> str | None
 
 def read_tensor(checkpoint: Checkpoint, key: str, keys: dict[str, str]) -> torch.Tensor:
     """One tensor of the checkpoint, read without loading anything else."""
-    from safetensors import safe_open
-
     with safe_open(checkpoint.file(keys[key]), framework="pt") as f:
         return f.get_tensor(key)

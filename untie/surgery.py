@@ -183,13 +183,79 @@ def _refresh_tied_cache(model: nn.Module) -> None:
 def _mark_untied(model: nn.Module, layout: EmbeddingLayout) -> None:
     _drop_head_ties(model, layout)
     remaining_ties = _remaining_ties(model)
+    keeps_other_ties = False
     for config in _configs(model):
-        # The flag is all-or-nothing: where it also ties encoder/decoder embeddings (T5, BART) it must stay True,
-        # and the instance mapping above plus the load-time "both present and different" rule keep the head free.
-        if not remaining_ties and hasattr(config, "tie_word_embeddings"):
+        # The flag is all-or-nothing: where it also ties the encoder and decoder embeddings to `shared` (BART,
+        # mBART, Marian) clearing it would let plain transformers load those three apart. It is cleared anyway, so that
+        # no tie_weights() / resize_token_embeddings() of plain transformers can re-tie the trained head: the three
+        # stay one parameter in memory (nothing here unshares them), are saved as equal copies (the state-dict hook
+        # below) and are shared again by `untie_embeddings` after a reload. T5's config forces the flag back to True
+        # on load (turning a False into `scale_decoder_outputs=False`), so there it stays True; the instance mapping
+        # plus the load-time "both present and different" rule keep the head free (see README, Limits).
+        if not hasattr(config, "tie_word_embeddings"):
+            pass
+        elif not remaining_ties:
             config.tie_word_embeddings = False
+        elif _flag_survives_reload(config):
+            config.tie_word_embeddings = False
+            keeps_other_ties = True
         setattr(config, UNTIED_MARKER, True)
+    if keeps_other_ties:
+        _store_other_ties_apart(model)
     _refresh_tied_cache(model)
+
+
+def _flag_survives_reload(config) -> bool:
+    """Whether `tie_word_embeddings=False` is read back as False (T5's config forces it to True)."""
+    data = config.to_dict()
+    data["tie_word_embeddings"] = False
+    return type(config).from_dict(data).tie_word_embeddings is False
+
+
+def other_ties(model: nn.Module) -> dict[str, str]:
+    """Declared ties other than the LM head's (BART's encoder/decoder embeddings -> shared), full names."""
+    layout = embedding_layout(model)
+    head = {layout.output_weight, layout.output_bias}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {t: s for t, s in _declared_ties(model).items() if t not in head and t in params and s in params}
+
+
+_STORE_APART_ATTR = "_untie_store_apart_handle"
+
+
+def _store_other_ties_apart(model: nn.Module) -> None:
+    """Save the declared non-head ties as separate equal tensors, so a config without the tie flag loads them all."""
+    if getattr(model, _STORE_APART_ATTR, None) is None:
+        setattr(model, _STORE_APART_ATTR, model.register_state_dict_post_hook(_clone_other_ties))
+
+
+def _clone_other_ties(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    for target, source in other_ties(module).items():
+        key, source_key = prefix + target, prefix + source
+        if key in state_dict and source_key in state_dict and _same_storage(state_dict[key], state_dict[source_key]):
+            state_dict[key] = state_dict[key].clone()
+
+
+def _same_storage(first, second) -> bool:
+    if not (torch.is_tensor(first) and torch.is_tensor(second)) or first.is_meta or second.is_meta:
+        return first is second
+    return first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+
+
+def _reshare_other_ties(model: nn.Module) -> None:
+    """Share again the non-head ties a reload left apart (BART saved with `tie_word_embeddings=False`), where equal."""
+    for target, source in other_ties(model).items():
+        kept, loaded = model.get_parameter(source), model.get_parameter(target)
+        if loaded is kept:
+            continue
+        if loaded.shape == kept.shape and torch.equal(loaded.detach(), kept.detach()):
+            _set(model, target, kept)
+        else:
+            warnings.warn(
+                f"untie: {target} differs from {source}, which its architecture ties it to (trained apart with "
+                "plain transformers?); both are kept as they are.",
+                stacklevel=3,
+            )
 
 
 def _remaining_ties(model: nn.Module) -> bool:
@@ -201,6 +267,10 @@ def _remaining_ties(model: nn.Module) -> bool:
 
 
 def _mark_tied(model: nn.Module) -> None:
+    handle = getattr(model, _STORE_APART_ATTR, None)
+    if handle is not None:
+        handle.remove()
+        setattr(model, _STORE_APART_ATTR, None)
     _restore_head_ties(model)
     for config in _configs(model):
         if hasattr(config, "tie_word_embeddings"):
@@ -252,6 +322,7 @@ def untie_embeddings(
                 stacklevel=2,
             )
         _freeze_bias_aliases(model, layout)
+        _reshare_other_ties(model)
         _mark_untied(model, layout)
         return model
     _refuse_sharded(model)
@@ -268,7 +339,8 @@ def untie_embeddings(
             if model.get_parameter(alias) is bias:
                 _set(model, alias, nn.Parameter(bias.detach().clone(), requires_grad=False))
     _mark_untied(model, layout)
-    assert head is not shared and head.data_ptr() != shared.data_ptr()
+    if head is shared or (not shared.is_meta and head.data_ptr() == shared.data_ptr()):
+        raise RuntimeError(f"untie: the new LM head still shares storage with {layout.input_weight} (a bug).")
     if optimizer is not None:
         add_param_like(optimizer, new=head, like=shared, state=optimizer_state)
         sort_param_groups(optimizer, model)

@@ -1,0 +1,246 @@
+"""`untie` on bad input: nothing is overwritten or half-written, every failure is one clear message and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers as tf
+
+import untie
+from untie import conversion
+from untie.checkpoint import checkpoint_is_untied
+from untie.cli import main
+from untie.testing import tiny_model
+
+
+def _untied_checkpoint(path, arch: str = "gpt2"):
+    model = tiny_model(arch)
+    untie.untie_embeddings(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.add_(0.1)  # a trained head, different from the embedding
+    model.save_pretrained(path)
+    return model
+
+
+def _json_error(capsys, *args) -> dict:
+    """Run with --json: stdout must hold exactly one JSON object with the error and the exit code returned."""
+    code = main([*map(str, args), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == code and code != 0 and report["error"]
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data loss
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("link", ["output", "source"])
+def test_convert_refuses_a_symlinked_same_folder_and_leaves_the_source_intact(link, tmp_path, capsys):
+    real = tmp_path / "real"
+    model = _untied_checkpoint(real)
+    alias = tmp_path / "alias"
+    alias.symlink_to(real, target_is_directory=True)
+    source, output = (real, alias) if link == "output" else (alias, real)
+    before = {p.name: p.read_bytes() for p in real.iterdir()}
+    assert main(["convert", str(source), str(output), "--tie", "--init", "mean", "--overwrite"]) == 2
+    assert "once links are resolved" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in real.iterdir()} == before
+    reloaded = tf.GPT2LMHeadModel.from_pretrained(real)
+    assert torch.equal(reloaded.get_output_embeddings().weight, model.get_output_embeddings().weight)
+
+
+def test_convert_refuses_an_output_inside_the_source(tmp_path, capsys):
+    _untied_checkpoint(tmp_path / "m")
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "m" / "tied"), "--tie"]) == 2
+    assert not (tmp_path / "m" / "tied").exists()
+
+
+def test_convert_tie_does_not_carry_the_source_runs_untied_state(tmp_path):
+    _untied_checkpoint(tmp_path / "ckpt")
+    state = {"stateful_callbacks": {"UntieCallback": {"args": {}, "attributes": {"untied": True, "untie_step": 4}}}}
+    (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps(state))
+    assert checkpoint_is_untied(tmp_path / "ckpt") is True
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "tied"), "--tie"]) == 0
+    assert not (tmp_path / "tied" / "trainer_state.json").exists()
+    assert checkpoint_is_untied(tmp_path / "tied") is False
+    model = tiny_model("gpt2")
+    untie.prepare_for_resume(model, tmp_path / "tied")
+    assert untie.is_tied(model)
+
+
+def test_convert_writes_out_only_once_the_checks_pass(tmp_path, monkeypatch, capsys):
+    _untied_checkpoint(tmp_path / "m")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("previous")
+
+    def fail(*args, **kwargs):
+        raise conversion.ConversionFailed("the reloaded model is tied (simulated)")
+
+    monkeypatch.setattr(conversion, "verify_conversion", fail)
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--tie", "--overwrite"]) == 5
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]  # the old OUT is untouched
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "new"), "--tie"]) == 5
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "out"]  # no staging folder left behind
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--tie", "--overwrite"]) == 0
+    assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "out"]
+
+
+def test_a_full_disk_exits_7_without_a_traceback_and_writes_no_out(tmp_path, monkeypatch, capsys):
+    _untied_checkpoint(tmp_path / "m")
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tf.PreTrainedModel, "save_pretrained", full_disk)
+    report = _json_error(capsys, "convert", tmp_path / "m", tmp_path / "out", "--tie")
+    assert report["exit_code"] == 7 and "No space left on device" in report["error"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_an_out_under_a_file_exits_7(tmp_path, capsys):
+    _untied_checkpoint(tmp_path / "m")
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "file" / "out"), "--tie"]) == 7
+    assert "is a file" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "file"), "--tie"]) == 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Incomplete and damaged checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_config_without_weights_exits_6(command, tmp_path, capsys):
+    tiny_model("gpt2").config.save_pretrained(tmp_path / "m")
+    extra = [str(tmp_path / "out"), "--untie"] if command == "convert" else []
+    assert main([command, str(tmp_path / "m"), *extra]) == 6
+    assert "no weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["inspect", "convert"])
+def test_a_truncated_safetensors_file_exits_6(command, tmp_path, capsys):
+    _untied_checkpoint(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    extra = [str(tmp_path / "out"), "--untie"] if command == "convert" else []
+    assert main([command, str(tmp_path / "m"), *extra]) == 6
+    assert "truncated or damaged" in capsys.readouterr().err
+
+
+def test_a_missing_shard_exits_6_even_when_the_embeddings_are_readable(tmp_path, capsys):
+    model = _untied_checkpoint(tmp_path / "single", "llama")
+    model.save_pretrained(tmp_path / "m", max_shard_size="2KB")
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())["weight_map"]
+    embedding_files = {index["model.embed_tokens.weight"], index["lm_head.weight"]}
+    other = sorted(set(index.values()) - embedding_files)[0]
+    (tmp_path / "m" / other).unlink()
+    assert main(["inspect", str(tmp_path / "m")]) == 6
+    assert f"lists the shard {other}, which is missing" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--tie"]) == 6
+
+
+def test_inspect_reads_model_safetensors_before_a_stale_index_as_from_pretrained_does(tmp_path, capsys):
+    model = _untied_checkpoint(tmp_path / "m")
+    stale = {"weight_map": {"transformer.wte.weight": "model-00001-of-00002.safetensors"}}
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(stale))
+    assert main(["inspect", str(tmp_path / "m"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "untied" and report["loaded"] == "embeddings only"
+    assert report["input_embedding"]["shape"] == list(model.get_input_embeddings().weight.shape)
+
+
+def test_a_stale_index_alone_exits_6(tmp_path, capsys):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "m", max_shard_size="2KB")
+    index_file = tmp_path / "m" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    index["weight_map"]["model.not_a_tensor"] = first
+    index_file.write_text(json.dumps(index))
+    assert main(["inspect", str(tmp_path / "m")]) == 6
+    assert "is stale" in capsys.readouterr().err
+
+
+def test_a_malformed_config_names_the_file_not_a_missing_folder(tmp_path, capsys):
+    tiny_model("gpt2").save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "gpt2",')
+    assert main(["inspect", str(tmp_path / "m")]) == 6
+    err = capsys.readouterr().err
+    assert "config.json is not valid JSON" in err and "no such folder" not in err
+
+
+def test_remote_code_is_refused_without_a_prompt(tmp_path):
+    tiny_model("gpt2").save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "m" / "modeling_evil.py").write_text("raise SystemExit('the folder code ran')\n")
+    command = [sys.executable, "-m", "untie", "inspect", str(tmp_path / "m"), "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    assert result.returncode == 8, result.stderr[-2000:]
+    report = json.loads(result.stdout)  # nothing but the JSON object on stdout: no prompt
+    assert report["exit_code"] == 8 and "trust_remote_code=True" in report["error"]
+    assert "the folder code ran" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --json always answers in JSON
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_json_prints_one_object_on_every_kind_of_error(tmp_path, capsys, monkeypatch):
+    assert _json_error(capsys, "inspect", tmp_path / "nope")["exit_code"] == 3
+    assert _json_error(capsys, "inspect", tmp_path, "--pairs", "1-2")["exit_code"] == 2  # argparse
+    assert _json_error(capsys, "convert", tmp_path, tmp_path / "o", "--json")["exit_code"] == 2  # no --tie/--untie
+    _untied_checkpoint(tmp_path / "m")
+    assert _json_error(capsys, "convert", tmp_path / "m", tmp_path / "m", "--untie")["exit_code"] == 2
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("untie.inspection.describe", bug)
+    report = _json_error(capsys, "inspect", tmp_path / "m")
+    assert report["exit_code"] == 1 and "RuntimeError: a bug" in report["error"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reports that say what is true
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_inspect_does_not_call_an_untied_bias_tied(tmp_path, capsys):
+    model = tiny_model("bert")
+    untie.untie_embeddings(model)
+    with torch.no_grad():
+        model.get_output_embeddings().bias.add_(0.5)
+    model.save_pretrained(tmp_path / "m")
+    assert main(["inspect", str(tmp_path / "m"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["output_bias"] == {"name": "cls.predictions.decoder.bias", "tied_to": None}
+    assert main(["inspect", str(tmp_path / "m")]) == 0
+    assert "tied to" not in capsys.readouterr().out
+    reloaded = tf.BertForMaskedLM.from_pretrained(tmp_path / "m")
+    assert reloaded.cls.predictions.bias is not reloaded.cls.predictions.decoder.bias
+    tied = tiny_model("bert")
+    tied.save_pretrained(tmp_path / "tied")
+    assert main(["inspect", str(tmp_path / "tied"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["output_bias"]["tied_to"] == ["cls.predictions.bias"]
+
+
+def test_convert_output_is_exactly_what_plain_transformers_loads(tmp_path):
+    """The staged write renames into place: OUT is a normal folder whose files reload, with no leftovers."""
+    _untied_checkpoint(tmp_path / "m")
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--tie"]) == 0
+    assert untie.is_tied(tf.GPT2LMHeadModel.from_pretrained(tmp_path / "out"))
+    assert not any(name.startswith(".") for name in os.listdir(tmp_path))
