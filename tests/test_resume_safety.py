@@ -54,19 +54,20 @@ def test_an_emulated_tied_checkpoint_resumes_emulated_on_one_device(checkpoints,
     assert _worst(_params(model), reference) <= 1e-6
 
 
-def test_an_emulated_tied_checkpoint_is_refused_when_live_tying_is_asked_for(checkpoints, make_args):
-    folder, _ = checkpoints("emulated")
+@pytest.mark.parametrize(
+    ("written", "asked", "message"),
+    [
+        ("emulated", "live", r"emulated tying.*tying_mode='emulated'"),
+        ("live", "emulated", r"live tying.*tying_mode='auto' or 'live'"),
+    ],
+)
+def test_a_tied_checkpoint_resumed_in_the_other_tying_mode_names_the_fix(
+    written, asked, message, checkpoints, make_args
+):
+    folder, _ = checkpoints(written)
     args = make_args(output_dir=str(folder), save_strategy="no")
-    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=8, tying_mode="live")])
-    with pytest.raises(ValueError, match=r"emulated tying.*tying_mode='emulated'"):
-        trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
-
-
-def test_a_live_tied_checkpoint_resumed_emulated_names_the_fix(checkpoints, make_args):
-    folder, _ = checkpoints("live")
-    args = make_args(output_dir=str(folder), save_strategy="no")
-    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=8, tying_mode="emulated")])
-    with pytest.raises(ValueError, match=r"live tying.*tying_mode='auto' or 'live'"):
+    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=8, tying_mode=asked)])
+    with pytest.raises(ValueError, match=message):
         trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
 
 
