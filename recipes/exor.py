@@ -665,13 +665,25 @@ PAIR_STYLE = {
 }
 
 
+def aligned(records: list[dict], series: str, value) -> tuple[list[int], np.ndarray]:
+    """The steps any run recorded in `history[series]`, and a (runs, steps) array of `value(entry)`, NaN where a run
+    has no entry at that step: runs that untie log once more (at the untie), and the auto arm unties on some seeds
+    and not on others, so per-run histories need not have the same length."""
+    steps = sorted({entry["step"] for r in records for entry in r["history"][series]})
+    column = {step: i for i, step in enumerate(steps)}
+    values = np.full((len(records), len(steps)), np.nan)
+    for row, r in enumerate(records):
+        for entry in r["history"][series]:
+            values[row, column[entry["step"]]] = value(entry)
+    return steps, values
+
+
 def _band(ax, records: list[dict], space: str, pair: str, linestyle: str = "-", label: str | None = None) -> None:
-    steps = [g["step"] for g in records[0]["history"]["geometry"]]
-    values = np.array([[g[space][pair] for g in r["history"]["geometry"]] for r in records])
+    steps, values = aligned(records, "geometry", lambda g: g[space][pair])
     color, name = PAIR_STYLE[pair]
-    ax.plot(steps, values.mean(0), color=color, linestyle=linestyle, label=label or name)
+    ax.plot(steps, np.nanmean(values, 0), color=color, linestyle=linestyle, label=label or name)
     if len(records) > 1:
-        ax.fill_between(steps, values.min(0), values.max(0), color=color, alpha=0.15)
+        ax.fill_between(steps, np.nanmin(values, 0), np.nanmax(values, 0), color=color, alpha=0.15)
 
 
 def _step_axis(ax) -> None:
@@ -737,13 +749,13 @@ def write_figures(records: list[dict], figures_dir: str) -> list[str]:
             fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
             for i, (arm, rs) in enumerate(by_arm.items()):
                 color = f"C{i}"
-                steps = [e["step"] for e in rs[0]["history"]["eval"]]
                 for ax, key in ((axes[0], "train_accuracy"), (axes[1], "heldout_accuracy")):
-                    values = np.array([[e[key] for e in r["history"]["eval"]] for r in rs]).mean(0)
-                    ax.plot(steps, values, color=color, label=arm, linewidth=max(0.8, 2.6 - 0.5 * i))
-                train_steps = [e["step"] for e in rs[0]["history"]["train"]]
-                losses = np.array([[e["loss"] for e in r["history"]["train"]] for r in rs]).mean(0)
-                axes[2].plot(train_steps, losses, color=color, label=arm, linewidth=max(0.6, 1.6 - 0.3 * i))
+                    steps, values = aligned(rs, "eval", lambda e, key=key: e[key])
+                    ax.plot(steps, np.nanmean(values, 0), color=color, label=arm, linewidth=max(0.8, 2.6 - 0.5 * i))
+                train_steps, losses = aligned(rs, "train", lambda e: e["loss"])
+                axes[2].plot(
+                    train_steps, np.nanmean(losses, 0), color=color, label=arm, linewidth=max(0.6, 1.6 - 0.3 * i)
+                )
                 for step in {r["untie_step"] for r in rs if r["untie_step"]}:
                     for ax in axes:
                         ax.axvline(step, color=color, linewidth=0.8, linestyle=":")

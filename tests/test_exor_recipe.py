@@ -7,6 +7,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -87,6 +88,24 @@ def test_same_seed_gives_the_same_numbers_whatever_the_worker_count(short_run, t
         assert one_worker[arm] == two_workers[arm], arm
         history = json.loads((single / "runs" / f"main-transformer-{arm}-42.json").read_text())["history"]
         assert history == json.loads((out / "runs" / f"main-transformer-{arm}-42.json").read_text())["history"]
+
+
+def test_report_survives_runs_that_untie_at_different_steps_or_never(short_run, tmp_path):
+    """A grid where the auto arm unties on one seed and not on another (so its histories differ in length) used to
+    crash write_figures with numpy's 'inhomogeneous shape' after every run was trained."""
+    out, _ = short_run
+    records = [json.loads(path.read_text()) for path in sorted((out / "runs").glob("*.json"))]
+    auto = next(r for r in records if r["arm"] == "auto")
+    never = json.loads(json.dumps(auto))
+    never.update(seed=43, untie_step=None, untie_reason=None, trigger_step=None)
+    for series in ("train", "eval", "geometry"):
+        never["history"][series] = never["history"][series][:-1]  # one entry fewer, as a run without the untie log
+    tied_43 = json.loads(json.dumps(next(r for r in records if r["arm"] == "tied")))
+    tied_43["seed"] = 43
+    claims = recipe.report([*records, never, tied_43], str(tmp_path))
+    assert claims and (tmp_path / "figures" / "main-transformer-curves.png").stat().st_size > 0
+    steps, values = recipe.aligned([auto, never], "train", lambda e: e["loss"])
+    assert len(steps) == len(auto["history"]["train"]) and np.isnan(values[1, -1]) and not np.isnan(values[0, -1])
 
 
 def test_finished_runs_are_reused(short_run, capsys):
