@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -224,3 +225,43 @@ def test_resume_keeps_the_history_and_the_trigger_state(make_args):
     _train(args, resumed, resume=os.path.join(args.output_dir, "checkpoint-4"))
     assert resumed.untie_step == whole.untie_step == 8
     assert [h["step"] for h in resumed.history] == [h["step"] for h in whole.history]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Short runs are honest
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_trigger_chances_count_measurements_after_the_warmup_and_by_the_last_step():
+    trigger = DivergenceTrigger(untie.UntieWhen(warmup=10, patience=3))
+    trigger.resolve(100)
+    assert trigger.chances(5, 30) == 5  # steps 10, 15, 20, 25, 30
+    assert trigger.chances(50, 30) == 0 and trigger.chances(0, 30) == 0
+
+
+def test_a_run_too_short_for_the_trigger_says_so_once(make_args):
+    """UntieCallback() on a 20-step fine-tune: metrics_every=50 measures nothing before the 30% deadline (step 6)."""
+    args = make_args(max_steps=20)
+    callback = untie.UntieCallback()
+    message = r"metrics_every=50 leaves the divergence trigger 0 measurement\(s\)"
+    with pytest.warns(UserWarning, match=message) as caught:
+        tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    short = [w for w in caught if "metrics_every=50" in str(w.message)]
+    assert len(short) == 1 and "unties at the deadline, step 6" in str(short[0].message)
+    assert "metrics_every <= 1" in str(short[0].message)
+    assert (callback.untie_step, callback.untie_reason) == (6, "deadline")
+
+
+def test_metrics_that_measure_nothing_before_the_untie_say_so(make_args):
+    args = make_args(max_steps=12)
+    callback = untie.UntieCallback(untie_at=4, metrics_every=10)
+    with pytest.warns(UserWarning, match="metrics_every=10 measures nothing by step 4"):
+        tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+
+
+def test_a_long_enough_run_does_not_warn(make_args):
+    args = make_args(max_steps=12)
+    callback = untie.UntieCallback(untie_at=None, untie_when=untie.UntieWhen(warmup=0, patience=2), metrics_every=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()

@@ -206,7 +206,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         if self.divergence is not None:
             self.divergence.resolve(state.max_steps)
         if self._emulation is not None:
-            self._begin_emulated(model, optimizer, state.global_step)
+            self._begin_emulated(model, optimizer, state)
             return
         if not is_tied(model):
             # Untied before training: at step 0, or by the resume guard while loading an untied checkpoint.
@@ -221,6 +221,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             self._untie(model, optimizer, state.global_step, "deadline")
         elif self.config.metrics_every:
             self._probe = RoleGradientProbe(model, pairs=self.config.pairs)
+            self._warn_short_run(state)
 
     def _adopt_setup(self, model) -> None:
         """Take over what `on_init_end` prepared. With `restore_callback_states_from_checkpoint=True`, Trainer replaces
@@ -236,7 +237,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         self.config.trigger_by_default = setup.trigger_by_default  # the saved args name the default rule explicitly
         _run_first(self)  # Trainer appended the new instance after the logging integrations
 
-    def _begin_emulated(self, model, optimizer, step: int) -> None:
+    def _begin_emulated(self, model, optimizer, state) -> None:
+        step = state.global_step
         if self.untied:  # resumed from a checkpoint saved after the untie: the head's values and state are its own
             self._emulation.release()
             self._emulation = None
@@ -253,6 +255,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         elif self.config.metrics_every and (self.divergence is not None or not sharded):
             # Sharded, a measurement is taken only when a trigger reads it.
             self._probe = RoleGradientProbe(model, pairs=self.config.pairs, emulated=True)
+            self._warn_short_run(state)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self._probe is not None:
@@ -343,6 +346,32 @@ class UntieCallback(TrainerCallback, ExportableState):
             self._grad_sync_handle = sync_grads_across_ranks(model.get_output_embeddings().weight)
         self._mark_untied(step, reason)
         logger.info("untie: untied the LM head from the input embedding at step %d (%s)", step, reason)
+
+    def _warn_short_run(self, state) -> None:
+        """Say once when `metrics_every` leaves the trigger too few measurements before the deadline (or the run's
+        end) to fire, or leaves no measurement at all: a short fine-tune with the defaults would otherwise be a plain
+        schedule without a word."""
+        every, last = self.config.metrics_every, self.deadline.step or state.max_steps
+        if self.divergence is not None:
+            chances, needed = self.divergence.chances(every, last), self.divergence.rule.patience
+            if chances >= needed:
+                return
+            fit = max(1, (last - max(self.divergence.warmup_step, 1) + 1) // needed)
+            what = f"the model unties at the deadline, step {last}" if self.deadline.step else "the model stays tied"
+            warnings.warn(
+                f"UntieCallback: metrics_every={every} leaves the divergence trigger {chances} measurement(s) after "
+                f"its warm-up (step {self.divergence.warmup_step}) and by step {last}; it needs {needed} in a row to "
+                f"fire, so it cannot fire and {what}. Pass metrics_every <= {fit} to give it a chance, or "
+                "untie_at=<step> alone for a plain schedule.",
+                stacklevel=3,
+            )
+        elif every > last - state.global_step:
+            warnings.warn(
+                f"UntieCallback: metrics_every={every} measures nothing by step {last} (the "
+                f"{'untie' if self.deadline.step else 'end of the run'}); pass a smaller metrics_every to see the "
+                "role signals, or metrics_every=0 to turn them off.",
+                stacklevel=3,
+            )
 
     def _warn_unmeasured(self) -> None:
         if not self._unmeasured_warned:

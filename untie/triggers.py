@@ -147,6 +147,13 @@ class DivergenceTrigger:
         warmup = self.rule.warmup
         self.warmup_step = max(0, round(warmup * max_steps)) if isinstance(warmup, float) else warmup
 
+    def chances(self, metrics_every: int, last_step: int) -> int:
+        """How many measurements, taken every `metrics_every` steps, fall after the warm-up and by `last_step`."""
+        if metrics_every <= 0:
+            return 0
+        first = max(self.warmup_step, 1)
+        return max(0, last_step // metrics_every - (first - 1) // metrics_every)
+
     def value_of(self, signals: dict[str, float]) -> float:
         """The rule's signal from a dict of measurements (``tension``, ``gap``: the largest finite pair value)."""
         if self.rule.signal in PAIR_SIGNALS:
