@@ -3,6 +3,7 @@
 from untie.callback import UntieCallback
 from untie.checkpoint import checkpoint_is_untied, install_resume_guard, prepare_for_resume
 from untie.config import UntieConfig
+from untie.pairs import tokenizer_pairs
 from untie.surgery import (
     EmbeddingLayout,
     embedding_layout,
@@ -24,6 +25,7 @@ __all__ = [
     "is_tied",
     "prepare_for_resume",
     "tie_embeddings",
+    "tokenizer_pairs",
     "untie_embeddings",
     "was_untied",
 ]

@@ -29,6 +29,7 @@ from untie.distributed import (
 )
 from untie.emulation import EmulatedTying
 from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics, summarize_pair_metrics
+from untie.pairs import tokenizer_pairs
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
 from untie.triggers import DivergenceTrigger, ScheduledTrigger
@@ -51,6 +52,7 @@ class _Setup:
     tying_mode: str
     emulation: EmulatedTying | None
     trigger_by_default: bool
+    pairs: list[tuple[int, int]]
 
 
 class UntieCallback(TrainerCallback, ExportableState):
@@ -73,6 +75,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         self.untie_step: int | None = None
         self.untie_reason: str | None = None
         """Why the model was untied: "trigger" (divergence), "deadline" (untie_at) or "checkpoint"/"start"."""
+        self.pairs: list[tuple[int, int]] = [] if self.config.pairs == "auto" else list(self.config.pairs)
+        """The measured pairs: `config.pairs`, or those read from the tokenizer at init for pairs="auto"."""
         self.history: list[dict[str, float]] = []
         """Every measurement: {"step": ..., signal: value, ...}; the smoothed trigger signal as "trigger"."""
         self._probe: RoleGradientProbe | None = None
@@ -99,8 +103,10 @@ class UntieCallback(TrainerCallback, ExportableState):
             self.divergence.load_state_dict(value)
 
     # -- Trainer events ---------------------------------------------------------------------------------------------
-    def on_init_end(self, args, state, control, model=None, **kwargs):
+    def on_init_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, training_engine(args))
+        if self.config.pairs == "auto":
+            self.pairs = _pairs_from(processing_class, model)
         handler = _calling(self)
         others = [cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, UntieCallback) and cb is not self]
         if others:
@@ -145,9 +151,14 @@ class UntieCallback(TrainerCallback, ExportableState):
                     # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
                     untie_embeddings(model)
                     self._emulation = EmulatedTying(model)
-        setattr(model, _SETUP_ATTR, _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default))
+        self._leave_setup(model)
         if self._resuming is not None:
             self._match_checkpoint(model, self._resuming)
+
+    def _leave_setup(self, model) -> None:
+        """Record on the model what was prepared, for an instance Trainer creates later (`_adopt_setup`)."""
+        setup = _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default, self.pairs)
+        setattr(model, _SETUP_ATTR, setup)
 
     def _before_resume(self, trainer, folder: str | None) -> None:
         """Called by `trainer.train` before anything is loaded: refuse an incomplete checkpoint folder, and give the
@@ -190,7 +201,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             # untie_at=0 untied the model before the run; the checkpoint's run is tied: tie again so that it loads,
             # and the deadline unties it at the resume step (warned about in _start_run).
             tie_embeddings(model, init="input")
-        setattr(model, _SETUP_ATTR, _Setup(self.tying_mode, self._emulation, self.config.trigger_by_default))
+        self._leave_setup(model)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.tying_mode is None:
@@ -220,7 +231,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         elif self.deadline.fires(state.global_step):
             self._untie(model, optimizer, state.global_step, "deadline")
         elif self.config.metrics_every:
-            self._probe = RoleGradientProbe(model, pairs=self.config.pairs)
+            self._probe = RoleGradientProbe(model, pairs=self.pairs)
             self._warn_short_run(state)
 
     def _adopt_setup(self, model) -> None:
@@ -233,7 +244,7 @@ class UntieCallback(TrainerCallback, ExportableState):
                 "model before the optimizer and the checkpoint loader see it. Pass it to the constructor: "
                 "Trainer(..., callbacks=[UntieCallback(...)])."
             )
-        self.tying_mode, self._emulation = setup.tying_mode, setup.emulation
+        self.tying_mode, self._emulation, self.pairs = setup.tying_mode, setup.emulation, setup.pairs
         self.config.trigger_by_default = setup.trigger_by_default  # the saved args name the default rule explicitly
         _run_first(self)  # Trainer appended the new instance after the logging integrations
 
@@ -254,7 +265,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             self._untie(model, optimizer, step, "deadline")
         elif self.config.metrics_every and (self.divergence is not None or not sharded):
             # Sharded, a measurement is taken only when a trigger reads it.
-            self._probe = RoleGradientProbe(model, pairs=self.config.pairs, emulated=True)
+            self._probe = RoleGradientProbe(model, pairs=self.pairs, emulated=True)
             self._warn_short_run(state)
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -271,7 +282,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             self._warn_unmeasured()
             return
         step = state.global_step + 1
-        signals = role_signals(*grads, weight=self._probe.dense_weight(), pairs=self.config.pairs)
+        signals = role_signals(*grads, weight=self._probe.dense_weight(), pairs=self.pairs)
         signals.update(self._probe.conditional_gaps(grads[0]))
         if self.divergence is not None:
             self.divergence.update(step, signals)
@@ -324,12 +335,12 @@ class UntieCallback(TrainerCallback, ExportableState):
     def _drift(self, model, step: int) -> dict[str, float]:
         input_weight, output_weight = _both_weights(model)
         if not is_sharded(input_weight):
-            return drift_metrics(input_weight, output_weight, pairs=self.config.pairs, seed=step, **_DRIFT_SAMPLE)
+            return drift_metrics(input_weight, output_weight, pairs=self.pairs, seed=step, **_DRIFT_SAMPLE)
         # FSDP2: read only the sampled rows of each rank's shard (every rank samples the same rows).
         return sampled_drift_metrics(
             lambda ids: (gather_rows(input_weight, ids), gather_rows(output_weight, ids)),
             vocab=input_weight.shape[0],
-            pairs=self.config.pairs,
+            pairs=self.pairs,
             seed=step,
             **_DRIFT_SAMPLE,
         )
@@ -437,6 +448,27 @@ class UntieCallback(TrainerCallback, ExportableState):
 
 def _both_weights(model) -> tuple:
     return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+
+
+def _pairs_from(processing_class, model) -> list[tuple[int, int]]:
+    """pairs="auto": the tokenizer's most frequent case and word-start variants that the model has rows for."""
+    if processing_class is None:
+        raise ValueError(
+            "UntieCallback(pairs='auto') reads the pairs from the tokenizer: pass it to Trainer(processing_class="
+            "tokenizer), or list the pairs yourself: pairs=[(id_a, id_b), ...]."
+        )
+    rows = model.get_input_embeddings().weight.shape[0] if model is not None else None
+    pairs = tokenizer_pairs(processing_class, max_id=rows)
+    if pairs:
+        shown = ", ".join("/".join(p.tokens) for p in pairs[:6])
+        logger.info("untie: pairs='auto' measures %d pairs from the tokenizer (%s, ...)", len(pairs), shown)
+    else:
+        warnings.warn(
+            "UntieCallback(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants, so no pair "
+            "is measured and a per-pair rule (gap) waits for the deadline. Pass pairs=[(id_a, id_b), ...].",
+            stacklevel=3,
+        )
+    return [p.ids for p in pairs]
 
 
 def _calling(callback: TrainerCallback, handler_of=lambda caller: caller):

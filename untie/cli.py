@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="A:B",
         help="token pairs to measure in both spaces: ids (464:262) or single tokens of the checkpoint's tokenizer "
-        "(king:queen)",
+        "(king:queen); `auto`: its most frequent case and word-start variants (the:The, Ġthe:the, ...)",
     )
     inspect.add_argument("--queries", type=int, default=512, help="tokens whose neighbours are compared (default 512)")
     inspect.add_argument("--pool", type=int, default=8192, help="tokens the neighbours are searched among (8192)")
@@ -166,8 +166,8 @@ def _fail(message: str, exit_code: int, as_json: bool, usage: str = "") -> int:
 def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from untie.inspection import describe, format_report
 
-    pairs = []
-    for item in args.pairs:
+    pairs = [] if args.pairs != ["auto"] else "auto"
+    for item in args.pairs if pairs != "auto" else ():
         parts = item.split(":")
         if len(parts) != 2 or not all(parts):
             parser.error(f"--pairs {item!r}: write each pair as A:B (token ids or tokens), e.g. 464:262 or king:queen")

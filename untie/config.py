@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from untie.surgery import _STATE_INITS, _TIE_INITS
 from untie.triggers import UntieWhen, pair_signal
@@ -50,6 +50,8 @@ class UntieConfig:
         (V, d) parameter while tied and is what FSDP2 needs. "auto" (default): "emulated" under FSDP2, else "live".
     pairs: symbol pairs (token ids) whose distances, pushes, tension and conditional gap are measured too, e.g.
         [[0, 1], [2, 3]]: pairs you know to be semantically equivalent (synonyms, spelling variants, twins).
+        "auto": the most frequent case and word-start variants of the tokenizer Trainer is given as
+        `processing_class` (``the``/``The``, ``Ġthe``/``the``, ``▁the``/``the``, ``the``/``##the``; `untie.pairs`).
     """
 
     untie_at: int | float | None = DEFAULT_UNTIE_AT
@@ -58,7 +60,7 @@ class UntieConfig:
     save_at_untie: bool = True
     untie_when: UntieWhen | None = _TRIGGER_UNLESS_SCHEDULED
     metrics_every: int = 50
-    pairs: list[tuple[int, int]] = field(default_factory=list)
+    pairs: list[tuple[int, int]] | Literal["auto"] = field(default_factory=list)
     tying_mode: str = "auto"
 
     def __post_init__(self) -> None:
@@ -66,16 +68,20 @@ class UntieConfig:
             self.metrics_every = int(self.metrics_every)
         if isinstance(self.metrics_every, bool) or not isinstance(self.metrics_every, int) or self.metrics_every < 0:
             raise ValueError(f"metrics_every={self.metrics_every!r} must be an int >= 0 (0 turns the metrics off).")
-        try:
-            self.pairs = [(int(a), int(b)) for a, b in self.pairs]
-        except (TypeError, ValueError):
-            raise ValueError(f"pairs={self.pairs!r}: pass a list of (token_id, token_id) pairs.") from None
+        if self.pairs != "auto":
+            try:
+                self.pairs = [(int(a), int(b)) for a, b in self.pairs]
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"pairs={self.pairs!r}: pass a list of (token_id, token_id) pairs, or 'auto' (read from the "
+                    "tokenizer Trainer is given as processing_class)."
+                ) from None
         self._resolve_defaults()
         per_pair = pair_signal(self.untie_when.signal) if self.untie_when is not None else None
         if per_pair is not None:
             wanted = per_pair[1]
-            keys = {f"{a}-{b}" for a, b in self.pairs}
-            if not self.pairs or (wanted and wanted not in keys):
+            keys = {f"{a}-{b}" for a, b in self.pairs} if self.pairs != "auto" else set()
+            if not self.pairs or (wanted and self.pairs != "auto" and wanted not in keys):
                 raise ValueError(
                     f"untie_when.signal={self.untie_when.signal!r} needs that pair in pairs=..., got {self.pairs}."
                 )

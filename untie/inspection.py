@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from untie.loading import Checkpoint, open_checkpoint, read_tensor, stored_keys, stored_name
 from untie.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances, pair_key
+from untie.pairs import tokenizer_pairs
 from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied
 
 #: Default sample sizes: about a second per measure on 2 CPU cores at 256k x 4096.
@@ -27,7 +28,7 @@ def describe(
     source: str | os.PathLike,
     *,
     head: str = "auto",
-    pairs: Sequence[tuple[int | str, int | str]] = (),
+    pairs: Sequence[tuple[int | str, int | str]] | Literal["auto"] = (),
     revision: str | None = None,
     seed: int = 0,
     **sample: int,
@@ -35,7 +36,8 @@ def describe(
     """A JSON-ready report on checkpoint `source` (folder or hub id): tying, names, shapes, flags, drift if untied.
 
     `pairs` are token pairs (ids, or tokens the checkpoint's tokenizer maps to one id each) whose distances are
-    reported in both spaces. `sample` overrides `SAMPLE` (queries, pool, rows, k).
+    reported in both spaces; "auto" reads them from the checkpoint's tokenizer (`untie.pairs.tokenizer_pairs`).
+    `sample` overrides `SAMPLE` (queries, pool, rows, k).
     """
     unknown = set(sample) - set(SAMPLE)
     if unknown:
@@ -82,7 +84,13 @@ def describe(
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
     report["status"] = _status(report, declared_tied, head_stored)
     report["notes"][:0] = _notes(report)
-    token_pairs = _token_ids(checkpoint, pairs)
+    if pairs == "auto":
+        found = tokenizer_pairs(_tokenizer(checkpoint, "read the pairs"), max_id=input_weight.shape[0])
+        pairs = [pair.tokens for pair in found]
+        token_pairs = [pair.ids for pair in found]
+        report["pairs_from"] = f"tokenizer: {len(found)} most frequent case and word-start variants (untie.pairs)"
+    else:
+        token_pairs = _token_ids(checkpoint, pairs)
     read = time.perf_counter()
     if token_pairs:  # keyed as the user wrote them ("king-queen", "464-262"); tied: both distances are the same
         inputs = pair_distances(input_weight, token_pairs)
@@ -224,14 +232,7 @@ def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | st
                 resolved.append(int(token))
                 continue
             if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                try:
-                    tokenizer = AutoTokenizer.from_pretrained(checkpoint.source, revision=checkpoint.revision)
-                except (OSError, ValueError) as error:
-                    raise ValueError(
-                        f"{checkpoint.source} has no tokenizer to look up {token!r}; pass token ids instead."
-                    ) from error
+                tokenizer = _tokenizer(checkpoint, f"look up {token!r}")
             pieces = tokenizer(token, add_special_tokens=False)["input_ids"]
             if len(pieces) != 1:
                 raise ValueError(
@@ -246,6 +247,15 @@ def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | st
         if vocab is not None and any(not 0 <= i < vocab for i in pair):
             raise ValueError(f"token pair {pair} is outside the vocabulary (0 .. {vocab - 1}).")
     return ids
+
+
+def _tokenizer(checkpoint: Checkpoint, purpose: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint.source, revision=checkpoint.revision, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{checkpoint.source} has no tokenizer to {purpose}; pass token ids instead.") from error
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -273,7 +283,16 @@ def format_report(report: dict[str, Any]) -> str:
             "identical spaces 1)",
             f"    linear CKA:        {drift['cka']:.4f}  (rows shuffled {drift['cka_shuffled']:.4f}, identical 1)",
         ]
-    for key, d in report.get("pairs", {}).items():
+    pairs = report.get("pairs", {})
+    if "pairs_from" in report and pairs:
+        mean_in = sum(d["input"] for d in pairs.values()) / len(pairs)
+        mean_out = sum(d["output"] for d in pairs.values()) / len(pairs)
+        lines.append(
+            f"  pairs from the {report['pairs_from']}: mean input distance {mean_in:.4f}, output {mean_out:.4f}; "
+            "the 10 most frequent:"
+        )
+        pairs = dict(list(pairs.items())[:10])
+    for key, d in pairs.items():
         lines.append(f"  pair {key}:  input distance {d['input']:.4f}, output distance {d['output']:.4f}")
     for note in report["notes"]:
         lines.append(f"  note: {note}")
