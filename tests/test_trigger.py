@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import warnings
@@ -252,11 +253,12 @@ def test_a_run_too_short_for_the_trigger_says_so_once(make_args):
     assert (callback.untie_step, callback.untie_reason) == (6, "deadline")
 
 
-def test_metrics_that_measure_nothing_before_the_untie_say_so(make_args):
+def test_metrics_that_measure_nothing_before_the_untie_say_so(make_args, caplog):
     args = make_args(max_steps=12)
     callback = untie.UntieCallback(untie_at=4, metrics_every=10)
-    with pytest.warns(UserWarning, match="metrics_every=10 measures nothing by step 4"):
+    with caplog.at_level(logging.INFO, logger="untie"):
         tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert "metrics_every=10 measures nothing by step 4 (the untie)" in caplog.text
 
 
 def test_a_long_enough_run_does_not_warn(make_args):

@@ -376,12 +376,13 @@ class UntieCallback(TrainerCallback, ExportableState):
                 "untie_at=<step> alone for a plain schedule.",
                 stacklevel=3,
             )
-        elif every > last - state.global_step:
-            warnings.warn(
-                f"UntieCallback: metrics_every={every} measures nothing by step {last} (the "
-                f"{'untie' if self.deadline.step else 'end of the run'}); pass a smaller metrics_every to see the "
+        elif every > last - state.global_step:  # no trigger reads them: a note, not a warning
+            logger.info(
+                "untie: metrics_every=%d measures nothing by step %d (the %s); pass a smaller metrics_every to see the "
                 "role signals, or metrics_every=0 to turn them off.",
-                stacklevel=3,
+                every,
+                last,
+                "untie" if self.deadline.step else "end of the run",
             )
 
     def _warn_unmeasured(self) -> None:
