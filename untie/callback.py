@@ -17,7 +17,7 @@ from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from untie.adapters import check_peft_run, is_peft_model
-from untie.checkpoint import SavedRun, check_complete, install_resume_guard, read_saved_run, saved_callback_state
+from untie.checkpoint import SavedRun, install_resume_guard, read_saved_run, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, UntieConfig
 from untie.distributed import (
     broadcast_decision,
@@ -166,11 +166,9 @@ class UntieCallback(TrainerCallback, ExportableState):
         self._resuming = None
         if folder is None:
             return
-        check_complete(folder)
-        model = trainer.model
-        if model is None or is_peft_model(model):
-            return  # model_init builds it next (and _prepare matches it); PEFT adapters hold no embedding
-        self._resuming = read_saved_run(folder, model)
+        model = trainer.model  # with model_init, a model of the same class: the one trained is built next
+        # PEFT adapters hold no embedding to look up; _match_checkpoint leaves them alone.
+        self._resuming = read_saved_run(folder, None if model is None or is_peft_model(model) else model)
         if trainer.model_init is None:
             self._match_checkpoint(model, self._resuming)
 
@@ -411,9 +409,9 @@ class UntieCallback(TrainerCallback, ExportableState):
     def _start_run(self, state) -> None:
         """This train() call's run state: the checkpoint's when resuming (Trainer does not restore it), else fresh, as
         the callback may come from an earlier train() call (training again, a hyperparameter_search trial)."""
-        attributes = {}
-        if state.global_step > 0:
-            attributes = saved_callback_state(getattr(state, "stateful_callbacks", None)).get("attributes", {})
+        resumed = state.global_step > 0
+        saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if resumed else {}
+        attributes = saved.get("attributes", {})
         self.history = [h for h in attributes.get("history", []) if h["step"] <= state.global_step]
         self.divergence = DivergenceTrigger(self.config.untie_when) if self.config.untie_when else None
         self.trigger_state = attributes.get("trigger_state", attributes.get("trigger"))  # "trigger": its earlier name
@@ -421,9 +419,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         self.untie_step = attributes.get("untie_step") if self.untied else None
         self.untie_reason = attributes.get("untie_reason") if self.untied else None
         self._latest, self._unmeasured_warned = {}, False
-        if state.global_step > 0:
-            saved_args = saved_callback_state(getattr(state, "stateful_callbacks", None)).get("args", {})
-            self._warn_changed_settings(saved_args, state.global_step)
+        if resumed:
+            self._warn_changed_settings(saved.get("args", {}), state.global_step)
         self._resuming = None
 
     def _warn_changed_settings(self, saved_args: dict, step: int) -> None:
@@ -507,8 +504,6 @@ def _checking_resume(trainer, before_resume):
     """`trainer.train`, calling `before_resume(trainer, folder)` with the checkpoint folder it will resume from (None
     when it does not resume) before anything is built or loaded."""
     train = trainer.train
-    if getattr(train, "_untie_checks_resume", False):
-        return train
 
     @functools.wraps(train)
     def train_checking_resume(resume_from_checkpoint=None, *args, **kwargs):
@@ -519,7 +514,6 @@ def _checking_resume(trainer, before_resume):
         before_resume(trainer, os.fspath(folder) if folder else None)
         return train(resume_from_checkpoint, *args, **kwargs)
 
-    train_checking_resume._untie_checks_resume = True
     return train_checking_resume
 
 

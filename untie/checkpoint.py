@@ -6,11 +6,12 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from untie.loading import CheckpointError, folder_weight_map, stored_name
 from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
 
 logger = logging.getLogger(__name__)
@@ -65,14 +66,13 @@ class SavedRun:
     untied: bool | None
     """The model was untied when saved (None: the folder does not say)."""
     head_stored: bool | None
-    """The LM head has its own tensor in the weights (None: no safetensors weights to read, e.g. FSDP's format)."""
-    args: dict = field(default_factory=dict)
-    """The UntieCallback settings of that run ({} without UntieCallback state)."""
-    attributes: dict = field(default_factory=dict)
+    """The LM head has its own tensor in the weights (None: no safetensors weights to read, e.g. FSDP's format, or
+    no model to look its name up for)."""
 
 
-def check_complete(folder: str | os.PathLike) -> None:
-    """Raise a `ValueError` naming what is missing when `folder` is not a whole Trainer checkpoint.
+def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
+    """Raise a `ValueError` naming what is missing when `folder` is not a whole Trainer checkpoint; return its
+    safetensors weight map (None in other formats).
 
     A run killed while saving leaves a `checkpoint-N` without `trainer_state.json` (Trainer writes it last) or
     without weights, and Trainer's `resume_from_checkpoint=True` picks the newest folder whatever its state.
@@ -81,16 +81,16 @@ def check_complete(folder: str | os.PathLike) -> None:
     if not os.path.isdir(folder):
         raise ValueError(f"resume_from_checkpoint={folder!r}: no such folder.")
     names = os.listdir(folder)
-    missing = []
+    missing, keys = [], None
     if "trainer_state.json" not in names:
         missing.append("trainer_state.json")
     if not any(name.startswith(_WEIGHT_PREFIXES) for name in names):
         missing.append("the model weights (model.safetensors or its shards)")
     else:
         try:
-            stored_tensor_names(folder)
-        except ValueError as error:
-            missing.append(str(error))
+            keys = folder_weight_map(folder)
+        except CheckpointError as error:
+            missing.append(f"its weights cannot be read ({error})")
     if missing:
         parent = os.path.dirname(os.path.abspath(folder))
         raise ValueError(
@@ -98,51 +98,18 @@ def check_complete(folder: str | os.PathLike) -> None:
             f"out of {parent} or delete it, then resume again (resume_from_checkpoint=True takes the newest "
             "checkpoint-* folder), or pass the previous complete checkpoint-* folder explicitly."
         )
+    return keys
 
 
-def stored_tensor_names(folder: str | os.PathLike) -> set[str] | None:
-    """Tensor names of a folder's safetensors weights, chosen as from_pretrained does; None without safetensors.
-
-    Raises `ValueError` for a truncated file or an index whose shards are missing.
-    """
-    from safetensors import SafetensorError, safe_open
-
-    single = os.path.join(folder, "model.safetensors")
-    index = os.path.join(folder, "model.safetensors.index.json")
-    try:
-        if os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
-                return set(f.keys())
-        if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            absent = sorted({shard for shard in weight_map.values() if not os.path.isfile(os.path.join(folder, shard))})
-            if absent:
-                raise ValueError(f"the shards {absent} that {os.path.basename(index)} lists are missing")
-            return set(weight_map)
-    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as error:
-        raise ValueError(f"its weights cannot be read ({type(error).__name__}: {error})") from error
-    return None
-
-
-def read_saved_run(folder: str | os.PathLike, model: nn.Module) -> SavedRun:
-    """The tying state of the run saved in `folder`, for `model` (whose LM-head name is looked up in the weights)."""
+def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedRun:
+    """Check that `folder` is complete (`check_complete`) and read the tying state of the run saved there; whether
+    the LM head is stored is looked up with `model`'s head name (None without a model)."""
     folder = os.fspath(folder)
-    saved = {}
-    state_file = os.path.join(folder, "trainer_state.json")
-    if os.path.isfile(state_file):
-        with open(state_file) as f:
-            saved = saved_callback_state(json.load(f).get("stateful_callbacks"))
-    names = stored_tensor_names(folder)
+    keys = check_complete(folder)
     head_stored = None
-    if names is not None:
-        layout = embedding_layout(model)
-        prefix = f"{getattr(model, 'base_model_prefix', '')}."
-        head = layout.output_weight
-        candidates = {head, head.removeprefix(prefix), prefix + head}
-        head_stored = bool(candidates & names)
-    untied = checkpoint_is_untied(folder)
-    return SavedRun(folder, untied, head_stored, saved.get("args", {}), saved.get("attributes", {}))
+    if keys is not None and model is not None:
+        head_stored = stored_name(model, embedding_layout(model).output_weight, keys) is not None
+    return SavedRun(folder, checkpoint_is_untied(folder), head_stored)
 
 
 def prepare_for_resume(model: nn.Module, checkpoint_dir: str | os.PathLike) -> nn.Module:

@@ -80,8 +80,8 @@ class UntieConfig:
         per_pair = pair_signal(self.untie_when.signal) if self.untie_when is not None else None
         if per_pair is not None:
             wanted = per_pair[1]
-            keys = {f"{a}-{b}" for a, b in self.pairs} if self.pairs != "auto" else set()
-            if not self.pairs or (wanted and self.pairs != "auto" and wanted not in keys):
+            listed = self.pairs != "auto"  # "auto" pairs are known only once the tokenizer is read
+            if not self.pairs or (wanted and listed and wanted not in {f"{a}-{b}" for a, b in self.pairs}):
                 raise ValueError(
                     f"untie_when.signal={self.untie_when.signal!r} needs that pair in pairs=..., got {self.pairs}."
                 )

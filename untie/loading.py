@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -89,6 +90,17 @@ class Checkpoint:
             return hf_hub_download(self.source, name, revision=self.revision)
         except EntryNotFoundError:
             return None
+
+    @cached_property
+    def stored_keys(self) -> dict[str, str] | None:
+        """`weight_map` of this checkpoint (local folders fully checked), read once."""
+        keys = weight_map(self.file, self.source, validate=self.is_local)
+        if keys is None and self.is_local and not any(self.file(name) for name in _OTHER_WEIGHTS):
+            raise CheckpointUnreadable(
+                f"{self.source} has a config.json but no weights (no model.safetensors, no {_INDEX} with its "
+                "shards, no pytorch_model.bin): was it copied or saved only in part?"
+            )
+        return keys
 
     @cached_property
     def empty_model(self) -> tf.PreTrainedModel:
@@ -206,43 +218,57 @@ def _auto_class(source: str, config: tf.PretrainedConfig, head: str) -> type[tf.
 def stored_keys(checkpoint: Checkpoint) -> dict[str, str] | None:
     """Every tensor name in the checkpoint's safetensors files, mapped to its file; None without safetensors.
 
-    Files are chosen as from_pretrained chooses them: `model.safetensors` first, else the index and its shards. In a
-    local folder every file is opened, so a missing shard, a truncated file or a stale index raises
-    `CheckpointUnreadable` (naming the file) instead of a report on half a checkpoint.
+    Read once per checkpoint (`Checkpoint.stored_keys`). A local folder with no weight file at all raises
+    `CheckpointUnreadable`; see `weight_map` for how the files are chosen and checked.
     """
-    single = checkpoint.file(_SINGLE)
+    return checkpoint.stored_keys
+
+
+def weight_map(file: Callable[[str], str | None], where: str, *, validate: bool) -> dict[str, str] | None:
+    """Tensor name -> safetensors file of the weights `file(name)` finds (a local path, or None if absent).
+
+    Files are chosen as from_pretrained chooses them: `model.safetensors` first, else the index and its shards.
+    With `validate` every shard is opened, so a missing shard, a truncated file or a stale index raises
+    `CheckpointUnreadable` (naming the file) instead of a report on half a checkpoint. None without safetensors.
+    """
+    single = file(_SINGLE)
     if single is not None:
         return dict.fromkeys(_safetensors_keys(single), _SINGLE)
-    index = checkpoint.file(_INDEX)
+    index = file(_INDEX)
     if index is None:
-        if checkpoint.is_local and not any(checkpoint.file(name) for name in _OTHER_WEIGHTS):
-            raise CheckpointUnreadable(
-                f"{checkpoint.source} has a config.json but no weights (no model.safetensors, no "
-                f"{_INDEX} with its shards, no pytorch_model.bin): was it copied or saved only in part?"
-            )
         return None
     try:
         with open(index) as f:
-            weight_map = dict(json.load(f)["weight_map"])
+            mapping = dict(json.load(f)["weight_map"])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointUnreadable(
             f"{index} is not a valid safetensors index ({type(error).__name__}: {error})."
         ) from error
-    if checkpoint.is_local:
-        for shard in sorted(set(weight_map.values())):
-            path = checkpoint.file(shard)
+    if validate:
+        for shard in sorted(set(mapping.values())):
+            path = file(shard)
             if path is None:
                 raise CheckpointUnreadable(
-                    f"{checkpoint.source}: {_INDEX} lists the shard {shard}, which is missing (a copy or a save that "
-                    "stopped part way). Copy the missing shard, or save the model again."
+                    f"{where}: {_INDEX} lists the shard {shard}, which is missing (a copy or a save that stopped part "
+                    "way). Copy the missing shard, or save the model again."
                 )
-            missing = {key for key, file in weight_map.items() if file == shard} - set(_safetensors_keys(path))
+            missing = {key for key, name in mapping.items() if name == shard} - set(_safetensors_keys(path))
             if missing:
                 raise CheckpointUnreadable(
-                    f"{checkpoint.source}: {_INDEX} is stale: it places {sorted(missing)[:3]} in {shard}, which does "
-                    "not hold them. Save the model again (or delete the stale index if model.safetensors is whole)."
+                    f"{where}: {_INDEX} is stale: it places {sorted(missing)[:3]} in {shard}, which does not hold "
+                    "them. Save the model again (or delete the stale index if model.safetensors is whole)."
                 )
-    return weight_map
+    return mapping
+
+
+def folder_weight_map(folder: str) -> dict[str, str] | None:
+    """`weight_map` of a local folder, every shard checked."""
+
+    def file(name: str) -> str | None:
+        path = os.path.join(folder, name)
+        return path if os.path.isfile(path) else None
+
+    return weight_map(file, folder, validate=True)
 
 
 def _safetensors_keys(path: str) -> list[str]:
@@ -255,7 +281,7 @@ def _safetensors_keys(path: str) -> list[str]:
         ) from error
 
 
-def stored_name(model: nn.Module, name: str, keys: dict[str, str]) -> str | None:
+def stored_name(model: nn.Module, name: str, keys: Collection[str]) -> str | None:
     """The checkpoint key of parameter `name`: itself, or without/with the base-model prefix (`transformer.`)."""
     prefix = f"{getattr(model, 'base_model_prefix', '')}."
     candidates = [name, name[len(prefix) :] if name.startswith(prefix) else prefix + name]

@@ -192,13 +192,9 @@ def _mark_untied(model: nn.Module, layout: EmbeddingLayout) -> None:
         # below) and are shared again by `untie_embeddings` after a reload. T5's config forces the flag back to True
         # on load (turning a False into `scale_decoder_outputs=False`), so there it stays True; the instance mapping
         # plus the load-time "both present and different" rule keep the head free (see README, Limits).
-        if not hasattr(config, "tie_word_embeddings"):
-            pass
-        elif not remaining_ties:
+        if hasattr(config, "tie_word_embeddings") and (not remaining_ties or _flag_survives_reload(config)):
             config.tie_word_embeddings = False
-        elif _flag_survives_reload(config):
-            config.tie_word_embeddings = False
-            keeps_other_ties = True
+            keeps_other_ties = keeps_other_ties or remaining_ties
         setattr(config, UNTIED_MARKER, True)
     if keeps_other_ties:
         _store_other_ties_apart(model)
