@@ -80,10 +80,11 @@ PRESETS = {
         train_sampling_strategy="random",
     ),
 }
-#: The auto arm's divergence rule. Every (word, twin) pair is swappable in the input by construction, so the callback
-#: gets them all as `pairs`; untie once the model predicts some word and its twin differently by more than 1 nat
-#: (the conditional gap), i.e. once the distributional hypothesis fails for that pair. The EXor recipe's rule.
-TWIN_RULE = untie.UntieWhen(signal="gap", threshold=1.0, smoothing=0.9, warmup=0.05, patience=5)
+#: The auto arm's divergence rule, the library's default with pairs (untie.RULES["evidence"]): untie once the model
+#: has learned and predicts some pair more than 1 nat apart with significant evidence from the data, i.e. once the
+#: distributional hypothesis fails for that pair. The pairs are the (word, twin) pairs, swappable in the input by
+#: construction (--auto_pairs twins), or the tokenizer's case and word-start variants (--auto_pairs tokenizer).
+AUTO_RULE = untie.RULES["evidence"]
 
 
 @dataclass
@@ -142,6 +143,10 @@ class BookCorpusArguments:
     untie_at: float = field(default=0.3, metadata={"help": "scheduled: the untie step, or a fraction of the run."})
     auto_deadline: float = field(default=0.6, metadata={"help": "auto: untie here if the trigger has not fired."})
     metrics_every: int = field(default=50, metadata={"help": "Steps between role-signal measurements (auto)."})
+    auto_pairs: str = field(
+        default="twins",
+        metadata={"help": "auto: the pairs the trigger reads: twins (word, twin) or tokenizer (pairs='auto')."},
+    )
     # Running
     overwrite: bool = field(default=False, metadata={"help": "Train arms again even if their record exists."})
     report_only: bool = field(default=False, metadata={"help": "Train nothing: report the finished arms."})
@@ -161,6 +166,8 @@ class BookCorpusArguments:
             raise ValueError(f"--objective {resolved.objective!r}: choose mlm or clm.")
         if resolved.streaming and (resolved.max_steps or -1) <= 0:
             raise ValueError("--streaming has no length to count epochs over: pass --max_steps.")
+        if resolved.auto_pairs not in ("twins", "tokenizer"):
+            raise ValueError(f"--auto_pairs {resolved.auto_pairs!r}: choose twins or tokenizer.")
         resolved.arms()
         return resolved
 
@@ -339,9 +346,9 @@ def arm_callbacks(
     return True, [
         untie.UntieCallback(
             untie_at=_step_or_fraction(args.auto_deadline),
-            untie_when=TWIN_RULE,
+            untie_when=AUTO_RULE,
             metrics_every=args.metrics_every,
-            pairs=twins.pairs,
+            pairs=twins.pairs if args.auto_pairs == "twins" else "auto",
         )
     ]
 
@@ -415,6 +422,7 @@ def train_arm(arm: str, args: BookCorpusArguments, data: PreparedData) -> tuple[
         args=training,
         train_dataset=data.train,
         eval_dataset=data.validation,
+        processing_class=data.tokenizer,  # pairs="auto" (--auto_pairs tokenizer) reads its vocabulary
         data_collator=lm_collator(data.tokenizer, args.objective, data.twins, seed=args.seed + 1000 * launch_rank()),
         optimizers=(optimizer, scheduler),
         compute_metrics=accuracy_metric(args.objective),
@@ -436,6 +444,10 @@ def train_arm(arm: str, args: BookCorpusArguments, data: PreparedData) -> tuple[
         "steps": trainer.state.global_step,
         "untie_step": callback.untie_step if callback else None,
         "untie_reason": callback.untie_reason if callback else None,
+        "trigger_step": callback.divergence.fired_step if callback and callback.divergence else None,
+        "trigger_pairs": _named_pairs(callback.divergence.fired_pairs, data.tokenizer, data.twins)
+        if callback and callback.divergence
+        else [],
         "eval_loss": final["loss"],
         "perplexity": final["perplexity"],
         "accuracy": final["accuracy"],
@@ -460,6 +472,18 @@ def train_arm(arm: str, args: BookCorpusArguments, data: PreparedData) -> tuple[
         if args.save_model:
             trainer.save_model(os.path.join(args.output_dir, "models", arm))
     return record, trainer
+
+
+def _named_pairs(keys: list[str], tokenizer, twins: untie.bookcorpus.TwinTable) -> list[str]:
+    """Pair keys ("12-8201") as tokens ("the/the'"), a twin written as its word with a prime."""
+    twin_of = {twin: word for word, twin in twins.pairs}
+
+    def token(token_id: int) -> str:
+        if token_id in twin_of:
+            return tokenizer.convert_ids_to_tokens(twin_of[token_id]) + "'"
+        return tokenizer.convert_ids_to_tokens(token_id)
+
+    return [f"{token(int(a))}/{token(int(b))}" for a, b in (key.split("-") for key in keys)]
 
 
 # -- Report --

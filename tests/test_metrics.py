@@ -11,14 +11,18 @@ import torch
 import untie
 from untie.metrics import (
     conditional_gaps,
+    cross_entropy_sums,
     drift_metrics,
     knn_overlap,
+    learned_z,
     linear_cka,
     pair_distances,
+    pair_evidence_sums,
     pair_pushes,
     role_signals,
     sampled_drift_metrics,
     summarize_pair_metrics,
+    targets_from_gradient,
 )
 from untie.probe import RoleGradientProbe
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
@@ -253,3 +257,85 @@ def test_probe_refuses_an_untied_model():
     untie.untie_embeddings(model)
     with pytest.raises(ValueError, match="needs a tied model"):
         RoleGradientProbe(model)
+
+
+# -- evidence against conditional equivalence ----------------------------------------------------------------------
+
+
+def test_targets_are_read_off_the_cross_entropy_gradient():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, requires_grad=True)
+    labels = torch.tensor([3, -100, 0, 10, -100, 7])
+    torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100, label_smoothing=0.1).backward()
+    carries = logits.grad.ne(0).any(dim=1)
+    assert carries.tolist() == [True, False, True, True, False, True]
+    assert targets_from_gradient(logits.grad[carries]).tolist() == [3, 0, 10, 7]
+
+
+def test_pair_evidence_is_the_log_likelihood_ratio_of_the_models_odds_against_even_odds():
+    odds_9_to_1 = _logits([0.45, 0.05, 0.25, 0.25])
+    logits = odds_9_to_1.repeat(3, 1)
+    evidence, counted = pair_evidence_sums(logits, torch.tensor([0, 1, 2]), [(0, 1), (2, 3)])
+    # target 0 (the likelier form): log(2 * .9); target 1: log(2 * .1); target 2 counts for (2, 3) at even odds: 0
+    assert evidence[0].item() == pytest.approx(math.log(1.8) + math.log(0.2), rel=1e-6)
+    assert evidence[1].item() == pytest.approx(0.0, abs=1e-6)
+    assert counted.tolist() == [2.0, 1.0]
+
+
+def test_pair_evidence_stays_below_log_one_over_alpha_under_conditional_equivalence():
+    """Ville's inequality, simulated: a model with arbitrary odds, targets drawn a/b at even odds (the pair is
+    conditionally equivalent). The running sum of the evidence reaches log(1/alpha) in at most alpha of the runs."""
+    generator = torch.Generator().manual_seed(0)
+    runs, positions, alpha = 2000, 200, 0.05
+    logits = torch.zeros(runs * positions, 2)
+    logits[:, 0] = torch.randn(runs * positions, generator=generator) * 2  # the model's log odds, anything
+    targets = torch.randint(0, 2, (runs * positions,), generator=generator)
+    is_a = targets == 0
+    log_odds = logits[:, 0] - logits[:, 1]
+    evidence = math.log(2.0) + torch.nn.functional.logsigmoid(torch.where(is_a, log_odds, -log_odds))
+    total, _ = pair_evidence_sums(logits, targets, [(0, 1)])
+    assert total.item() == pytest.approx(evidence.double().sum().item(), rel=1e-6)  # the function, position by position
+    running = evidence.reshape(runs, positions).double().cumsum(dim=1)
+    crossed = int((running.max(dim=1).values >= math.log(1 / alpha)).sum())
+    assert crossed / runs <= alpha
+    # and the same model facing skewed targets (.9/.1, its odds right on average) crosses in most runs
+    skewed = torch.rand(runs * positions, generator=generator) < 0.9
+    informed = torch.full((runs * positions, 2), 0.0)
+    informed[:, 0] = math.log(9)
+    strong = math.log(2.0) + torch.nn.functional.logsigmoid(torch.where(skewed, informed[:, 0], -informed[:, 0]))
+    assert (strong.reshape(runs, positions).double().cumsum(dim=1)[:, -1] >= math.log(1 / alpha)).float().mean() > 0.99
+
+
+def test_learned_z_tells_an_informed_model_from_an_uninformed_one():
+    targets = torch.arange(8) % 4
+    uninformed = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    informed = torch.nn.functional.one_hot(targets, 4).float() * 6
+    assert learned_z(cross_entropy_sums(informed, targets), vocab=4) > 10
+    assert learned_z(cross_entropy_sums(uninformed, targets), vocab=4) < 3
+    uniform = torch.zeros(8, 4)
+    assert learned_z(cross_entropy_sums(uniform, targets), vocab=4) == -math.inf  # exactly log(4): nothing learned
+    assert math.isnan(learned_z(cross_entropy_sums(informed[:1], targets[:1]), vocab=4))
+
+
+def test_probe_reports_evidence_and_learning_with_the_gaps():
+    model = tiny_model("gpt2")
+    pairs = [(3, 4), (5, 6)]
+    probe = RoleGradientProbe(model, pairs=pairs)
+    probe.armed = True
+    ids = torch.randint(7, 30, (4, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, ::2] = 3  # pair symbols as inputs and as targets
+    ids[:, 1::4] = 4
+    ids[:, 3::4] = 5
+    ids[0, -1] = 6
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    g_in, _ = probe.collect()
+    measured = probe.conditional_gaps(g_in)
+    assert set(measured) == {"gap/3-4", "gap/5-6", "evidence/3-4", "evidence/5-6", "learned_z"}
+    # the causal LM's targets are the next tokens: recompute the evidence from the logits and the shifted labels
+    logits = out.logits.detach()[:, :-1].reshape(-1, out.logits.shape[-1])
+    evidence, _ = pair_evidence_sums(logits, ids[:, 1:].reshape(-1), pairs)
+    assert measured["evidence/3-4"] == pytest.approx(evidence[0].item(), rel=1e-5, abs=1e-6)
+    expected_z = learned_z(cross_entropy_sums(logits, ids[:, 1:].reshape(-1)), model.config.vocab_size)
+    assert measured["learned_z"] == pytest.approx(expected_z, rel=1e-4)
+    probe.remove()

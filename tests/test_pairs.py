@@ -97,6 +97,35 @@ def test_callback_reads_the_pairs_from_the_trainers_tokenizer(tokenizers, make_a
     assert untie.UntieConfig.from_json(callback.config.to_json()).pairs == "auto"
 
 
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_the_default_reads_pairs_when_trainer_has_a_tokenizer(tokenizers, make_args, with_tokenizer):
+    """UntieCallback() with its defaults: pairs from Trainer's tokenizer and the evidence rule; without a tokenizer,
+    no pairs and the pair-free rule. A per-pair rule the user chose, with no tokenizer, is refused with the fix."""
+    tokenizer = tokenizers["byte-level-bpe"]
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
+    callback = untie.UntieCallback()
+    tf.Trainer(
+        model=model,
+        args=make_args(max_steps=4),
+        train_dataset=ToyLMDataset(vocab=len(tokenizer)),
+        processing_class=tokenizer if with_tokenizer else None,
+        callbacks=[callback],
+    )
+    if with_tokenizer:
+        assert callback.pairs == [p.ids for p in tokenizer_pairs(tokenizer)]
+        assert callback.config.untie_when == callback.divergence.rule == untie.RULES["evidence"]
+    else:
+        assert callback.pairs == []
+        assert callback.config.untie_when == callback.divergence.rule == untie.RULES["cancellation"]
+        with pytest.raises(ValueError, match="no tokenizer"):
+            tf.Trainer(
+                model=model,
+                args=make_args(max_steps=4),
+                train_dataset=ToyLMDataset(vocab=len(tokenizer)),
+                callbacks=[untie.UntieCallback(untie_when="evidence")],
+            )
+
+
 def test_auto_pairs_without_a_tokenizer_name_the_fix(make_args):
     with pytest.raises(ValueError, match="processing_class=tokenizer"):
         tf.Trainer(

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -91,8 +92,11 @@ def test_rule_and_config_validation_and_json_round_trip():
     config = untie.UntieConfig(untie_at=0.5, untie_when={"signal": "tension/0-1", "patience": 2}, pairs=[[0, 1]])
     assert config.untie_when == untie.UntieWhen(signal="tension/0-1", patience=2)
     assert untie.UntieConfig.from_json(config.to_json()) == config
-    assert untie.UntieConfig(untie_when="divergence").untie_when == untie.UntieWhen()
-    assert untie.UntieConfig(untie_when="divergence", pairs=[(0, 1)]).untie_when == untie.UntieWhen("gap", 1.0)
+    assert untie.UntieConfig(untie_when="divergence", pairs=[]).untie_when == untie.UntieWhen()
+    assert untie.UntieConfig(untie_when="divergence", pairs=[(0, 1)]).untie_when == untie.RULES["evidence"]
+    # pairs=None (default) may be read from Trainer's tokenizer: the evidence rule until the callback knows
+    assert untie.UntieConfig(untie_when="divergence").untie_when == untie.RULES["evidence"]
+    assert untie.UntieConfig(untie_when="gap").untie_when == untie.RULES["gap"]  # the earlier rule, by name
     for bad, message in [
         ({"signal": "loss"}, "not a known signal"),
         ({"smoothing": 1.0}, "smoothing"),
@@ -105,7 +109,11 @@ def test_rule_and_config_validation_and_json_round_trip():
     with pytest.raises(ValueError, match="needs that pair"):
         untie.UntieConfig(untie_when={"signal": "tension/2-3"}, pairs=[(0, 1)])
     with pytest.raises(ValueError, match="needs that pair"):
-        untie.UntieConfig(untie_when={"signal": "gap"})
+        untie.UntieConfig(untie_when={"signal": "gap"}, pairs=[])
+    with pytest.raises(ValueError, match="significance"):
+        untie.UntieConfig(untie_when={"signal": "cosine", "significance": 0.01})
+    with pytest.raises(ValueError, match="rule name"):
+        untie.UntieConfig(untie_when="evidense")
     assert untie.UntieConfig(untie_when={"signal": "gap/0-1"}, pairs=[(0, 1)]).untie_when.direction == "above"
     with pytest.raises(ValueError, match="metrics_every > 0"):
         untie.UntieConfig(untie_when="divergence", metrics_every=0)
@@ -114,13 +122,14 @@ def test_rule_and_config_validation_and_json_round_trip():
 @pytest.mark.parametrize(
     "settings, rule, untie_at",
     [
-        ({}, untie.UntieWhen(), 0.3),  # the default: the pair-free rule, with a deadline at 30% of the run
-        ({"pairs": [(0, 1)]}, untie.UntieWhen("gap", 1.0), 0.3),  # with pairs, the paper's criterion
+        ({}, untie.RULES["evidence"], 0.3),  # the default: evidence rule (pairs from the tokenizer), deadline 30%
+        ({"pairs": []}, untie.UntieWhen(), 0.3),  # no pairs: the pair-free rule
+        ({"pairs": [(0, 1)]}, untie.RULES["evidence"], 0.3),  # with pairs, the paper's criterion on evidence
         ({"untie_at": 100}, None, 100),  # a chosen step is a fixed schedule
         ({"untie_at": 0.3}, None, 0.3),  # even the default's value, once chosen
         ({"untie_at": None}, None, None),  # a tied baseline
         ({"metrics_every": 0}, None, 0.3),  # nothing to read: the deadline alone
-        ({"untie_at": 100, "untie_when": "divergence"}, untie.UntieWhen(), 100),  # the trigger, with a deadline
+        ({"untie_at": 100, "untie_when": "divergence", "pairs": []}, untie.UntieWhen(), 100),  # trigger + deadline
     ],
 )
 def test_the_default_trigger_is_on_unless_the_user_chose_a_schedule(settings, rule, untie_at):
@@ -267,3 +276,93 @@ def test_a_long_enough_run_does_not_warn(make_args):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+
+
+# -- the evidence rule -----------------------------------------------------------------------------------------------
+
+
+def _evidence_feed(trigger, measurements, start=1):
+    """Feed (learned_z, gap, evidence) of pair 0-1 per step; return the firing step (or None)."""
+    for step, (z, gap, evidence) in enumerate(measurements, start=start):
+        if trigger.update(step, {"learned_z": z, "gap/0-1": gap, "evidence/0-1": evidence}):
+            return step
+    return None
+
+
+def test_evidence_rule_waits_for_the_model_to_learn_and_for_significant_evidence():
+    rule = untie.RULES["evidence"]
+    needed = math.log(1 / rule.significance)  # one pair: log(1 / alpha) = 4.6 nats
+    untrained = [(0.5, 2.5, 20.0)] * 20  # a large gap and evidence, but the loss is no better than chance
+    assert _evidence_feed(DivergenceTrigger(rule), untrained) is None
+    trigger = DivergenceTrigger(rule)
+    learns = [(0.5, 2.5, 20.0)] * 4 + [(4.0, 2.5, needed / 2)] * 6
+    # learned at step 5; evidence reaches log(1/alpha) at step 6; then 3 measurements in a row: step 8
+    assert _evidence_feed(trigger, learns) == 8
+    assert (trigger.learned_step, trigger.fired_pairs) == (5, ["0-1"])
+    # a model whose large gap the targets contradict (a conditionally equivalent pair predicted apart) never fires
+    assert _evidence_feed(DivergenceTrigger(rule), [(5.0, 2.5, -1.0)] * 50) is None
+    # nor one whose significant evidence comes with a gap below the threshold (a real but small difference)
+    assert _evidence_feed(DivergenceTrigger(rule), [(5.0, 0.5, 30.0)] * 50) is None
+    # NaN (a pair whose symbols were not seen) neither counts nor fires
+    assert _evidence_feed(DivergenceTrigger(rule), [(5.0, math.nan, math.nan)] * 50) is None
+
+
+def test_evidence_rule_corrects_for_the_number_of_pairs_and_resumes_exactly():
+    rule = untie.RULES["evidence"]
+    trigger = DivergenceTrigger(rule)
+    assert trigger.evidence_needed(100) == pytest.approx(math.log(100 / 0.01))
+    many = {"learned_z": 5.0, **{f"gap/{i}-{i + 1}": 0.1 for i in range(0, 200, 2)}}
+    many.update({f"evidence/{i}-{i + 1}": 0.0 for i in range(0, 200, 2)})
+    many.update({"gap/0-1": 2.0, "evidence/0-1": 5.0})  # 5 nats: enough for one pair, not for one of 100
+    trigger.update(1, many)
+    assert trigger.streak == 0  # 5 nats: past log(1 / alpha) = 4.6 for one pair, short of 9.2 for one of 100
+    trigger.update(2, many)
+    assert trigger.streak == 1  # 10 nats
+    restored = DivergenceTrigger(rule)
+    restored.load_state_dict(json.loads(json.dumps(trigger.state_dict())))
+    fired = [(t.update(3, many), t.update(4, many), t.fired_step, t.fired_pairs) for t in (trigger, restored)]
+    assert fired[0] == fired[1] == (False, True, 4, ["0-1"])
+
+
+def _exor_trainer(tmp_path, learning_rate: float, rule: untie.UntieWhen, seed: int = 0):
+    from untie.exor import EQUIVALENT_PAIRS, ExorDataset, exor_model
+
+    tf.set_seed(seed)
+    callback = untie.UntieCallback(
+        untie_at=None, untie_when=rule, metrics_every=20, pairs=list(EQUIVALENT_PAIRS), save_at_untie=False
+    )
+    data = ExorDataset("train", "main", seed=seed)
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path / f"exor-{learning_rate}"),
+        max_steps=200,
+        per_device_train_batch_size=len(data),
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=seed,
+    )
+    model = exor_model("transformer", tied=True)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=data, callbacks=[callback])
+    trainer.train()
+    return callback
+
+
+def test_evidence_rule_is_silent_on_an_untrained_model_and_fires_once_it_learns(tmp_path):
+    """EXor main, where the pair (0, 1) breaks the distributional hypothesis. Untrained (learning rate 0) the model's
+    predictions carry no information: the evidence rule never fires, though the gap alone, read after no warm-up,
+    would. Trained, it fires, on (0, 1)."""
+    untrained = _exor_trainer(tmp_path, 0.0, untie.RULES["evidence"])
+    assert untrained.untie_step is None and untrained.divergence.learned_step is None
+    assert max(h["learned_z"] for h in untrained.history) < 3
+    gap_alone = DivergenceTrigger(replace(untie.RULES["gap"], warmup=0, smoothing=0.0))
+    fired_on_noise = any(gap_alone.update(h["step"], h) for h in untrained.history)
+    # an untrained model's gaps are its init's: the gap alone fires if some pair starts more than 1 nat apart (with
+    # this seed, (2, 3), which main draws at even odds: conditionally equivalent)
+    starts_apart = any(min(h[f"gap/{p}"] for h in untrained.history) > 1.0 for p in ("0-1", "2-3"))
+    assert fired_on_noise == starts_apart
+    trained = _exor_trainer(tmp_path, 3e-3, untie.RULES["evidence"])
+    assert trained.untie_reason == "trigger" and trained.divergence.fired_pairs == ["0-1"]
+    assert trained.divergence.learned_step <= trained.untie_step

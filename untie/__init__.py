@@ -12,9 +12,10 @@ from untie.surgery import (
     untie_embeddings,
     was_untied,
 )
-from untie.triggers import UntieWhen
+from untie.triggers import RULES, UntieWhen
 
 __all__ = [
+    "RULES",
     "EmbeddingLayout",
     "UntieCallback",
     "UntieConfig",

@@ -32,7 +32,7 @@ from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics, su
 from untie.pairs import tokenizer_pairs
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
-from untie.triggers import DivergenceTrigger, ScheduledTrigger
+from untie.triggers import DivergenceTrigger, ScheduledTrigger, default_rule, pair_signal
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         self.untie_step: int | None = None
         self.untie_reason: str | None = None
         """Why the model was untied: "trigger" (divergence), "deadline" (untie_at) or "checkpoint"/"start"."""
-        self.pairs: list[tuple[int, int]] = [] if self.config.pairs == "auto" else list(self.config.pairs)
-        """The measured pairs: `config.pairs`, or those read from the tokenizer at init for pairs="auto"."""
+        self.pairs: list[tuple[int, int]] = list(self.config.pairs) if isinstance(self.config.pairs, list) else []
+        """The measured pairs: `config.pairs`, or those read from the tokenizer at init for pairs="auto" / None."""
         self.history: list[dict[str, float]] = []
         """Every measurement: {"step": ..., signal: value, ...}; the smoothed trigger signal as "trigger"."""
         self._probe: RoleGradientProbe | None = None
@@ -105,8 +105,9 @@ class UntieCallback(TrainerCallback, ExportableState):
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, training_engine(args))
-        if self.config.pairs == "auto":
-            self.pairs = _pairs_from(processing_class, model)
+        if self.config.pairs == "auto" or (self.config.pairs is None and _is_tokenizer(processing_class)):
+            self.pairs = _pairs_from(processing_class, model, asked=self.config.pairs == "auto")
+        self._match_rule_to_pairs()
         handler = _calling(self)
         others = [cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, UntieCallback) and cb is not self]
         if others:
@@ -124,6 +125,22 @@ class UntieCallback(TrainerCallback, ExportableState):
                 trainer.model_init = _preparing(trainer.model_init, self._prepare)
             # train() loads a resumed checkpoint before any callback event: check it and match the model to it first.
             trainer.train = _checking_resume(trainer, self._before_resume)
+
+    def _match_rule_to_pairs(self) -> None:
+        """With pairs=None, "divergence" is the evidence rule only if the tokenizer gave pairs: else the pair-free
+        rule. A per-pair rule the user chose, with no pairs to read, is refused."""
+        rule = self.config.untie_when
+        if rule is None or self.pairs or pair_signal(rule.signal) is None:
+            return
+        if self.config.rule_follows_pairs:
+            self.config.untie_when = default_rule(with_pairs=False)
+            self.divergence = DivergenceTrigger(self.config.untie_when)
+            return
+        raise ValueError(
+            f"untie_when.signal={rule.signal!r} reads pairs, and there are none: Trainer has no tokenizer to read them "
+            "from (processing_class) or its vocabulary has no case or word-start variants. Pass pairs=[(id_a, id_b), "
+            "...], or a pair-free rule (untie_when='cancellation')."
+        )
 
     def _prepare(self, model) -> None:
         """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
@@ -448,8 +465,15 @@ def _both_weights(model) -> tuple:
     return model.get_input_embeddings().weight, model.get_output_embeddings().weight
 
 
-def _pairs_from(processing_class, model) -> list[tuple[int, int]]:
-    """pairs="auto": the tokenizer's most frequent case and word-start variants that the model has rows for."""
+def _is_tokenizer(processing_class) -> bool:
+    """Whether Trainer's processing_class is (or holds, as processors do) a tokenizer with a vocabulary to read."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    return callable(getattr(tokenizer, "get_vocab", None))
+
+
+def _pairs_from(processing_class, model, asked: bool = True) -> list[tuple[int, int]]:
+    """pairs="auto" (`asked`) or None: the tokenizer's most frequent case and word-start variants that the model has
+    rows for."""
     if processing_class is None:
         raise ValueError(
             "UntieCallback(pairs='auto') reads the pairs from the tokenizer: pass it to Trainer(processing_class="
@@ -460,12 +484,14 @@ def _pairs_from(processing_class, model) -> list[tuple[int, int]]:
     if pairs:
         shown = ", ".join("/".join(p.tokens) for p in pairs[:6])
         logger.info("untie: pairs='auto' measures %d pairs from the tokenizer (%s, ...)", len(pairs), shown)
-    else:
+    elif asked:
         warnings.warn(
             "UntieCallback(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants, so no pair "
-            "is measured and a per-pair rule (gap) waits for the deadline. Pass pairs=[(id_a, id_b), ...].",
+            "is measured. Pass pairs=[(id_a, id_b), ...].",
             stacklevel=3,
         )
+    else:
+        logger.info("untie: the tokenizer's vocabulary has no case or word-start variants: no pairs are measured.")
     return [p.ids for p in pairs]
 
 

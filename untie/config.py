@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
 from untie.surgery import _STATE_INITS, _TIE_INITS
@@ -37,8 +37,9 @@ class UntieConfig:
     tie_init: when the model arrives untied, the Trainer's model is tied at construction from this matrix:
         "input", "output" or "mean".
     save_at_untie: ask Trainer for a checkpoint at the untie step.
-    untie_when: the divergence trigger's rule (`untie.UntieWhen`, its dict, or "divergence" for `default_rule`:
-        ``gap`` > 1 nat with `pairs`, the pair-free rule without); the model unties when it fires or at `untie_at`,
+    untie_when: the divergence trigger's rule (`untie.UntieWhen`, its dict, a name from `untie.RULES`, or
+        "divergence" for `default_rule`: the evidence rule with `pairs`, the pair-free rule without); the model
+        unties when it fires or at `untie_at`,
         whichever comes first. None: untie at `untie_at` only. Left out, it is "divergence" when `untie_at` is
         left out too (trigger + 30% deadline), and None when `untie_at` is given (a fixed schedule) or
         `metrics_every` is 0 (nothing to read).
@@ -48,10 +49,11 @@ class UntieConfig:
         untie (single device, DDP). "emulated": the head has its own parameter from the start and is kept equal to
         the embedding, with the tied gradient (`untie.emulation`); the untie only stops that. It costs one more
         (V, d) parameter while tied and is what FSDP2 needs. "auto" (default): "emulated" under FSDP2, else "live".
-    pairs: symbol pairs (token ids) whose distances, pushes, tension and conditional gap are measured too, e.g.
-        [[0, 1], [2, 3]]: pairs you know to be semantically equivalent (synonyms, spelling variants, twins).
-        "auto": the most frequent case and word-start variants of the tokenizer Trainer is given as
-        `processing_class` (``the``/``The``, ``Ġthe``/``the``, ``▁the``/``the``, ``the``/``##the``; `untie.pairs`).
+    pairs: symbol pairs (token ids) whose distances, pushes, tension, conditional gap and evidence are measured
+        too, e.g. [[0, 1], [2, 3]]: pairs you know to be semantically equivalent (synonyms, spelling variants,
+        twins). "auto": the most frequent case and word-start variants of the tokenizer Trainer is given as
+        `processing_class` (``the``/``The``, ``Ġthe``/``the``, ``▁the``/``the``, ``the``/``##the``; `untie.pairs`),
+        refused without one. None (default): "auto" when Trainer has a tokenizer, no pairs otherwise. [] : none.
     """
 
     untie_at: int | float | None = DEFAULT_UNTIE_AT
@@ -60,7 +62,7 @@ class UntieConfig:
     save_at_untie: bool = True
     untie_when: UntieWhen | None = _TRIGGER_UNLESS_SCHEDULED
     metrics_every: int = 50
-    pairs: list[tuple[int, int]] | Literal["auto"] = field(default_factory=list)
+    pairs: list[tuple[int, int]] | Literal["auto"] | None = None
     tying_mode: str = "auto"
 
     def __post_init__(self) -> None:
@@ -68,7 +70,7 @@ class UntieConfig:
             self.metrics_every = int(self.metrics_every)
         if isinstance(self.metrics_every, bool) or not isinstance(self.metrics_every, int) or self.metrics_every < 0:
             raise ValueError(f"metrics_every={self.metrics_every!r} must be an int >= 0 (0 turns the metrics off).")
-        if self.pairs != "auto":
+        if self.pairs is not None and self.pairs != "auto":
             try:
                 self.pairs = [(int(a), int(b)) for a, b in self.pairs]
             except (TypeError, ValueError):
@@ -80,8 +82,8 @@ class UntieConfig:
         per_pair = pair_signal(self.untie_when.signal) if self.untie_when is not None else None
         if per_pair is not None:
             wanted = per_pair[1]
-            listed = self.pairs != "auto"  # "auto" pairs are known only once the tokenizer is read
-            if not self.pairs or (wanted and listed and wanted not in {f"{a}-{b}" for a, b in self.pairs}):
+            listed = isinstance(self.pairs, list)  # "auto" pairs are known only once the tokenizer is read
+            if self.pairs == [] or (wanted and listed and wanted not in {f"{a}-{b}" for a, b in self.pairs}):
                 raise ValueError(
                     f"untie_when.signal={self.untie_when.signal!r} needs that pair in pairs=..., got {self.pairs}."
                 )
@@ -115,7 +117,10 @@ class UntieConfig:
         self.trigger_by_default = left_out and not scheduled
         if left_out:
             self.untie_when = None if scheduled else "divergence"
-        self.untie_when = UntieWhen.coerce(self.untie_when, with_pairs=bool(self.pairs))
+        #: "divergence" depends on whether pairs are measured, known for pairs=None only once Trainer is built.
+        self.rule_follows_pairs = self.untie_when == "divergence" and self.pairs is None
+        # pairs=None may find no tokenizer: the callback then falls back to the pair-free rule (`UntieCallback`).
+        self.untie_when = UntieWhen.coerce(self.untie_when, with_pairs=self.pairs != [])
         if self.untie_when is not None and self.metrics_every == 0:
             raise ValueError("untie_when needs measurements: set metrics_every > 0 (e.g. 50) or untie_when=None.")
         if isinstance(self.untie_at, DefaultDeadline):

@@ -156,6 +156,67 @@ def pair_gap_sums(
     return (weight * (log_a - log_b).abs().double()).sum(dim=0), weight.sum(dim=0)
 
 
+def targets_from_gradient(logits_grad: torch.Tensor) -> torch.Tensor:
+    """The target token of each position from the gradient of a cross-entropy loss with respect to its logits.
+
+    For cross-entropy, dL/dlogit_j = s (p_j - [j = target]) with s > 0 the position's loss weight, so the target is
+    the only entry below zero and the row's smallest. Read off the gradient, the targets need no access to the batch
+    or to the loss code (a custom loss, a shifted causal-LM loss, DDP). With label smoothing the smallest entry is
+    still the target while the model gives it less than 1 - smoothing.
+    """
+    return logits_grad.argmin(dim=-1)
+
+
+def pair_evidence_sums(logits: torch.Tensor, targets: torch.Tensor, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Evidence against each pair's conditional equivalence, from positions whose target is one of its two symbols.
+
+    Conditional equivalence of (a, b) (the paper's definition: p(a | r) = p(b | r) in every context r) says that
+    where the target is a or b, it is a or b with even odds, whatever the context. The model's prediction gives odds
+    q_r = p(a | r) / (p(a | r) + p(b | r)) instead. The log likelihood ratio of the observed targets under the model's
+    odds against even odds, sum of log(q_r(target) / (1/2)), is the evidence, in nats, that the data distinguish a
+    from b the way the model does. Made before the targets are trained on, each position's factor has expectation 1
+    under conditional equivalence, so the running product is a test martingale: it exceeds 1/alpha with
+    probability at most alpha, ever (Ville's inequality). An untrained model's odds carry no information, and its
+    evidence drifts down. Returns the (P,) float64 evidence sums and the (P,) counts of such positions.
+    """
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    index = torch.as_tensor(pairs, device=flat.device).reshape(-1, 2)
+    is_a = targets.unsqueeze(1) == index[:, 0]
+    is_b = targets.unsqueeze(1) == index[:, 1]
+    log_odds = flat[:, index[:, 0]].float() - flat[:, index[:, 1]].float()  # log p(a|r) - log p(b|r)
+    signed = torch.where(is_a, log_odds, -log_odds)
+    evidence = math.log(2.0) + torch.nn.functional.logsigmoid(signed)
+    counted = is_a | is_b
+    return torch.where(counted, evidence, 0).double().sum(dim=0), counted.double().sum(dim=0)
+
+
+def cross_entropy_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(3,) float64: the sum of the positions' cross-entropies, the sum of their squares and the positions' count."""
+    flat = logits.detach().reshape(-1, logits.shape[-1]).float()
+    losses = flat.logsumexp(dim=-1) - flat.gather(1, targets.reshape(-1, 1)).squeeze(1)
+    losses = losses.double()
+    return torch.stack([losses.sum(), losses.square().sum(), torch.tensor(float(len(losses)), dtype=torch.float64)])
+
+
+def learned_z(loss_sums: torch.Tensor, vocab: int) -> float:
+    """How many standard errors the mean cross-entropy lies below log(vocab) (from `cross_entropy_sums`).
+
+    Any prediction that carries no information about the targets has an expected cross-entropy of at least
+    log(vocab) (uniform odds reach it; random logits exceed it), so a large positive value is evidence that the model
+    has learned something; an untrained model sits near zero or below. NaN with fewer than two positions.
+    """
+    total, squares, count = (float(x) for x in loss_sums)
+    if count < 2:
+        return math.nan
+    mean = total / count
+    variance = max(squares / count - mean * mean, 0.0) * count / (count - 1)
+    standard_error = math.sqrt(variance / count)
+    if standard_error == 0:
+        return math.inf if mean < math.log(vocab) else -math.inf
+    return (math.log(vocab) - mean) / standard_error
+
+
 def _push_matrix(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """`pair_pushes` for every pair of rows at once, as an (n, n) matrix, in O(n^2 d) without (n, n, d) temporaries."""
     wg = weight @ grad.T

@@ -11,8 +11,11 @@ Modules of other types (a scaled embedding, a custom head) are differentiated ge
 forward on a detached copy of W under autograd. No extra backward pass over the model is needed; the cost is one
 (V, d) float32 buffer per role on the steps where the probe is armed.
 
-Given symbol ``pairs``, the probe also sums their conditional gaps (`untie.metrics.conditional_gaps`) over the
-positions that carry a loss (those whose logits receive a gradient), from the logits the head produces.
+Given symbol ``pairs``, the probe also sums, over the positions that carry a loss (those whose logits receive a
+gradient), their conditional gaps (`untie.metrics.conditional_gaps`), the evidence the targets give against their
+conditional equivalence (`untie.metrics.pair_evidence_sums`), and the cross-entropy that tells a model that has
+learned from an untrained one (`untie.metrics.learned_z`). The targets are read off the logits' gradient
+(`untie.metrics.targets_from_gradient`), so neither the batch nor the loss code is needed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
 from untie.distributed import is_sharded, world_size
-from untie.metrics import Pairs, pair_gap_sums, pair_key
+from untie.metrics import (
+    Pairs,
+    cross_entropy_sums,
+    learned_z,
+    pair_evidence_sums,
+    pair_gap_sums,
+    pair_key,
+    targets_from_gradient,
+)
 from untie.surgery import _embedding_modules
 
 
@@ -74,7 +85,10 @@ class RoleGradientProbe:
                 f"pairs={self.pairs} holds token ids outside the model's vocabulary of {vocab}: pass ids in "
                 f"[0, {vocab})."
             )
-        self._gap_sums: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: The measured step's sums, one float64 vector (a single all-reduce): gap numerators and denominators,
+        #: evidence and its position counts (P each), then the cross-entropy's sum, sum of squares and count.
+        self._sums: torch.Tensor | None = None
+        self._vocab = vocab
         #: Which pair symbols have occurred as input in any measured step so far.
         self._seen = torch.zeros(len(self.pairs), 2, dtype=torch.bool)
         self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
@@ -94,7 +108,7 @@ class RoleGradientProbe:
             def on_grad(grad: torch.Tensor) -> None:
                 self._accumulate("output_grad", self._output_role(module, args, kwargs, grad))
                 if logits is not None:
-                    self._accumulate_gaps(logits, grad)
+                    self._accumulate_pair_sums(logits, grad)
 
             output.register_hook(on_grad)
 
@@ -132,15 +146,20 @@ class RoleGradientProbe:
             self.armed = armed
         return role.float()
 
-    def _accumulate_gaps(self, logits: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add this micro-batch's conditional-gap sums, over the positions whose logits carry a loss."""
-        carries_loss = grad.reshape(-1, grad.shape[-1]).ne(0).any(dim=1)
-        sums = pair_gap_sums(logits, self.pairs, carries_loss)
-        if self._gap_sums is None:
-            self._gap_sums = sums
-        else:
-            for mine, new in zip(self._gap_sums, sums, strict=True):
-                mine.add_(new)
+    def _accumulate_pair_sums(self, logits: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add this micro-batch's gap, evidence and cross-entropy sums, over the positions whose logits carry a loss."""
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        carries_loss = flat_grad.ne(0).any(dim=1)
+        flat_logits = logits.reshape(-1, logits.shape[-1])[carries_loss]
+        targets = targets_from_gradient(flat_grad[carries_loss])
+        sums = torch.cat(
+            [
+                *pair_gap_sums(flat_logits, self.pairs),
+                *pair_evidence_sums(flat_logits, targets, self.pairs),
+                cross_entropy_sums(flat_logits, targets).to(flat_logits.device),
+            ]
+        )
+        self._sums = sums if self._sums is None else self._sums.add_(sums)
 
     def _accumulate(self, name: str, role: torch.Tensor) -> None:
         current = getattr(self, name)
@@ -166,32 +185,42 @@ class RoleGradientProbe:
                     dist.all_reduce(grad, op=dist.ReduceOp.SUM)
                     grad /= dist.get_world_size()
         if have.item() != 1.0:
-            self._gap_sums = None  # an incomplete step: its gaps are not read either
+            self._sums = None  # an incomplete step: its gaps are not read either
             return None
         return grads
 
     def conditional_gaps(self, input_grad: torch.Tensor) -> dict[str, float]:
-        """``gap/<a-b>`` of each pair over the step's loss positions (all ranks); resets the sums.
+        """The pair measurements of the step's loss positions (all ranks); resets the sums.
+
+        * ``gap/<a-b>``: the pair's conditional gap (`untie.metrics.conditional_gaps`), in nats;
+        * ``evidence/<a-b>``: the step's evidence against the pair's conditional equivalence
+          (`untie.metrics.pair_evidence_sums`), in nats (0 when neither symbol was a target);
+        * ``learned_z``: how far the step's cross-entropy lies below that of an uninformed prediction, in standard
+          errors (`untie.metrics.learned_z`).
 
         ``input_grad`` is the step's input-role gradient from `collect`: its nonzero rows are the tokens some rank
-        looked up. A pair with a symbol that has not occurred as input in any measured step yet is NaN (the gap of a
-        symbol the model never reads says nothing about tying); rare symbols need not occur in every step. Every
-        rank must call it on the same steps (it all-reduces).
+        looked up. A pair with a symbol that has not occurred as input in any measured step yet is NaN (a symbol the
+        model never reads says nothing about tying); rare symbols need not occur in every step. Every rank must call
+        it on the same steps (it all-reduces).
         """
-        if self._gap_sums is None:  # nothing measured since the last read (or no pairs)
-            return {f"gap/{pair_key(p)}": math.nan for p in self.pairs}
+        if self._sums is None:  # nothing measured since the last read (or no pairs)
+            nan = {f"{name}/{pair_key(p)}": math.nan for name in ("gap", "evidence") for p in self.pairs}
+            return {**nan, "learned_z": math.nan} if self.pairs else nan
         index = torch.as_tensor(self.pairs, device=input_grad.device)
         # Set by the backward hook that also yields the output role: every rank that collect() vouched for has them.
-        total, weight = self._gap_sums
-        self._gap_sums = None
+        sums, self._sums = self._sums, None
         if world_size() > 1:
-            for tensor in (total, weight):
-                dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        total, weight, evidence, _counts, loss_sums = sums.split([len(self.pairs)] * 4 + [3])
         looked_up = torch.linalg.vector_norm(input_grad[index.reshape(-1)], dim=1).reshape(-1, 2).gt(0)
         self._seen |= looked_up.cpu()
         seen = self._seen.all(dim=1).to(weight.device)
         gaps = torch.where(seen & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
-        return {f"gap/{pair_key(p)}": float(g) for p, g in zip(self.pairs, gaps, strict=True)}
+        evidence = torch.where(seen, evidence, torch.nan)
+        measured = {f"gap/{pair_key(p)}": float(g) for p, g in zip(self.pairs, gaps, strict=True)}
+        measured.update({f"evidence/{pair_key(p)}": float(e) for p, e in zip(self.pairs, evidence, strict=True)})
+        measured["learned_z"] = learned_z(loss_sums.cpu(), self._vocab)
+        return measured
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -199,7 +228,7 @@ class RoleGradientProbe:
         self._handles = []
         self.armed = False
         self.input_grad = self.output_grad = None
-        self._gap_sums = None
+        self._sums = None
 
 
 def _module_type(module: nn.Module) -> type:

@@ -1,13 +1,15 @@
 """Trigger policies: decide at which optimizer step the embeddings are untied.
 
 `ScheduledTrigger` fires at a fixed step. `DivergenceTrigger` fires when a smoothed role signal (see
-`untie.metrics.role_signals`) has stayed past a threshold for a number of consecutive measurements.
+`untie.metrics.role_signals`) has stayed past a threshold for a number of consecutive measurements; under the
+evidence rule (`RULES["evidence"]`, the default with pairs), only once the model has learned and the data have given
+significant evidence that a pair's two symbols are predicted apart.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 
@@ -72,6 +74,13 @@ class UntieWhen:
     smoothing: weight of the past in the exponential moving average of the signal, in [0, 1); 0 = raw values.
     warmup: measurements before this step (int) or fraction of `max_steps` (float) only feed the average.
     patience: consecutive measurements past the threshold needed to fire.
+    significance: with a ``gap`` signal, turns on the evidence rule at this false-alarm level alpha (e.g. 0.01); None
+        (default) reads the gap alone. Under the evidence rule a measurement counts only once the model has
+        learned (its cross-entropy lies `LEARNED_Z` standard errors below log(vocab), the best an uninformed
+        prediction can do: `untie.metrics.learned_z`), and a pair counts only when its gap is past the threshold
+        and the evidence against its conditional equivalence summed since then (`untie.metrics.pair_evidence_sums`)
+        exceeds log(pairs / alpha): at most alpha is the chance that a pair whose two symbols are conditionally
+        equivalent ever passes (Ville's inequality, with a Bonferroni share per pair).
     """
 
     signal: str = "cancellation"
@@ -79,6 +88,7 @@ class UntieWhen:
     smoothing: float = 0.9
     warmup: int | float = 0.05
     patience: int = 5
+    significance: float | None = None
 
     def __post_init__(self) -> None:
         if self.signal not in SIGNAL_DIRECTIONS and pair_signal(self.signal) is None:
@@ -94,6 +104,14 @@ class UntieWhen:
             raise ValueError(f"untie_when.warmup={self.warmup}: pass a step >= 0 or a fraction in [0, 1).")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"untie_when.patience={self.patience} must be an int >= 1.")
+        if self.significance is not None:
+            if not 0.0 < self.significance < 1.0:
+                raise ValueError(f"untie_when.significance={self.significance} must be in (0, 1), e.g. 0.01, or None.")
+            if pair_signal(self.signal) is None or pair_signal(self.signal)[0] != "gap":
+                raise ValueError(
+                    "untie_when.significance weighs the evidence against a pair's conditional equivalence, so it "
+                    f"needs signal='gap' (or 'gap/<a>-<b>'), got {self.signal!r}; or pass significance=None."
+                )
 
     @property
     def direction(self) -> str:
@@ -101,12 +119,14 @@ class UntieWhen:
 
     @classmethod
     def coerce(cls, value: UntieWhen | dict | str | None, with_pairs: bool = False) -> UntieWhen | None:
-        """Accept an `UntieWhen`, its dict form, ``"divergence"`` (`default_rule`, which depends on whether pairs are
-        measured) or None (no trigger)."""
+        """Accept an `UntieWhen`, its dict form, the name of a rule in `RULES`, ``"divergence"`` (`default_rule`,
+        which depends on whether pairs are measured) or None (no trigger)."""
         if value is None or isinstance(value, cls):
             return value
         if value == "divergence":
             return default_rule(with_pairs)
+        if isinstance(value, str) and value in RULES:
+            return replace(RULES[value])
         if isinstance(value, dict):
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(value) - known)
@@ -114,26 +134,44 @@ class UntieWhen:
                 raise ValueError(f"Unknown untie_when keys {unknown}; known keys: {sorted(known)}.")
             return cls(**value)
         raise ValueError(
-            f"untie_when={value!r}: pass 'divergence' (the default rule), an untie.UntieWhen(...), its dict form, "
-            "or None for no trigger."
+            f"untie_when={value!r}: pass 'divergence' (the default rule), a rule name from {sorted(RULES)}, an "
+            "untie.UntieWhen(...), its dict form, or None for no trigger."
         )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
+#: Cross-entropy this many standard errors below log(vocab) marks a model that has learned (the evidence rule's
+#: warm-up; `untie.metrics.learned_z`): a one-sided test at about 0.1%.
+LEARNED_Z = 3.0
+
+#: Named rules, for ``untie_when="<name>"``.
+RULES: dict[str, UntieWhen] = {
+    # The paper's criterion on evidence: a pair known to be semantically equivalent is predicted more than 1 nat
+    # apart (a probability ratio of e), the data back that difference at alpha = 1%, after the model has learned.
+    "evidence": UntieWhen(signal="gap", threshold=1.0, smoothing=0.0, warmup=0, patience=3, significance=0.01),
+    # The gap alone, smoothed, after a warm-up of 5% of the run (the default with pairs before the evidence rule).
+    "gap": UntieWhen(signal="gap", threshold=1.0, smoothing=0.9, warmup=0.05, patience=5),
+    # Pair-free: more than half of the two roles' updates cancel (the defaults of UntieWhen).
+    "cancellation": UntieWhen(),
+}
+
+
 def default_rule(with_pairs: bool) -> UntieWhen:
-    """The rule ``"divergence"`` (and the default `UntieConfig`) stands for: with pairs, the paper's own criterion,
-    untie once a declared pair is predicted more than 1 nat apart (``gap``); without, the pair-free rule (the
-    defaults of `UntieWhen`: more than half of the two roles' updates cancel)."""
-    return UntieWhen(signal="gap", threshold=1.0) if with_pairs else UntieWhen()
+    """The rule ``"divergence"`` (and the default `UntieConfig`) stands for: with pairs, the evidence rule
+    (`RULES["evidence"]`); without, the pair-free rule (`RULES["cancellation"]`: more than half of the two roles'
+    updates cancel)."""
+    return replace(RULES["evidence" if with_pairs else "cancellation"])
 
 
 class DivergenceTrigger:
     """Fires when an exponential moving average of a role signal stays past a threshold for `patience` measurements.
 
-    Deterministic: the same sequence of measurements gives the same decision. Non-finite values (NaN, inf) are
-    skipped and break the streak, so a diverging or broken measurement never unties.
+    Under the evidence rule (``rule.significance`` set) it waits for the model to learn and reads each pair's
+    accumulated evidence too (see `UntieWhen`). Deterministic: the same sequence of measurements gives the same
+    decision. Non-finite values (NaN, inf) are skipped and break the streak, so a diverging or broken measurement
+    never unties.
     """
 
     def __init__(self, rule: UntieWhen) -> None:
@@ -142,6 +180,12 @@ class DivergenceTrigger:
         self.average: float | None = None
         self.streak = 0
         self.fired_step: int | None = None
+        self.learned_step: int | None = None
+        """Evidence rule: the first measurement at which the model had learned (its warm-up ended)."""
+        self.evidence: dict[str, float] = {}
+        """Evidence rule: each pair's evidence against its conditional equivalence, summed since `learned_step`."""
+        self.fired_pairs: list[str] = []
+        """The pairs that were past the rule when it fired (largest gap first)."""
 
     def resolve(self, max_steps: int) -> None:
         warmup = self.rule.warmup
@@ -165,6 +209,8 @@ class DivergenceTrigger:
         """Feed the measurements taken at `step`; True once the trigger has fired (it stays fired)."""
         if self.fired_step is not None:
             return True
+        if self.rule.significance is not None:
+            return self._update_on_evidence(step, signals)
         value = self.value_of(signals)
         if not math.isfinite(value):
             self.streak = 0
@@ -179,10 +225,53 @@ class DivergenceTrigger:
             self.fired_step = step
         return self.fired_step is not None
 
+    def evidence_needed(self, pairs: int) -> float:
+        """Evidence rule: the nats a pair's summed evidence must reach, log(pairs / alpha)."""
+        return math.log(max(pairs, 1) / self.rule.significance)
+
+    def _update_on_evidence(self, step: int, signals: dict[str, float]) -> bool:
+        learned = signals.get("learned_z", math.nan)
+        if self.learned_step is None:
+            if not (learned >= LEARNED_Z and step >= self.warmup_step):
+                self.streak = 0
+                return False
+            self.learned_step = step
+        wanted = pair_signal(self.rule.signal)[1]
+        gaps = {
+            key.partition("/")[2]: value
+            for key, value in signals.items()
+            if key.startswith("gap/") and (not wanted or key == f"gap/{wanted}")
+        }
+        past = []
+        for pair, gap in gaps.items():
+            evidence = signals.get(f"evidence/{pair}", math.nan)
+            if not (math.isfinite(gap) and math.isfinite(evidence)):
+                continue
+            self.evidence[pair] = self.evidence.get(pair, 0.0) + evidence
+            if gap > self.rule.threshold and self.evidence[pair] >= self.evidence_needed(len(gaps)):
+                past.append((gap, pair))
+        finite = [gap for gap in gaps.values() if math.isfinite(gap)]
+        self.average = max(finite) if finite else None
+        self.streak = self.streak + 1 if past else 0
+        if self.streak >= self.rule.patience:
+            self.fired_step = step
+            self.fired_pairs = [pair for _, pair in sorted(past, reverse=True)]
+        return self.fired_step is not None
+
     def state_dict(self) -> dict[str, Any]:
-        return {"average": self.average, "streak": self.streak, "fired_step": self.fired_step}
+        return {
+            "average": self.average,
+            "streak": self.streak,
+            "fired_step": self.fired_step,
+            "learned_step": self.learned_step,
+            "evidence": dict(self.evidence),
+            "fired_pairs": list(self.fired_pairs),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.average = state.get("average")
         self.streak = state.get("streak", 0)
         self.fired_step = state.get("fired_step")
+        self.learned_step = state.get("learned_step")
+        self.evidence = dict(state.get("evidence", {}))
+        self.fired_pairs = list(state.get("fired_pairs", []))
