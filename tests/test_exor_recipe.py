@@ -346,3 +346,24 @@ def test_full_batch_epochs_do_not_pile_up_dataloader_references(tmp_path):
     assert without[-1] - without[0] > 30  # the upstream behaviour worked around (drop the workaround once this fails)
     with_workaround = run([recipe.ReleaseFinishedEpochs()])
     assert max(with_workaround) - with_workaround[0] <= 1
+
+
+def test_trigger_table_lists_each_seeds_firing_step_and_pairs(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "trigger_table", Path(__file__).parents[1] / "scripts" / "trigger_table.py"
+    )
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    runs = tmp_path / "grid" / "runs"
+    runs.mkdir(parents=True)
+    for variant, seed, step, pairs in [("main", 42, 150, ["0-1"]), ("ydh", 42, None, []), ("ydh", 43, None, [])]:
+        record = {"variant": variant, "seed": seed, "steps": 4000, "trigger_step": step, "trigger_pairs": pairs,
+                  "settings": {"preset": "quick", "max_steps": 4000}}  # fmt: skip
+        (runs / f"{variant}-transformer-auto-{seed}.json").write_text(json.dumps(record))
+    (runs / "main-transformer-tied-42.json").write_text("{}")  # other arms are not read
+    text = table.main([str(tmp_path / "grid"), "--json", str(tmp_path / "rows.json")])
+    assert "| quick | 4,000 | main | 150 (0-1) | - |" in text
+    assert "| quick | 4,000 | ydh | never | never |" in text
+    assert len(json.loads((tmp_path / "rows.json").read_text())) == 3
