@@ -245,20 +245,20 @@ def auto_rule(args: ExorArguments) -> untie.UntieWhen:
     """The auto arm's divergence rule: the named --trigger_rule, with the fields that --trigger_* flags set."""
     if args.trigger_rule not in untie.RULES:
         raise ValueError(f"--trigger_rule {args.trigger_rule!r}: choose one of {sorted(untie.RULES)}.")
+    rule = untie.RULES[args.trigger_rule]
     chosen = {
         "signal": args.trigger_signal,
         "threshold": args.trigger_threshold,
         "smoothing": args.trigger_smoothing,
         "warmup": None if args.trigger_warmup is None else _step_or_fraction(args.trigger_warmup),
         "patience": args.trigger_patience,
-        "significance": None if args.trigger_significance == 0 else args.trigger_significance,
     }
-    if args.trigger_significance is None:
-        signal = args.trigger_signal or untie.RULES[args.trigger_rule].signal
-        # the evidence test reads gaps: another signal chosen on the command line goes without it
-        chosen["significance"] = untie.RULES[args.trigger_rule].significance if signal.startswith("gap") else None
-    chosen = {k: v for k, v in chosen.items() if k == "significance" or v is not None}
-    return replace(untie.RULES[args.trigger_rule], **chosen)
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    if args.trigger_significance is not None:
+        chosen["significance"] = args.trigger_significance or None  # 0 turns the evidence test off
+    elif not chosen.get("signal", rule.signal).startswith("gap"):
+        chosen["significance"] = None  # the evidence test reads gaps: another signal goes without it
+    return replace(rule, **chosen)
 
 
 def _step_or_fraction(value: float) -> int | float:

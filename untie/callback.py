@@ -29,7 +29,7 @@ from untie.distributed import (
 )
 from untie.emulation import EmulatedTying
 from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics, summarize_pair_metrics
-from untie.pairs import tokenizer_pairs
+from untie.pairs import is_tokenizer, tokenizer_pairs
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
 from untie.triggers import DivergenceTrigger, ScheduledTrigger, default_rule, pair_signal
@@ -105,7 +105,7 @@ class UntieCallback(TrainerCallback, ExportableState):
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, processing_class=None, **kwargs):
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, training_engine(args))
-        if self.config.pairs == "auto" or (self.config.pairs is None and _is_tokenizer(processing_class)):
+        if self.config.pairs == "auto" or (self.config.pairs is None and is_tokenizer(processing_class)):
             self.pairs = _pairs_from(processing_class, model, asked=self.config.pairs == "auto")
         self._match_rule_to_pairs()
         handler = _calling(self)
@@ -463,12 +463,6 @@ class UntieCallback(TrainerCallback, ExportableState):
 
 def _both_weights(model) -> tuple:
     return model.get_input_embeddings().weight, model.get_output_embeddings().weight
-
-
-def _is_tokenizer(processing_class) -> bool:
-    """Whether Trainer's processing_class is (or holds, as processors do) a tokenizer with a vocabulary to read."""
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    return callable(getattr(tokenizer, "get_vocab", None))
 
 
 def _pairs_from(processing_class, model, asked: bool = True) -> list[tuple[int, int]]:

@@ -141,15 +141,25 @@ def conditional_gaps(logits: torch.Tensor, pairs: Pairs, positions: torch.Tensor
     return {pair_key(p): _ratio(t, w) for p, t, w in zip(pairs, total, weight, strict=True)}
 
 
+def log_normalizers(logits: torch.Tensor) -> torch.Tensor:
+    """(N, 1) float32 log-sum-exp of each row of the (..., V) logits: the one O(N V) pass the sums below share."""
+    return logits.detach().reshape(-1, logits.shape[-1]).float().logsumexp(dim=-1, keepdim=True)
+
+
 def pair_gap_sums(
-    logits: torch.Tensor, pairs: Pairs, positions: torch.Tensor | None = None
+    logits: torch.Tensor,
+    pairs: Pairs,
+    positions: torch.Tensor | None = None,
+    log_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Numerator and denominator of `conditional_gaps`, as (P,) float64 tensors, to sum over batches and ranks."""
+    """Numerator and denominator of `conditional_gaps`, as (P,) float64 tensors, to sum over batches and ranks.
+    ``log_norm``: the rows' `log_normalizers`, when the caller has them already (after ``positions``)."""
     flat = logits.detach().reshape(-1, logits.shape[-1])
     if positions is not None:
         flat = flat[positions.reshape(-1)]
     index = torch.as_tensor(pairs, device=flat.device).reshape(-1, 2)
-    log_norm = flat.float().logsumexp(dim=-1, keepdim=True)
+    if log_norm is None:
+        log_norm = log_normalizers(flat)
     log_a = flat[:, index[:, 0]].float() - log_norm
     log_b = flat[:, index[:, 1]].float() - log_norm
     weight = (log_a.exp() + log_b.exp()).double()
@@ -191,12 +201,17 @@ def pair_evidence_sums(logits: torch.Tensor, targets: torch.Tensor, pairs: Pairs
     return torch.where(counted, evidence, 0).double().sum(dim=0), counted.double().sum(dim=0)
 
 
-def cross_entropy_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(3,) float64: the sum of the positions' cross-entropies, the sum of their squares and the positions' count."""
-    flat = logits.detach().reshape(-1, logits.shape[-1]).float()
-    losses = flat.logsumexp(dim=-1) - flat.gather(1, targets.reshape(-1, 1)).squeeze(1)
-    losses = losses.double()
-    return torch.stack([losses.sum(), losses.square().sum(), torch.tensor(float(len(losses)), dtype=torch.float64)])
+def cross_entropy_sums(
+    logits: torch.Tensor, targets: torch.Tensor, log_norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(3,) float64: the sum of the positions' cross-entropies, the sum of their squares and the positions' count.
+    ``log_norm``: the rows' `log_normalizers`, when the caller has them already."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    if log_norm is None:
+        log_norm = log_normalizers(flat)
+    losses = (log_norm.squeeze(1) - flat.gather(1, targets.reshape(-1, 1)).squeeze(1).float()).double()
+    count = torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)
+    return torch.stack([losses.sum(), losses.square().sum(), count])
 
 
 def learned_z(loss_sums: torch.Tensor, vocab: int) -> float:

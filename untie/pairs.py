@@ -82,13 +82,19 @@ def vocabulary_pairs(
     return ranked[:limit]
 
 
+def is_tokenizer(processing_class) -> bool:
+    """Whether `processing_class` is (or holds, as processors do, as `.tokenizer`) a tokenizer with a vocabulary."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    return callable(getattr(tokenizer, "get_vocab", None))
+
+
 def tokenizer_pairs(tokenizer, *, limit: int = DEFAULT_LIMIT, max_id: int | None = None) -> list[TokenPair]:
     """`vocabulary_pairs` of a Hugging Face tokenizer (or a processor holding one as `.tokenizer`)."""
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
-    if not hasattr(tokenizer, "get_vocab"):
+    if not is_tokenizer(tokenizer):
         raise TypeError(
             f"pairs='auto' reads the pairs from a tokenizer, got {type(tokenizer).__name__}. Pass "
             "Trainer(processing_class=tokenizer), or list the pairs yourself: pairs=[(id_a, id_b), ...]."
         )
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     exclude = set(getattr(tokenizer, "all_special_ids", ()) or ())
     return vocabulary_pairs(tokenizer.get_vocab(), limit=limit, exclude=exclude, max_id=max_id)

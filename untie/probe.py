@@ -33,6 +33,7 @@ from untie.metrics import (
     Pairs,
     cross_entropy_sums,
     learned_z,
+    log_normalizers,
     pair_evidence_sums,
     pair_gap_sums,
     pair_key,
@@ -86,7 +87,7 @@ class RoleGradientProbe:
                 f"[0, {vocab})."
             )
         #: The measured step's sums, one float64 vector (a single all-reduce): gap numerators and denominators,
-        #: evidence and its position counts (P each), then the cross-entropy's sum, sum of squares and count.
+        #: evidence (P each), then the cross-entropy's sum, sum of squares and count.
         self._sums: torch.Tensor | None = None
         self._vocab = vocab
         #: Which pair symbols have occurred as input in any measured step so far.
@@ -152,11 +153,12 @@ class RoleGradientProbe:
         carries_loss = flat_grad.ne(0).any(dim=1)
         flat_logits = logits.reshape(-1, logits.shape[-1])[carries_loss]
         targets = targets_from_gradient(flat_grad[carries_loss])
+        log_norm = log_normalizers(flat_logits)
         sums = torch.cat(
             [
-                *pair_gap_sums(flat_logits, self.pairs),
-                *pair_evidence_sums(flat_logits, targets, self.pairs),
-                cross_entropy_sums(flat_logits, targets).to(flat_logits.device),
+                *pair_gap_sums(flat_logits, self.pairs, log_norm=log_norm),
+                pair_evidence_sums(flat_logits, targets, self.pairs)[0],
+                cross_entropy_sums(flat_logits, targets, log_norm=log_norm),
             ]
         )
         self._sums = sums if self._sums is None else self._sums.add_(sums)
@@ -211,7 +213,7 @@ class RoleGradientProbe:
         sums, self._sums = self._sums, None
         if world_size() > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        total, weight, evidence, _counts, loss_sums = sums.split([len(self.pairs)] * 4 + [3])
+        total, weight, evidence, loss_sums = sums.split([len(self.pairs)] * 3 + [3])
         looked_up = torch.linalg.vector_norm(input_grad[index.reshape(-1)], dim=1).reshape(-1, 2).gt(0)
         self._seen |= looked_up.cpu()
         seen = self._seen.all(dim=1).to(weight.device)
