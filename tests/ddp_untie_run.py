@@ -12,14 +12,14 @@ import worker_exit
 from conftest import training_args  # the script's folder (tests/) is on sys.path
 
 import untie
-import untie.callback
+import untie.run
 from untie.testing import ToyLMDataset, tiny_model
 
 
 def main(out_dir: str, arch: str, mode: str) -> None:
     tf.logging.set_verbosity_error()
     if mode == "nosync":  # negative control: show that without the hook the ranks drift apart
-        untie.callback.sync_grads_across_ranks = lambda param: None
+        untie.run.sync_grads_across_ranks = lambda param: None
     model = tiny_model(arch)
     args = training_args(
         out_dir, max_steps=10, per_device_train_batch_size=4, gradient_accumulation_steps=2, ddp_backend="gloo"

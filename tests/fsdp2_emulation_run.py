@@ -2,7 +2,8 @@
 
 Mode "tied" shares one parameter between the embedding and the head (accelerate's layout: both in one FSDP group);
 mode "emulated" gives the head its own parameter and keeps it tied with `EmulatedTying` until RELEASE_STEP (accelerate's
-untied layout: the embedding in its own group, the head with the final norm). Each rank saves its losses, pre-clip
+untied layout: the embedding in its own group, the head with the final norm); mode "untier" does the same through the
+public custom-loop API, `untie.Untier(..., tying_mode="emulated")`. Each rank saves its losses, pre-clip
 gradient norms, full matrices at the release step and at the end, and its local shards.
 """
 
@@ -32,14 +33,16 @@ def main(out_dir: str, mode: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = tiny_model("gpt2")
-    emulation = None
+    emulation = untier = None
     if mode == "emulated":
         untie.untie_embeddings(model)
         emulation = EmulatedTying(model)  # before sharding: the hooks live on the modules, which fully_shard keeps
+    elif mode == "untier":  # the public custom-loop API: the Untier sets emulated tying up before sharding
+        untier = untie.Untier(model, max_steps=STEPS, untie_at=RELEASE_STEP, tying_mode="emulated", metrics_every=0)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     for block in model.transformer.h:
         fully_shard(block)
-    if mode == "emulated":
+    if mode in ("emulated", "untier"):
         fully_shard(embedding)
         fully_shard([model.transformer.ln_f, head], reshard_after_forward=False)
     else:
@@ -48,6 +51,8 @@ def main(out_dir: str, mode: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
     if emulation is not None:
         emulation.attach_optimizer(optimizer)
+    if untier is not None:
+        untier.start(optimizer)
     data = ToyLMDataset(n=128).ids
     losses, norms, at_release = [], [], {}
     for step in range(1, STEPS + 1):
@@ -61,8 +66,11 @@ def main(out_dir: str, mode: str) -> None:
         norms.append(full(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)).item())  # clipping bites
         optimizer.step()
         optimizer.zero_grad()
+        if untier is not None:
+            untier.step()
         losses.append(total)
         if step == RELEASE_STEP:
+            assert untier is None or (untier.untie_step, untier.untie_reason) == (RELEASE_STEP, "deadline")
             if emulation is not None:
                 emulation.release(optimizer)
             at_release = {"embedding": full(embedding.weight), "head": full(head.weight)}

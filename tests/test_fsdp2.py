@@ -31,7 +31,7 @@ def _torchrun(tmp_path, mode: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
-    return {mode: _torchrun(out, mode) for mode in ("tied", "emulated")}
+    return {mode: _torchrun(out, mode) for mode in ("tied", "emulated", "untier")}
 
 
 def test_emulated_tying_under_fsdp2_equals_real_tying_until_the_release(runs):
@@ -53,6 +53,19 @@ def test_after_the_release_the_head_trains_on_its_own_and_ranks_agree(runs):
     assert not torch.equal(rank0["head"], rank0["at_release"]["head"])  # and the head kept training
     assert rank0["norms"] == rank1["norms"]  # each rank's loss is its own batch's; the gradient norm is global
     assert torch.equal(rank0["head"], rank1["head"]) and torch.equal(rank0["embedding"], rank1["embedding"])
+
+
+def test_untier_custom_fsdp2_loop_equals_live_tying_until_the_untie_and_the_emulation_after(runs):
+    """`untie.Untier(tying_mode="emulated")` before fully_shard: the public API trains like real tying while tied."""
+    tied, emulated = runs["tied"][0], runs["emulated"][0]
+    untier, untier_rank1 = runs["untier"]
+    assert untier["sharded"]
+    before = slice(0, RELEASE_STEP)
+    torch.testing.assert_close(untier["losses"][before], tied["losses"][before], rtol=0, atol=1e-6)
+    torch.testing.assert_close(untier["norms"][before], tied["norms"][before], rtol=1e-6, atol=0)
+    assert untier["losses"] == emulated["losses"] and untier["norms"] == emulated["norms"]  # and the same untie
+    assert torch.equal(untier["head"], emulated["head"]) and torch.equal(untier["embedding"], emulated["embedding"])
+    assert torch.equal(untier["head"], untier_rank1["head"])
 
 
 # -- Trainer + accelerate FSDP2 (fsdp_config={"version": 2}) with UntieCallback -------------------------------------

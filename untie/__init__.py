@@ -13,6 +13,7 @@ from untie.surgery import (
     was_untied,
 )
 from untie.triggers import RULES, UntieWhen
+from untie.untier import Untier
 
 __all__ = [
     "RULES",
@@ -20,6 +21,7 @@ __all__ = [
     "UntieCallback",
     "UntieConfig",
     "UntieWhen",
+    "Untier",
     "checkpoint_is_untied",
     "embedding_layout",
     "install_resume_guard",

@@ -137,7 +137,8 @@ def install_resume_guard(model: nn.Module) -> None:
     Trainer loads a resumed checkpoint with `model.load_state_dict(sd, strict=False)` before any callback event;
     into a still-tied model an untied checkpoint would silently overwrite the embedding with the head (both keys
     land in one shared parameter) and then fail on the optimizer state. With the guard:
-    - an untied checkpoint (separate LM-head key) into a tied model unties the model first;
+    - an untied checkpoint (a separate LM-head tensor) into a tied model unties the model first; a state dict that
+      lists the shared matrix under both names (`model.state_dict()` of a tied model) loads tied;
     - a complete tied checkpoint (no LM-head key) into an untied model gives the head a copy of the shared matrix,
       instead of keeping the head's current values next to an old embedding (`load_best_model_at_end`).
     """
@@ -146,12 +147,22 @@ def install_resume_guard(model: nn.Module) -> None:
     setattr(model, _GUARD_ATTR, model.register_load_state_dict_pre_hook(_match_structure_to_state_dict))
 
 
+def _same_matrix(state_dict: dict, layout) -> bool:
+    """Whether a state dict's head is its embedding's tensor: `model.state_dict()` of a tied model (and `torch.save`
+    / `copy.deepcopy` of it) lists the one shared tensor under both names, where safetensors keeps one name. Equal
+    values do not count: a checkpoint saved at the untie step holds an untied head equal to the embedding."""
+    head, embedding = state_dict[layout.output_weight], state_dict.get(layout.input_weight)
+    if embedding is None or not torch.is_tensor(head) or not torch.is_tensor(embedding):
+        return False
+    return head is embedding or (head.device.type != "meta" and head.data_ptr() == embedding.data_ptr())
+
+
 def _match_structure_to_state_dict(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     if prefix:  # only when the guarded model itself is the one being loaded
         return
     layout = embedding_layout(module)
     if is_tied(module):
-        if layout.output_weight in state_dict:
+        if layout.output_weight in state_dict and not _same_matrix(state_dict, layout):
             logger.warning("untie: the checkpoint being loaded has an untied LM head; untying the model first.")
             untie_embeddings(module)
         return

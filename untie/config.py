@@ -129,6 +129,10 @@ class UntieConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_json_dict(self) -> dict[str, Any]:
+        """`to_dict` as a JSON round trip gives it (tuples become lists): what a checkpoint holds."""
+        return json.loads(json.dumps(self.to_dict()))
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 

@@ -21,7 +21,7 @@ class ScheduledTrigger:
     step: int | None = None
     """The resolved step; set by `resolve` when the run length is known."""
 
-    def resolve(self, max_steps: int) -> int | None:
+    def resolve(self, max_steps: int | None) -> int | None:
         """Turn `untie_at` into a global step for a run of `max_steps` optimizer steps; raise if it lies beyond."""
         self.step = resolve_step(self.untie_at, max_steps, "untie_at")
         return self.step
@@ -30,13 +30,16 @@ class ScheduledTrigger:
         return self.step is not None and global_step >= self.step
 
 
-def resolve_step(at: int | float | None, max_steps: int, name: str) -> int | None:
-    """An int step stays as is, a float in (0, 1) is a fraction of `max_steps`; an int beyond the run is refused."""
+def resolve_step(at: int | float | None, max_steps: int | None, name: str) -> int | None:
+    """An int step stays as is, a float in (0, 1) is a fraction of `max_steps`; an int beyond the run is refused.
+    `max_steps` None: a run of unknown length (a custom loop), where only int steps can be resolved."""
     if at is None:
         return None
     if isinstance(at, float):
+        if max_steps is None:
+            raise ValueError(f"{name}={at} is a fraction of the run, whose length is unknown: pass max_steps.")
         return max(1, round(at * max_steps))
-    if max_steps > 0 and at > max_steps:
+    if max_steps is not None and max_steps > 0 and at > max_steps:
         raise ValueError(
             f"{name}={at} is beyond the end of the run (max_steps={max_steps}). Pass a step <= max_steps, a fraction "
             "in (0, 1) such as 0.3, or None."
@@ -187,8 +190,13 @@ class DivergenceTrigger:
         self.fired_pairs: list[str] = []
         """The pairs that were past the rule when it fired (largest gap first)."""
 
-    def resolve(self, max_steps: int) -> None:
+    def resolve(self, max_steps: int | None) -> None:
         warmup = self.rule.warmup
+        if isinstance(warmup, float) and max_steps is None:
+            raise ValueError(
+                f"UntieWhen(warmup={warmup}) is a fraction of the run, whose length is unknown: pass max_steps, or "
+                "an int warmup (steps)."
+            )
         self.warmup_step = max(0, round(warmup * max_steps)) if isinstance(warmup, float) else warmup
 
     def chances(self, metrics_every: int, last_step: int) -> int:

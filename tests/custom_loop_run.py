@@ -1,0 +1,101 @@
+"""Worker for test_untier.py: an accelerate loop with `untie.Untier`, under `torchrun` (DDP on gloo) or one process.
+
+Trains a tiny GPT-2 for STEPS optimizer steps of MICRO_BATCHES micro-batches each (gradient accumulation through
+`accelerator.accumulate`, clipping on the synchronised gradients), unties at UNTIE_AT and saves `accelerator.save_state`
+folders at SAVE_AT. Then, in the same process, resumes from each saved folder into a fresh model and finishes the run.
+Each rank saves every run's final parameters and untie state to `<out>/<run>-rank<r>.pt`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import transformers as tf
+import worker_exit
+from accelerate import Accelerator
+
+import untie
+import untie.run
+from untie.testing import ToyLMDataset, tiny_model
+
+STEPS, MICRO_BATCHES, UNTIE_AT, SAVE_AT = 10, 2, 4, (3, 6)
+
+
+def batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    """The micro-batch of optimizer step `step` on `rank`: a function of the three, so a resumed run sees the same."""
+    start = (step * 8 + micro * 4 + rank * 64) % 124
+    return ToyLMDataset(n=128).ids[start : start + 4]
+
+
+def train(accelerator: Accelerator, out_dir: str, name: str, resume_from: str | None = None) -> None:
+    model = tiny_model("gpt2")
+    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
+    for module in model.modules():  # the same numbers on every resume: no dropout
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    untier = untie.Untier(
+        model, max_steps=STEPS, accelerator=accelerator, untie_at=UNTIE_AT, metrics_every=2, pairs=[(3, 4)]
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    untier.start(optimizer)
+    first = 1
+    if resume_from is not None:
+        accelerator.load_state(resume_from)
+        first = untier.global_step + 1
+    rank = accelerator.process_index
+    logged = []
+    for step in range(first, STEPS + 1):
+        for micro in range(MICRO_BATCHES):
+            with accelerator.accumulate(model):
+                ids = batch(step, micro, rank)
+                accelerator.backward(model(input_ids=ids, labels=ids).loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                optimizer.zero_grad()
+            logs = untier.step()
+            if logs:
+                logged.append((untier.global_step, logs))
+        if resume_from is None and step in SAVE_AT:
+            accelerator.save_state(os.path.join(out_dir, f"state-{step}"))
+    inner = accelerator.unwrap_model(model)
+    layout = untie.embedding_layout(inner)
+    torch.save(
+        {
+            "distributed_type": accelerator.distributed_type.name,
+            "untie_step": untier.untie_step,
+            "untie_reason": untier.untie_reason,
+            "global_step": untier.global_step,
+            "history": untier.history,
+            "logged": logged,
+            "tied": untie.is_tied(inner),
+            "input": inner.get_parameter(layout.input_weight).detach().clone(),
+            "output": inner.get_parameter(layout.output_weight).detach().clone(),
+            "params": {n: p.detach().clone() for n, p in inner.named_parameters()},
+        },
+        os.path.join(out_dir, f"{name}-rank{rank}.pt"),
+    )
+    untier.close()
+    accelerator.free_memory()
+
+
+def main(out_dir: str, mode: str) -> None:
+    tf.logging.set_verbosity_error()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO_BATCHES)
+    if mode == "nosync":  # negative control: without the head's gradient sync the ranks drift apart
+        untie.run.sync_grads_across_ranks = lambda param: None
+        train(accelerator, out_dir, "nosync")
+        return
+    train(accelerator, out_dir, "run")
+    for step in SAVE_AT:
+        accelerator.wait_for_everyone()
+        train(accelerator, out_dir, f"resume-{step}", resume_from=os.path.join(out_dir, f"state-{step}"))
+
+
+if __name__ == "__main__":
+    worker_exit.start()
+    main(sys.argv[1], sys.argv[2])
+    worker_exit.finish()

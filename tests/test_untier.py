@@ -1,0 +1,179 @@
+"""`untie.Untier`: the custom-loop API (plain PyTorch and accelerate), against Trainer and under DDP / resume."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import transformers as tf
+from conftest import training_args
+from launch import torchrun
+
+import untie
+from untie.testing import ToyLMDataset, tiny_model
+
+STEPS = 20
+
+
+def _trigger_settings() -> dict:
+    rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=3)
+    return dict(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 4)])
+
+
+def _full_batch_loop(model, untier, data: ToyLMDataset, steps: int, first: int = 1) -> None:
+    """One full batch per optimizer step, as Trainer takes it with per_device_train_batch_size=len(data)."""
+    model.train()
+    batch = {"input_ids": data.ids, "labels": data.ids.clone()}
+    for _ in range(first, steps + 1):
+        model(**batch).loss.backward()
+        untier.optimizer.step()
+        untier.optimizer.zero_grad()
+        untier.step()
+
+
+def test_trigger_fires_in_a_custom_loop_as_under_trainer_on_the_same_data(tmp_path):
+    """Trainer's events and the custom loop's optimizer hook drive the same run logic at the same steps."""
+    data = ToyLMDataset(n=8)
+    trained = tiny_model("llama")  # no dropout: the two loops compute the same numbers
+    callback = untie.UntieCallback(**_trigger_settings())
+    args = training_args(
+        tmp_path, max_steps=STEPS, per_device_train_batch_size=8, weight_decay=0.0, max_grad_norm=0.0,
+        lr_scheduler_type="constant",
+    )  # fmt: skip
+    tf.Trainer(model=trained, args=args, train_dataset=data, callbacks=[callback]).train()
+
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    untier = untie.Untier(model, optimizer, max_steps=STEPS, **_trigger_settings())
+    _full_batch_loop(model, untier, data, STEPS)
+
+    assert (untier.untie_step, untier.untie_reason) == (callback.untie_step, callback.untie_reason) == (6, "trigger")
+    assert untier.divergence.fired_step == callback.divergence.fired_step
+    assert [h["step"] for h in untier.history] == [h["step"] for h in callback.history] == list(range(2, 21, 2))
+    for ours, theirs in zip(untier.history, callback.history, strict=True):
+        assert ours.keys() == theirs.keys()
+        torch.testing.assert_close(
+            torch.tensor([ours[k] for k in ours]), torch.tensor([theirs[k] for k in ours]), rtol=1e-4, atol=1e-5,
+            equal_nan=True,
+        )  # fmt: skip
+    for ours, theirs in zip(model.parameters(), trained.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_plain_pytorch_resume_before_and_after_the_untie_equals_the_uninterrupted_run():
+    """`state_dict()` saved with the model and optimizer; `load_state_dict` first gives the model its structure."""
+    data = ToyLMDataset(n=8)
+
+    def new_run():
+        model = tiny_model("llama")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
+        return model, untie.Untier(model, optimizer, max_steps=12, untie_at=6, metrics_every=2, pairs=[(3, 4)])
+
+    model, untier = new_run()
+    saved = {}
+    model.train()
+    batch = {"input_ids": data.ids, "labels": data.ids.clone()}
+    for step in range(1, 13):
+        model(**batch).loss.backward()
+        untier.optimizer.step()
+        untier.optimizer.zero_grad()
+        untier.step()
+        if step in (4, 9):  # before and after the untie at 6; the state goes through JSON, as a file would take it
+            saved[step] = {
+                "model": copy.deepcopy(model.state_dict()),  # keeps a tied head and embedding one tensor
+                "optimizer": copy.deepcopy(untier.optimizer.state_dict()),
+                "untie": json.loads(json.dumps(untier.state_dict())),
+            }
+    assert (untier.untie_step, untier.untie_reason) == (6, "deadline")
+    for step, checkpoint in saved.items():
+        resumed_model, resumed = new_run()
+        resumed.load_state_dict(checkpoint["untie"])
+        resumed_model.load_state_dict(checkpoint["model"])
+        resumed.optimizer.load_state_dict(checkpoint["optimizer"])
+        assert untie.is_tied(resumed_model) == (step < 6) and resumed.global_step == step
+        _full_batch_loop(resumed_model, resumed, data, 12, first=step + 1)
+        assert (resumed.untie_step, resumed.untie_reason) == (6, "deadline")
+        assert [h["step"] for h in resumed.history] == [h["step"] for h in untier.history]
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(resumed_model.state_dict()[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def accelerate_runs(tmp_path_factory):
+    """2 ranks (DDP on gloo), gradient accumulation 2, untie at step 4; resumed from save_state at 3 and at 6."""
+    out = tmp_path_factory.mktemp("custom-loop")
+    torchrun("custom_loop_run.py", out, "full")
+    names = ("run", "resume-3", "resume-6")
+    return {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
+
+
+def test_accelerate_ddp_loop_unties_mid_run_and_ranks_stay_bit_identical(accelerate_runs):
+    rank0, rank1 = accelerate_runs["run"]
+    assert rank0["distributed_type"] == "MULTI_CPU"
+    assert rank0["untie_step"] == rank1["untie_step"] == 4 and rank0["global_step"] == 10  # accumulation: 10 steps
+    assert not rank0["tied"] and not torch.equal(rank0["output"], rank0["input"])  # the head trained on its own
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
+    steps = [step for step, logs in rank0["logged"]]
+    assert steps == [2, 4, 6, 8, 10] and rank0["logged"][1][1]["untie/untie_step"] == 4  # what step() returns to log
+
+
+@pytest.mark.parametrize("resumed", ["resume-3", "resume-6"])
+def test_accelerate_resume_from_save_state_before_or_after_the_untie_equals_the_uninterrupted_run(
+    accelerate_runs, resumed
+):
+    uninterrupted = accelerate_runs["run"][0]
+    for rank in accelerate_runs[resumed]:
+        assert (rank["untie_step"], rank["untie_reason"]) == (4, "deadline")
+        assert rank["history"] == uninterrupted["history"]
+        for name, value in uninterrupted["params"].items():
+            torch.testing.assert_close(rank["params"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+def test_without_the_head_gradient_sync_the_accelerate_loop_drifts_apart(tmp_path):
+    """Negative control for the test above: what `untie_embeddings(...)` alone does under DDP."""
+    torchrun("custom_loop_run.py", tmp_path, "nosync")
+    rank0, rank1 = (torch.load(tmp_path / f"nosync-rank{r}.pt") for r in (0, 1))
+    assert not torch.equal(rank0["output"], rank1["output"])
+
+
+def test_an_optimizer_built_before_the_structure_changes_is_refused_with_the_fix():
+    model = tiny_model("gpt2")
+    optimizer = torch.optim.AdamW(model.parameters())
+    # Emulated tying gives the head its own parameter, which this optimizer was built without.
+    with pytest.raises(RuntimeError, match=r"emulated tying.*Create the Untier before the optimizer"):
+        untie.Untier(model, optimizer, untie_at=4, tying_mode="emulated")
+
+
+def test_a_fractional_untie_at_needs_max_steps():
+    with pytest.raises(ValueError, match="max_steps"):
+        untie.Untier(tiny_model("gpt2"))
+
+
+def test_step_before_start_and_a_tied_checkpoint_into_an_untied_run_are_refused():
+    model = tiny_model("gpt2")
+    untier = untie.Untier(model, untie_at=0)
+    with pytest.raises(RuntimeError, match="start"):
+        untier.step()
+    untier.start(torch.optim.AdamW(model.parameters()))
+    tied_state = untie.Untier(tiny_model("gpt2"), untie_at=5).state_dict()
+    with pytest.raises(ValueError, match="untied the model before it started"):
+        untier.load_state_dict(tied_state)
+
+
+def test_accelerate_load_state_without_the_untie_state_names_the_fix(tmp_path):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_model("gpt2")
+    untier = untie.Untier(model, max_steps=10, accelerator=accelerator)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    untier.start(optimizer)
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(FileNotFoundError, match="untie_state.json"):
+        accelerator.load_state(str(tmp_path / "plain"))
+    untier.close()
+    accelerator.free_memory()

@@ -1,0 +1,426 @@
+"""`UntieRun`: the run logic of a tie-then-untie training run, shared by every adapter.
+
+One object holds what a run decides and remembers: the model's tied-phase structure (live or emulated tying), the
+deadline and the divergence trigger, the role-gradient probe that feeds the trigger, the untie itself (optimizer
+state, the gradient sync of a head created after DDP wrapped the model), the drift metrics after it, and the
+history. It knows nothing of who drives the loop. The adapters translate their loop's events into its calls:
+
+* `untie.UntieCallback`: Trainer's events (`on_train_begin`, `on_pre_optimizer_step`, `on_step_end`, ...);
+* `untie.Untier`: a custom PyTorch or accelerate loop (one `step()` per optimizer step).
+
+The calls, in a run's order: `read_pairs` / `use_tying_mode` / `prepare(model)` before the optimizer exists and the
+model is wrapped; `restore(saved, step)` on resume; `begin(model, optimizer, step, max_steps)`; then per optimizer
+step `arm(step)` before its first forward, `measure(step)` once its gradients are complete (before the optimizer
+step) and `end_of_step(model, optimizer, step)` after it; `close()` at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+from torch import nn
+
+from untie.adapters import check_peft_run, is_peft_model
+from untie.checkpoint import install_resume_guard
+from untie.config import UntieConfig
+from untie.distributed import (
+    broadcast_decision,
+    gather_rows,
+    is_sharded,
+    resolve_tying_mode,
+    sync_grads_across_ranks,
+)
+from untie.emulation import EmulatedTying
+from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics, summarize_pair_metrics
+from untie.pairs import tokenizer_pairs
+from untie.probe import RoleGradientProbe
+from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
+from untie.triggers import DivergenceTrigger, ScheduledTrigger, default_rule, pair_signal
+
+logger = logging.getLogger(__name__)
+
+#: Sample sizes of the drift metrics measured during training: about 0.1 s on CPU for GPT-2 small.
+_DRIFT_SAMPLE = {"queries": 256, "pool": 4096, "rows": 2048}
+#: The run state a checkpoint keeps (`state_attributes` / `restore`); the callback saves them under these names.
+SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history")
+
+
+class UntieRun:
+    """The state and decisions of one tie-then-untie run, driven by an adapter (see the module docstring).
+
+    Args:
+        config: the run's settings (`untie.UntieConfig`).
+        owner: the name used in warnings, so they name what the user wrote ("UntieCallback", "Untier").
+    """
+
+    def __init__(self, config: UntieConfig, owner: str = "UntieCallback") -> None:
+        self.config = config
+        self.owner = owner
+        self.deadline = ScheduledTrigger(config.untie_at)
+        """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
+        self.divergence: DivergenceTrigger | None = DivergenceTrigger(config.untie_when) if config.untie_when else None
+        self.untied = False
+        self.untie_step: int | None = None
+        self.untie_reason: str | None = None
+        """Why the model was untied: "trigger" (divergence), "deadline" (untie_at) or "checkpoint"/"start"."""
+        self.pairs: list[tuple[int, int]] = list(config.pairs) if isinstance(config.pairs, list) else []
+        """The measured pairs: `config.pairs`, or those read from the tokenizer (`read_pairs`)."""
+        self.history: list[dict[str, float]] = []
+        """Every measurement: {"step": ..., signal: value, ...}; the smoothed trigger signal as "trigger"."""
+        self.tying_mode: str | None = None
+        """The tied phase's implementation, "live" or "emulated" (`use_tying_mode`)."""
+        self.emulation: EmulatedTying | None = None
+        self.latest: dict[str, float] = {}
+        """The last measurement, summarised for logging (`untie/<key>`); cleared by `take_latest`."""
+        self.probe: RoleGradientProbe | None = None
+        self._grad_sync_handle = None
+        self._unmeasured_warned = False
+
+    # -- before the optimizer exists ----------------------------------------------------------------------------------
+    def read_pairs(self, tokenizer, model, asked: bool) -> None:
+        """Measure the tokenizer's most frequent case and word-start variants that the model has rows for.
+
+        `asked`: the user chose pairs="auto" (a missing tokenizer is an error, an empty result a warning); else
+        pairs=None found a tokenizer (an empty result is only logged).
+        """
+        if tokenizer is None:
+            raise ValueError(
+                f"{self.owner}(pairs='auto') reads the pairs from the tokenizer: pass it ({self._tokenizer_hint}), or "
+                "list the pairs yourself: pairs=[(id_a, id_b), ...]."
+            )
+        rows = model.get_input_embeddings().weight.shape[0] if model is not None else None
+        pairs = tokenizer_pairs(tokenizer, max_id=rows)
+        if pairs:
+            shown = ", ".join("/".join(p.tokens) for p in pairs[:6])
+            logger.info("untie: pairs='auto' measures %d pairs from the tokenizer (%s, ...)", len(pairs), shown)
+        elif asked:
+            warnings.warn(
+                f"{self.owner}(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants, so no "
+                "pair is measured. Pass pairs=[(id_a, id_b), ...].",
+                stacklevel=4,
+            )
+        else:
+            logger.info("untie: the tokenizer's vocabulary has no case or word-start variants: no pairs are measured.")
+        self.pairs = [p.ids for p in pairs]
+
+    @property
+    def _tokenizer_hint(self) -> str:
+        return "Trainer(processing_class=tokenizer)" if self.owner == "UntieCallback" else "tokenizer=tokenizer"
+
+    def match_rule_to_pairs(self) -> None:
+        """With pairs=None, "divergence" is the evidence rule only if the tokenizer gave pairs: else the pair-free
+        rule. A per-pair rule the user chose, with no pairs to read, is refused."""
+        rule = self.config.untie_when
+        if rule is None or self.pairs or pair_signal(rule.signal) is None:
+            return
+        if self.config.rule_follows_pairs:
+            self.config.untie_when = default_rule(with_pairs=False)
+            self.divergence = DivergenceTrigger(self.config.untie_when)
+            return
+        raise ValueError(
+            f"untie_when.signal={rule.signal!r} reads pairs, and there are none: no tokenizer to read them from "
+            f"({self._tokenizer_hint}) or its vocabulary has no case or word-start variants. Pass pairs=[(id_a, "
+            "id_b), ...], or a pair-free rule (untie_when='cancellation')."
+        )
+
+    def use_tying_mode(self, engine: str | None) -> None:
+        """Resolve `config.tying_mode` for the engine that trains (`untie.distributed.training_engine`)."""
+        self.tying_mode = resolve_tying_mode(self.config.tying_mode, engine)
+
+    def prepare(self, model: nn.Module) -> None:
+        """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
+        self.emulation = None
+        if is_peft_model(model):
+            # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
+            keep_untied = was_untied(model) or self.config.untie_at == 0
+            check_peft_run(model, tied=is_tied(model), untie_recorded=untie_recorded(model), keep_untied=keep_untied)
+            return
+        install_resume_guard(model)
+        if was_untied(model) or self.config.untie_at == 0:
+            # A checkpoint this library untied (re-tied on reload for T5/BART at equal values) or an untie at step 0:
+            # untie now, before the optimizer exists and the model is wrapped. On an already-untied model this only
+            # re-applies the bookkeeping that a reload loses.
+            untie_embeddings(model)
+            return
+        if not is_tied(model):
+            warnings.warn(
+                f"{self.owner}: the model arrived untied; tying it with tie_init={self.config.tie_init!r} (the other "
+                "matrix is dropped). To keep it untied, pass untie_at=0.",
+                stacklevel=4,
+            )
+            tie_embeddings(model, init=self.config.tie_init)
+        if self.tying_mode == "emulated":
+            # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
+            untie_embeddings(model)
+            self.emulation = EmulatedTying(model)
+
+    def match_saved_tying(self, model: nn.Module, where: str, head_stored: bool) -> None:
+        """Make a tied-phase checkpoint's implementation (live: one matrix; emulated: a head kept equal) the model's,
+        before the optimizer state is loaded, so the weights and that state fit the same structure."""
+        if head_stored and self.emulation is None:
+            # Written with emulated tying (FSDP2's default, or asked for): its head and optimizer state are separate.
+            if self.config.tying_mode == "live":
+                raise ValueError(
+                    f"{where} was written in the tied phase with emulated tying (a head kept equal to the embedding, "
+                    f"FSDP2's mode), but this run asks for tying_mode='live'. Resume it with {self.owner}("
+                    "tying_mode='emulated') or tying_mode='auto' (which follows the checkpoint)."
+                )
+            logger.info("untie: %s was written with emulated tying; this run resumes it emulated.", where)
+            if is_tied(model):
+                untie_embeddings(model)
+            self.tying_mode, self.emulation = "emulated", EmulatedTying(model)
+        elif not head_stored and self.emulation is not None:
+            raise ValueError(
+                f"{where} was written in the tied phase with live tying (one shared matrix), but this run emulates "
+                "tying (FSDP2, or tying_mode='emulated'): its optimizer state does not fit. Resume it where live tying "
+                "runs (one device or DDP) with tying_mode='auto' or 'live'."
+            )
+        elif not head_stored and not is_tied(model):
+            # untie_at=0 untied the model before the run; the checkpoint's run is tied: tie again so that it loads,
+            # and the deadline unties it at the resume step (warned about by `warn_changed_settings`).
+            tie_embeddings(model, init="input")
+
+    # -- run state ----------------------------------------------------------------------------------------------------
+    @property
+    def trigger_state(self) -> dict | None:
+        """The divergence trigger's running state (average, streak, firing step); None without a trigger."""
+        return self.divergence.state_dict() if self.divergence is not None else None
+
+    @trigger_state.setter
+    def trigger_state(self, value: dict | None) -> None:
+        if self.divergence is not None and value:
+            self.divergence.load_state_dict(value)
+
+    def state_attributes(self) -> dict:
+        """The run state a checkpoint keeps, as JSON-able values (read back by `restore`)."""
+        return {name: getattr(self, name) for name in SAVED_ATTRIBUTES}
+
+    def restore(self, attributes: dict, step: int) -> None:
+        """Start this run's state: a checkpoint's (`state_attributes`, saved at `step`) or fresh ({}, step 0).
+
+        The trigger starts anew from the settings either way, so a run object used for a second run (Trainer's
+        train() called again) carries nothing over.
+        """
+        self.history = [h for h in attributes.get("history", []) if h["step"] <= step]
+        self.divergence = DivergenceTrigger(self.config.untie_when) if self.config.untie_when else None
+        self.trigger_state = attributes.get("trigger_state", attributes.get("trigger"))  # "trigger": its earlier name
+        self.untied = bool(attributes.get("untied"))
+        self.untie_step = attributes.get("untie_step") if self.untied else None
+        self.untie_reason = attributes.get("untie_reason") if self.untied else None
+        self.latest, self._unmeasured_warned = {}, False
+
+    def warn_changed_settings(self, saved_config: dict, step: int) -> None:
+        """Say which schedule settings differ from the checkpoint's run (`saved_config`, as JSON), and what they do."""
+        now = self.config.to_json_dict()
+        changed = [k for k in ("untie_at", "untie_when") if k in saved_config and saved_config[k] != now[k]]
+        if not changed:
+            return
+        what = ", ".join(f"{k}: {saved_config[k]!r} -> {now[k]!r}" for k in changed)
+        if self.untied:
+            warnings.warn(
+                f"{self.owner}: resumed with changed settings ({what}), which have no effect: the checkpoint's run "
+                f"untied at step {self.untie_step} ({self.untie_reason}) and a resumed run does not re-tie.",
+                stacklevel=4,
+            )
+        else:
+            warnings.warn(
+                f"{self.owner}: resumed at step {step} with changed settings ({what}); the tied run continues under "
+                "the new ones (a deadline already passed unties at the resume step).",
+                stacklevel=4,
+            )
+
+    # -- the run ------------------------------------------------------------------------------------------------------
+    def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
+        """Start training at optimizer step `step` of `max_steps`: untie at a deadline already reached, else set up
+        the measurements. The model is prepared and any checkpoint is loaded."""
+        self.deadline.resolve(max_steps)
+        if self.divergence is not None:
+            self.divergence.resolve(max_steps)
+        self.drop_probe()
+        if self.emulation is not None:
+            self._begin_emulated(model, optimizer, step, max_steps)
+            return
+        if not is_tied(model):
+            # Untied before training: at step 0, or by the resume guard while loading an untied checkpoint.
+            reason = self.untie_reason or ("checkpoint" if step else "start")
+            self._mark_untied(self.untie_step if self.untie_step is not None else step, reason)
+        elif self.untied:
+            raise RuntimeError(
+                f"{self.owner}: the checkpoint state says the model was untied, but the model is tied. Resume with "
+                "the same model class, or call untie.prepare_for_resume(model, checkpoint_dir) before loading it."
+            )
+        elif self.deadline.fires(step):
+            self.untie(model, optimizer, step, "deadline")
+        elif self.config.metrics_every:
+            self.probe = RoleGradientProbe(model, pairs=self.pairs)
+            self._warn_short_run(step, max_steps)
+
+    def _begin_emulated(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
+        if self.untied:  # resumed from a checkpoint saved after the untie: the head's values and state are its own
+            self.emulation.release()
+            self.emulation = None
+            return
+        self.emulation.attach_optimizer(optimizer)
+        sharded = is_sharded(model.get_input_embeddings().weight)
+        if sharded and self.config.trigger_by_default and self.divergence is not None:
+            # Sharded (FSDP2), a measurement costs dense (V, d) buffers and a gather of W on every rank: the trigger
+            # runs there only when the user asks for it (untie_when=...); the default is the deadline alone.
+            logger.info("untie: FSDP2: the default divergence trigger is off (pass untie_when to turn it on).")
+            self.divergence = None
+        if self.deadline.fires(step):
+            self.untie(model, optimizer, step, "deadline")
+        elif self.config.metrics_every and (self.divergence is not None or not sharded):
+            # Sharded, a measurement is taken only when a trigger reads it.
+            self.probe = RoleGradientProbe(model, pairs=self.pairs, emulated=True)
+            self._warn_short_run(step, max_steps)
+
+    def arm(self, step: int) -> None:
+        """Optimizer step `step` is about to run its first forward: measure its gradients if it is a metrics step."""
+        if self.probe is not None:
+            self.probe.armed = self.measures(step)
+
+    def measure(self, step: int) -> None:
+        """Optimizer step `step`'s gradients are complete (all micro-batches, all ranks): read the role signals off
+        them and feed the trigger. Every rank must call it."""
+        if self.probe is None or not self.probe.armed:
+            return
+        self.probe.armed = False
+        grads = self.probe.collect()
+        if grads is None:
+            self._warn_unmeasured()
+            return
+        signals = role_signals(*grads, weight=self.probe.dense_weight(), pairs=self.pairs)
+        signals.update(self.probe.conditional_gaps(grads[0]))
+        if self.divergence is not None:
+            self.divergence.update(step, signals)
+            signals["trigger"] = self.divergence.average if self.divergence.average is not None else math.nan
+        self._record(step, signals)
+
+    def end_of_step(self, model: nn.Module, optimizer, step: int) -> str | None:
+        """Optimizer step `step` is done: untie if the trigger fired or the deadline is reached (returns why), or
+        measure the drift of an untied model. Every rank must call it."""
+        if self.untied:
+            if self.measures(step):
+                self._record(step, self._drift(model, step))
+            return None
+        reason = None
+        if self.divergence is not None and self.measures(step):
+            # Every rank takes rank 0's decision, at the same step.
+            if broadcast_decision(self.divergence.fired_step is not None):
+                reason = "trigger"
+        if reason is None and self.deadline.fires(step):
+            reason = "deadline"
+        if reason is not None:
+            self.untie(model, optimizer, step, reason)
+        return reason
+
+    def untie(self, model: nn.Module, optimizer, step: int, reason: str) -> None:
+        """Untie now, between optimizer steps, with the optimizer state of `config.optimizer_state`."""
+        self.drop_probe()
+        if self.emulation is not None:
+            # The head has existed (and been wrapped) from the start: the untie only stops keeping it equal.
+            self.emulation.release(optimizer, optimizer_state=self.config.optimizer_state)
+            self.emulation = None
+        else:
+            untie_embeddings(model, optimizer, optimizer_state=self.config.optimizer_state)
+            self.install_grad_sync(model)
+        self._mark_untied(step, reason)
+        logger.info("untie: untied the LM head from the input embedding at step %d (%s)", step, reason)
+
+    def install_grad_sync(self, model: nn.Module) -> None:
+        """Average the head's gradient over ranks: a head created after DDP wrapped the model is not reduced by DDP."""
+        if self._grad_sync_handle is None:
+            self._grad_sync_handle = sync_grads_across_ranks(model.get_output_embeddings().weight)
+
+    def close(self) -> None:
+        """Take every hook off (the run is over)."""
+        if self._grad_sync_handle is not None:
+            self._grad_sync_handle.remove()
+            self._grad_sync_handle = None
+        self.drop_probe()
+
+    def take_latest(self) -> dict[str, float]:
+        """The `untie/*` values to log now: the tying state and the last measurement (once)."""
+        logs = {"untie/tied": 0.0 if self.untied else 1.0}
+        if self.untie_step is not None:
+            logs["untie/untie_step"] = self.untie_step
+        logs.update({f"untie/{k}": v for k, v in self.latest.items()})
+        self.latest = {}
+        return logs
+
+    # -- helpers ------------------------------------------------------------------------------------------------------
+    def measures(self, step: int) -> bool:
+        every = self.config.metrics_every
+        return every > 0 and step > 0 and step % every == 0
+
+    def drop_probe(self) -> None:
+        if self.probe is not None:
+            self.probe.remove()
+            self.probe = None
+
+    def _record(self, step: int, metrics: dict[str, float]) -> None:
+        self.history.append({"step": step, **metrics})
+        self.latest = summarize_pair_metrics(metrics)  # the history keeps every pair
+
+    def _drift(self, model: nn.Module, step: int) -> dict[str, float]:
+        input_weight = model.get_input_embeddings().weight
+        output_weight = model.get_output_embeddings().weight
+        if not is_sharded(input_weight):
+            return drift_metrics(input_weight, output_weight, pairs=self.pairs, seed=step, **_DRIFT_SAMPLE)
+        # FSDP2: read only the sampled rows of each rank's shard (every rank samples the same rows).
+        return sampled_drift_metrics(
+            lambda ids: (gather_rows(input_weight, ids), gather_rows(output_weight, ids)),
+            vocab=input_weight.shape[0],
+            pairs=self.pairs,
+            seed=step,
+            **_DRIFT_SAMPLE,
+        )
+
+    def _mark_untied(self, step: int, reason: str) -> None:
+        self.untied = True
+        if self.untie_step is None:
+            self.untie_step = step
+            self.untie_reason = reason
+
+    def _warn_short_run(self, step: int, max_steps: int | None) -> None:
+        """Say once when `metrics_every` leaves the trigger too few measurements before the deadline (or the run's
+        end) to fire, or leaves no measurement at all: a short fine-tune with the defaults would otherwise be a plain
+        schedule without a word."""
+        every, last = self.config.metrics_every, self.deadline.step or max_steps
+        if last is None:  # an open-ended custom loop: nothing to count against
+            return
+        if self.divergence is not None:
+            chances, needed = self.divergence.chances(every, last), self.divergence.rule.patience
+            if chances >= needed:
+                return
+            fit = max(1, (last - max(self.divergence.warmup_step, 1) + 1) // needed)
+            what = f"the model unties at the deadline, step {last}" if self.deadline.step else "the model stays tied"
+            warnings.warn(
+                f"{self.owner}: metrics_every={every} leaves the divergence trigger {chances} measurement(s) after "
+                f"its warm-up (step {self.divergence.warmup_step}) and by step {last}; it needs {needed} in a row to "
+                f"fire, so it cannot fire and {what}. Pass metrics_every <= {fit} to give it a chance, or "
+                "untie_at=<step> alone for a plain schedule.",
+                stacklevel=5,
+            )
+        elif every > last - step:  # no trigger reads them: a note, not a warning
+            logger.info(
+                "untie: metrics_every=%d measures nothing by step %d (the %s); pass a smaller metrics_every to see the "
+                "role signals, or metrics_every=0 to turn them off.",
+                every,
+                last,
+                "untie" if self.deadline.step else "end of the run",
+            )
+
+    def _warn_unmeasured(self) -> None:
+        if not self._unmeasured_warned:
+            self._unmeasured_warned = True
+            warnings.warn(
+                f"{self.owner}: a measurement step ran no backward through the tied matrix's two roles, so the role "
+                "signals (and the divergence trigger, which then waits for the deadline) are missing. Is the matrix "
+                "frozen? Under torch.compile, module hooks added after a model of the same class was compiled in "
+                "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
+                "torch._dynamo.reset() before building the Trainer.",
+                stacklevel=3,
+            )

@@ -1,0 +1,294 @@
+"""`Untier`: tie-then-untie in your own training loop, plain PyTorch or accelerate, on one device, DDP or FSDP2.
+
+The custom-loop adapter of `untie.run.UntieRun` (the run logic `untie.UntieCallback` maps Trainer's events onto):
+
+    untier = untie.Untier(model, max_steps=1000, accelerator=accelerator)   # before the optimizer and prepare()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    untier.start(optimizer)                  # then accelerator.load_state(folder) when resuming
+    for batch in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        untier.step()                        # once per optimizer step: it ignores accumulation micro-batches
+
+On one device or under DDP with a model that is already tied, `Untier(model, optimizer, ...)` after `prepare` does
+both calls at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from untie.config import DEFAULT_UNTIE_AT, UntieConfig
+from untie.distributed import is_sharded, training_engine
+from untie.pairs import is_tokenizer
+from untie.run import UntieRun
+from untie.surgery import _inner, add_param_like, is_tied, untie_embeddings
+
+logger = logging.getLogger(__name__)
+
+#: The file `accelerator.save_state` folders get the untie state in (next to the model and optimizer files).
+STATE_FILE = "untie_state.json"
+#: Version of `Untier.state_dict()`'s layout.
+_STATE_FORMAT = 1
+
+
+class Untier:
+    """Train tied, then untie the LM head from the input embedding, in a custom training loop.
+
+    It does what `UntieCallback` does under Trainer, from the same code (`untie.run.UntieRun`): the tied phase
+    (live, or emulated under FSDP2), the deadline and the divergence trigger fed by the role gradients of each
+    `metrics_every`-th step, the untie with the optimizer state, the gradient sync of a head created after DDP wrapped
+    the model, the drift metrics after the untie, and the history.
+
+    Args:
+        model: the Hugging Face model (unwrapped, or wrapped by DDP / accelerate: it is unwrapped).
+        optimizer: the model's optimizer; pass it here, or later to `start`. Passing it here needs a model whose
+            tied-phase structure is already in place (a tied model, live tying): the untie cannot add a parameter the
+            optimizer and the wrapper have already been built without.
+        max_steps: the run's number of optimizer steps. Needed for a fractional `untie_at` (the default, 0.3) and
+            for the short-run warning.
+        accelerator: the `accelerate.Accelerator` of the loop, if any. `step()` then counts only the steps that
+            sync gradients (not accumulation micro-batches), and `accelerator.save_state` / `load_state` carry the
+            untie state (`untie_state.json`) and give a resumed model the checkpoint's structure before it loads.
+        tokenizer: the tokenizer, for `pairs="auto"` (and pairs=None, which reads the pairs when it is given).
+        untie_at: as `untie.UntieConfig.untie_at`.
+        **settings: the other fields of `untie.UntieConfig` (`untie_when`, `metrics_every`, `pairs`, `tying_mode`,
+            `optimizer_state`, `tie_init`); `save_at_untie` is Trainer's and is ignored here.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        max_steps: int | None = None,
+        accelerator: Any = None,
+        tokenizer: Any = None,
+        untie_at: int | float | None = DEFAULT_UNTIE_AT,
+        **settings: Any,
+    ) -> None:
+        self.model = _unwrap(model)
+        self.accelerator = accelerator
+        self.max_steps = max_steps
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.global_step = 0
+        """Optimizer steps done (restored by `load_state_dict`)."""
+        config = UntieConfig(untie_at=untie_at, **settings)
+        if isinstance(config.untie_at, float) and max_steps is None:
+            raise ValueError(
+                f"Untier: untie_at={config.untie_at} is a fraction of the run: pass max_steps=<the run's optimizer "
+                "steps>, or an int step (untie_at=N), or untie_at=None."
+            )
+        self.run = UntieRun(config, owner="Untier")
+        """The run logic and state (`untie.run.UntieRun`)."""
+        self.run.use_tying_mode(training_engine())
+        if config.pairs == "auto" or (config.pairs is None and is_tokenizer(tokenizer)):
+            self.run.read_pairs(tokenizer, self.model, asked=config.pairs == "auto")
+        self.run.match_rule_to_pairs()
+        self._hooks: list = []
+        before = _structure(self.model)
+        if is_sharded(self.model.get_input_embeddings().weight) and self.run.tying_mode == "emulated" and before[0]:
+            raise RuntimeError(
+                "Untier: the model is already sharded (fully_shard / accelerator.prepare) and still tied: emulated "
+                "tying gives the head its own parameter before sharding. Create the Untier before fully_shard, "
+                "before building the optimizer and before accelerator.prepare; then call untier.start(optimizer)."
+            )
+        self.run.prepare(self.model)
+        if optimizer is not None:
+            if _structure(self.model) != before:
+                raise RuntimeError(
+                    f"Untier: the model needed a new structure for its tied phase ({self.run.tying_mode} tying, "
+                    f"untie_at={config.untie_at}), but its optimizer was already built without it. Create the Untier "
+                    "before the optimizer (and before accelerator.prepare / DDP / fully_shard), then call "
+                    "untier.start(optimizer)."
+                )
+            self.start(optimizer)
+        if accelerator is not None:
+            self._hooks.append(accelerator.register_save_state_pre_hook(self._save_with_accelerator))
+            self._hooks.append(accelerator.register_load_state_pre_hook(self._load_with_accelerator))
+
+    # -- state read by users ------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> UntieConfig:
+        """The settings (`untie.UntieConfig`)."""
+        return self.run.config
+
+    @property
+    def untied(self) -> bool:
+        return self.run.untied
+
+    @property
+    def untie_step(self) -> int | None:
+        return self.run.untie_step
+
+    @property
+    def untie_reason(self) -> str | None:
+        """Why the model was untied: "trigger", "deadline", "checkpoint" or "start"."""
+        return self.run.untie_reason
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every measurement: {"step": ..., signal: value, ...}."""
+        return self.run.history
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return self.run.pairs
+
+    @property
+    def tying_mode(self) -> str | None:
+        return self.run.tying_mode
+
+    @property
+    def divergence(self):
+        """The divergence trigger (`untie.triggers.DivergenceTrigger`) or None."""
+        return self.run.divergence
+
+    # -- the loop -----------------------------------------------------------------------------------------------------
+    def start(self, optimizer: torch.optim.Optimizer) -> None:
+        """Begin the run with `optimizer` (after `accelerator.prepare`, or DDP / fully_shard). Resuming, load the
+        checkpoint after this call (`accelerator.load_state`, or `load_state_dict` first in a plain loop)."""
+        if self.optimizer is not None:
+            raise RuntimeError("Untier.start() was already called (or the optimizer was passed to Untier()).")
+        self.optimizer = optimizer
+        # The step's gradients are complete when the optimizer steps (after every micro-batch, every rank): measure
+        # then, as UntieCallback does in Trainer's on_pre_optimizer_step.
+        self._hooks.append(_inner(optimizer).register_step_pre_hook(self._before_optimizer_step))
+        self.run.restore({}, 0)
+        self._begin()
+
+    def _begin(self) -> None:
+        self.run.begin(self.model, self.optimizer, self.global_step, self.max_steps)
+        self.run.arm(self.global_step + 1)
+
+    def _before_optimizer_step(self, *_args) -> None:
+        self.run.measure(self.global_step + 1)
+
+    def step(self) -> dict[str, float]:
+        """Call once after each optimizer step. Unties when the trigger fires or the deadline is reached.
+
+        With an `accelerator`, calls on gradient-accumulation micro-batches (`accelerator.sync_gradients` False) do
+        nothing, so it can sit next to `optimizer.step()` inside `accelerator.accumulate`. Every rank must call it.
+
+        Returns:
+            The `untie/*` values to log at this step (`untie/tied`, `untie/untie_step`, the step's measurement)
+            when it measured or untied, else an empty dict: e.g. `accelerator.log(untier.step(), step=step)`.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("Untier.step() before untier.start(optimizer): pass the optimizer first.")
+        if self.accelerator is not None and not self.accelerator.sync_gradients:
+            return {}
+        self.global_step += 1
+        step = self.global_step
+        if self.run.probe is not None and self.run.probe.armed:
+            self.run.measure(step)  # the optimizer skipped this step (a GradScaler overflow): its gradients are read
+        reason = self.run.end_of_step(self.model, self.optimizer, step)
+        self.run.arm(step + 1)
+        return self.run.take_latest() if (self.run.latest or reason) else {}
+
+    def close(self) -> None:
+        """Take every hook off (the run is over)."""
+        self.run.close()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The run state, JSON-able: save it with the model and the optimizer."""
+        return {
+            "format": _STATE_FORMAT,
+            "global_step": self.global_step,
+            "tying_mode": self.run.tying_mode,
+            "config": self.config.to_json_dict(),
+            "attributes": self.run.state_attributes(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the run saved by `state_dict`: call it after `start`, and before loading the model's and the
+        optimizer's state dicts, so that they load into the checkpoint's structure (an untied checkpoint gets an
+        untied model, with the head in the optimizer). Every rank must call it."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                "Untier.load_state_dict() before untier.start(optimizer): the untied head must join the optimizer "
+                "before the optimizer's state loads."
+            )
+        if state.get("format") != _STATE_FORMAT:
+            raise ValueError(f"Untier.load_state_dict: unknown state format {state.get('format')!r}.")
+        attributes, step = state["attributes"], int(state["global_step"])
+        self._match_structure(bool(attributes.get("untied")), state.get("tying_mode"))
+        self.global_step = step
+        self.run.restore(attributes, step)
+        self.run.warn_changed_settings(state.get("config", {}), step)
+        self._begin()
+
+    def _match_structure(self, untied: bool, saved_mode: str | None) -> None:
+        """Give the model and the optimizer the structure of the saved run, before their states load."""
+        model, optimizer, run = self.model, self.optimizer, self.run
+        if untied:
+            if run.emulation is not None:  # the head has had its own parameter, in the optimizer, from the start
+                run.emulation.release()
+                run.emulation = None
+            elif is_tied(model):
+                untie_embeddings(model, optimizer, optimizer_state="reset")  # the loaded state overwrites it
+                run.install_grad_sync(model)
+            else:  # untied already (untie_at=0, or the model's state dict was loaded first): the head must be trained
+                head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+                if not any(p is head for group in _inner(optimizer).param_groups for p in group["params"]):
+                    add_param_like(optimizer, new=head, like=embedding, state="reset")
+                    run.install_grad_sync(model)
+            return
+        if saved_mode == "emulated" and run.emulation is None:
+            raise ValueError(
+                "Untier: the checkpoint was written in the tied phase with emulated tying (a head kept equal to the "
+                "embedding), but this run ties live. Create the Untier with tying_mode='emulated', before the "
+                "optimizer."
+            )
+        if saved_mode == "live" and run.emulation is not None:
+            raise ValueError(
+                "Untier: the checkpoint was written in the tied phase with live tying (one shared matrix), but this "
+                "run emulates tying (FSDP2, or tying_mode='emulated'): its optimizer state does not fit. Resume it "
+                "where live tying runs (one device or DDP) with tying_mode='auto' or 'live'."
+            )
+        if run.emulation is None and not is_tied(model):
+            raise ValueError(
+                "Untier: the checkpoint was written in the tied phase, but this run untied the model before it started "
+                f"(untie_at={self.config.untie_at}). Resume it with the checkpoint run's untie_at."
+            )
+
+    def _save_with_accelerator(self, models, weights, output_dir: str) -> None:
+        if self.accelerator.is_main_process:
+            with open(os.path.join(output_dir, STATE_FILE), "w") as f:
+                json.dump(self.state_dict(), f, indent=1)
+
+    def _load_with_accelerator(self, models, input_dir: str) -> None:
+        path = os.path.join(input_dir, STATE_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"Untier: {input_dir} has no {STATE_FILE}, so its model's tied/untied structure is unknown. Resume "
+                "from a folder written by accelerator.save_state with this Untier created with "
+                "accelerator=accelerator, or load the folder without the Untier."
+            )
+        with open(path) as f:
+            self.load_state_dict(json.load(f))
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP, torch.compile or accelerate's wrappers."""
+    from accelerate.utils import extract_model_from_parallel
+
+    return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+
+
+def _structure(model: nn.Module) -> tuple[bool, int, int]:
+    """Whether the model is tied, and which parameters its embedding and head are (to tell that it changed)."""
+    return is_tied(model), id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)
