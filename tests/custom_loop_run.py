@@ -8,13 +8,16 @@ Each rank saves every run's final parameters and untie state to `<out>/<run>-ran
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import torch
+import torch.distributed as dist
 import transformers as tf
 import worker_exit
 from accelerate import Accelerator
+from torch.nn.parallel import DistributedDataParallel
 
 import untie
 import untie.run
@@ -30,11 +33,7 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
 
 
 def train(accelerator: Accelerator, out_dir: str, name: str, resume_from: str | None = None) -> None:
-    model = tiny_model("gpt2")
-    model.config.resid_pdrop = model.config.embd_pdrop = model.config.attn_pdrop = 0.0
-    for module in model.modules():  # the same numbers on every resume: no dropout
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    model = _no_dropout(tiny_model("gpt2"))
     untier = untie.Untier(
         model, max_steps=STEPS, accelerator=accelerator, untie_at=UNTIE_AT, metrics_every=2, pairs=[(3, 4)]
     )
@@ -82,8 +81,51 @@ def train(accelerator: Accelerator, out_dir: str, name: str, resume_from: str | 
     accelerator.free_memory()
 
 
+def train_plain_ddp(out_dir: str) -> None:
+    """The same run in a plain PyTorch loop: torch's DistributedDataParallel, `no_sync` for accumulation."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = _no_dropout(tiny_model("gpt2"))
+    untier = untie.Untier(model, max_steps=STEPS, untie_at=UNTIE_AT, metrics_every=2, pairs=[(3, 4)])
+    wrapped = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=5e-3, weight_decay=0.1)
+    untier.start(optimizer)
+    for step in range(1, STEPS + 1):
+        for micro in range(MICRO_BATCHES):
+            ids = batch(step, micro, rank)
+            sync = contextlib.nullcontext() if micro == MICRO_BATCHES - 1 else wrapped.no_sync()
+            with sync:
+                (wrapped(input_ids=ids, labels=ids).loss / MICRO_BATCHES).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        untier.step()
+    layout = untie.embedding_layout(model)
+    torch.save(
+        {
+            "untie_step": untier.untie_step,
+            "tied": untie.is_tied(model),
+            "input": model.get_parameter(layout.input_weight).detach().clone(),
+            "output": model.get_parameter(layout.output_weight).detach().clone(),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        },
+        os.path.join(out_dir, f"plain-rank{rank}.pt"),
+    )
+    untier.close()
+
+
+def _no_dropout(model):
+    for module in model.modules():  # the same numbers on every resume: no dropout
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
 def main(out_dir: str, mode: str) -> None:
     tf.logging.set_verbosity_error()
+    if mode == "plain":
+        train_plain_ddp(out_dir)
+        return
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO_BATCHES)
     if mode == "nosync":  # negative control: without the head's gradient sync the ranks drift apart
         untie.run.sync_grads_across_ranks = lambda param: None

@@ -135,6 +135,17 @@ def test_logs_reach_integrations_registered_before_the_callback(make_args):
     assert all(log["untie/tied"] == 0.0 and log["untie/untie_step"] == 4 for log in train_logs[3:])
 
 
+def test_untie_values_reach_log_history_and_trainer_state_json(make_args):
+    """Trainer copies a log into log_history before on_log: the untie/* values are added to that copy too."""
+    args = make_args(save_strategy="steps", save_steps=6)
+    trainer = _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=4, metrics_every=2)])
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["untie/tied"] for log in train_logs] == [1.0] * 3 + [0.0] * 9
+    assert "untie/cancellation" in train_logs[1] and "untie/cka" in train_logs[5]  # role signals, then drift
+    saved = json.load(open(os.path.join(args.output_dir, "checkpoint-6", "trainer_state.json")))["log_history"]
+    assert [log.get("untie/untie_step") for log in saved if "loss" in log] == [None] * 3 + [4] * 3
+
+
 def test_checkpoint_at_untie_and_state_in_trainer_state(make_args):
     args = make_args(save_strategy="steps", save_steps=100)  # only the untie saves
     _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=5)])

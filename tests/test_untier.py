@@ -139,6 +139,16 @@ def test_without_the_head_gradient_sync_the_accelerate_loop_drifts_apart(tmp_pat
     assert not torch.equal(rank0["output"], rank1["output"])
 
 
+def test_plain_pytorch_ddp_loop_unties_mid_run_and_ranks_stay_bit_identical(tmp_path):
+    """No accelerate: torch's DistributedDataParallel with no_sync accumulation; the Untier syncs the new head."""
+    torchrun("custom_loop_run.py", tmp_path, "plain")
+    rank0, rank1 = (torch.load(tmp_path / f"plain-rank{r}.pt") for r in (0, 1))
+    assert rank0["untie_step"] == rank1["untie_step"] == 4 and not rank0["tied"]
+    assert not torch.equal(rank0["output"], rank0["input"])
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
+
+
 def test_an_optimizer_built_before_the_structure_changes_is_refused_with_the_fix():
     model = tiny_model("gpt2")
     optimizer = torch.optim.AdamW(model.parameters())

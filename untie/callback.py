@@ -189,8 +189,14 @@ class UntieCallback(TrainerCallback, ExportableState):
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is not None:
-            logs.update(self.run.take_latest())
+        if logs is None:
+            return
+        values = self.run.take_latest()
+        logs.update(values)  # what the reporting integrations (console, TensorBoard, W&B) send
+        # Trainer appended a copy of `logs` to log_history before this event: add the values there too, so that
+        # trainer.state.log_history and trainer_state.json hold them.
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(values)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.run.close()
