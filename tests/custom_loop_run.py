@@ -60,23 +60,9 @@ def train(accelerator: Accelerator, out_dir: str, name: str, resume_from: str | 
                 logged.append((untier.global_step, logs))
         if resume_from is None and step in SAVE_AT:
             accelerator.save_state(os.path.join(out_dir, f"state-{step}"))
-    inner = accelerator.unwrap_model(model)
-    layout = untie.embedding_layout(inner)
-    torch.save(
-        {
-            "distributed_type": accelerator.distributed_type.name,
-            "untie_step": untier.untie_step,
-            "untie_reason": untier.untie_reason,
-            "global_step": untier.global_step,
-            "history": untier.history,
-            "logged": logged,
-            "tied": untie.is_tied(inner),
-            "input": inner.get_parameter(layout.input_weight).detach().clone(),
-            "output": inner.get_parameter(layout.output_weight).detach().clone(),
-            "params": {n: p.detach().clone() for n, p in inner.named_parameters()},
-        },
-        os.path.join(out_dir, f"{name}-rank{rank}.pt"),
-    )
+    extra = {"distributed_type": accelerator.distributed_type.name, "untie_reason": untier.untie_reason}
+    extra.update(global_step=untier.global_step, history=untier.history, logged=logged)
+    dump(accelerator.unwrap_model(model), untier, os.path.join(out_dir, f"{name}-rank{rank}.pt"), **extra)
     untier.close()
     accelerator.free_memory()
 
@@ -100,18 +86,21 @@ def train_plain_ddp(out_dir: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         untier.step()
-    layout = untie.embedding_layout(model)
-    torch.save(
-        {
-            "untie_step": untier.untie_step,
-            "tied": untie.is_tied(model),
-            "input": model.get_parameter(layout.input_weight).detach().clone(),
-            "output": model.get_parameter(layout.output_weight).detach().clone(),
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        },
-        os.path.join(out_dir, f"plain-rank{rank}.pt"),
-    )
+    dump(model, untier, os.path.join(out_dir, f"plain-rank{rank}.pt"))
     untier.close()
+
+
+def dump(model, untier, path: str, **extra) -> None:
+    """Save a run's untie step, structure and final parameters (and `extra`) for the test to compare."""
+    layout = untie.embedding_layout(model)
+    result = {
+        "untie_step": untier.untie_step,
+        "tied": untie.is_tied(model),
+        "input": model.get_parameter(layout.input_weight).detach().clone(),
+        "output": model.get_parameter(layout.output_weight).detach().clone(),
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
+    torch.save({**result, **extra}, path)
 
 
 def _no_dropout(model):

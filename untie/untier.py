@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from untie.config import DEFAULT_UNTIE_AT, UntieConfig
@@ -189,8 +190,7 @@ class Untier:
             return {}
         self.global_step += 1
         step = self.global_step
-        if self.run.probe is not None and self.run.probe.armed:
-            self.run.measure(step)  # the optimizer skipped this step (a GradScaler overflow): its gradients are read
+        self.run.measure(step)  # a no-op unless the optimizer skipped this step (GradScaler overflow) unmeasured
         reason = self.run.end_of_step(self.model, self.optimizer, step)
         self.run.arm(step + 1)
         return self.run.take_latest() if (self.run.latest or reason) else {}
@@ -247,23 +247,20 @@ class Untier:
                     add_param_like(optimizer, new=head, like=embedding, state="reset")
                     run.install_grad_sync(model)
             return
+        # The run's own check refuses a live checkpoint into an emulated run; the two cases it would mend by changing
+        # the structure (a new head, or a re-tie) cannot be mended once the optimizer exists.
         if saved_mode == "emulated" and run.emulation is None:
             raise ValueError(
                 "Untier: the checkpoint was written in the tied phase with emulated tying (a head kept equal to the "
                 "embedding), but this run ties live. Create the Untier with tying_mode='emulated', before the "
                 "optimizer."
             )
-        if saved_mode == "live" and run.emulation is not None:
-            raise ValueError(
-                "Untier: the checkpoint was written in the tied phase with live tying (one shared matrix), but this "
-                "run emulates tying (FSDP2, or tying_mode='emulated'): its optimizer state does not fit. Resume it "
-                "where live tying runs (one device or DDP) with tying_mode='auto' or 'live'."
-            )
         if run.emulation is None and not is_tied(model):
             raise ValueError(
                 "Untier: the checkpoint was written in the tied phase, but this run untied the model before it started "
                 f"(untie_at={self.config.untie_at}). Resume it with the checkpoint run's untie_at."
             )
+        run.match_saved_tying(model, "the checkpoint", head_stored=saved_mode == "emulated")
 
     def _save_with_accelerator(self, models, weights, output_dir: str) -> None:
         if self.accelerator.is_main_process:
@@ -284,8 +281,6 @@ class Untier:
 
 def _unwrap(model: nn.Module) -> nn.Module:
     """The model inside DDP, torch.compile or accelerate's wrappers."""
-    from accelerate.utils import extract_model_from_parallel
-
     return extract_model_from_parallel(model, keep_fp32_wrapper=True)
 
 
