@@ -4,7 +4,8 @@ Both arms train the same randomly initialised GPT-2-small-shaped model (tied, vo
 random tokens, each in a fresh subprocess, arms alternating:
 
 * ``tied``: Trainer, no callback: one shared parameter;
-* ``emulated``: Trainer + UntieCallback(untie_at=None, tying_mode="emulated", metrics_every=0): the head has its
+* ``emulated``: Trainer + UntieCallback(untie_at=None, untie_when=None, tying_mode="emulated",
+  metrics_every=0): the head has its
   own parameter, kept tied by folding its gradient into the embedding's and copying the embedding after each step.
 
 Reports, per arm: mean step time (the ratio is the per-step cost), bytes held by parameters and optimizer state at
@@ -76,7 +77,7 @@ def run_arm(args: EmulationBenchmarkArguments) -> dict:
     timer, gradients = StepTimer(), GradientBytes()
     callbacks = [timer, gradients]
     if args.arm == "emulated":
-        callbacks.append(untie.UntieCallback(untie_at=None, tying_mode="emulated", metrics_every=0))
+        callbacks.append(untie.UntieCallback(untie_at=None, untie_when=None, tying_mode="emulated", metrics_every=0))
     training = benchmark_training_arguments(os.path.join(args.output_dir, args.arm), args.steps, args.batch_size)
     dataset = RandomTokens(args.steps * args.batch_size, args.sequence_length, config.vocab_size)
     trainer = tf.Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)

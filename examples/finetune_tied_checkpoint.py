@@ -45,7 +45,7 @@ def main() -> None:
     tokenizer = tf.AutoTokenizer.from_pretrained(path)
     print(f"{path}: tied = {untie.is_tied(model)}")
 
-    callback = untie.UntieCallback(untie_at=args.untie_at)
+    callback = untie.UntieCallback(untie_when=None, untie_at=args.untie_at)
     training = tf.TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,

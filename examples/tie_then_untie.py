@@ -85,7 +85,7 @@ def main() -> None:
         use_cpu=not torch.cuda.is_available(),
         seed=args.seed,
     )
-    callback = untie.UntieCallback(untie_at=untie_at, optimizer_state=args.optimizer_state)
+    callback = untie.UntieCallback(untie_when=None, untie_at=untie_at, optimizer_state=args.optimizer_state)
     trainer = tf.Trainer(model=model, args=training, train_dataset=data, callbacks=[callback])
     print(f"model tied at start: {untie.is_tied(model)}")
     trainer.train()

@@ -47,7 +47,7 @@ def main() -> None:
     untie.tie_embeddings(model, init=args.init)  # before the Trainer builds its optimizer
     print(f"after tie_embeddings(init={args.init!r}): tied = {untie.is_tied(model)}")
 
-    callbacks = [untie.UntieCallback(untie_at=args.untie_at)] if args.untie_at is not None else []
+    callbacks = [untie.UntieCallback(untie_when=None, untie_at=args.untie_at)] if args.untie_at is not None else []
     training = tf.TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.max_steps,

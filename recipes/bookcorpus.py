@@ -342,7 +342,7 @@ def arm_callbacks(
     if arm in ("tied", "untied"):
         return arm == "tied", []
     if arm == "scheduled":
-        return True, [untie.UntieCallback(untie_at=_step_or_fraction(args.untie_at), metrics_every=0)]
+        return True, [untie.UntieCallback(untie_when=None, untie_at=_step_or_fraction(args.untie_at), metrics_every=0)]
     return True, [
         untie.UntieCallback(
             untie_at=_step_or_fraction(args.auto_deadline),

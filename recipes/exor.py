@@ -234,10 +234,13 @@ def arm_callbacks(arm: str, args: ExorArguments) -> tuple[bool, list[tf.TrainerC
     # given the pairs known to be semantically equivalent; the recipe records the reference pair's distances itself.
     common = dict(save_at_untie=False, metrics_every=args.metrics_every, pairs=list(EQUIVALENT_PAIRS))
     if arm == "tied":
-        return True, [untie.UntieCallback(untie_at=None, **common)]
+        return True, [untie.UntieCallback(untie_at=None, untie_when=None, **common)]
     if arm in ("scheduled", "scheduled-reset"):
         state = "reset" if arm == "scheduled-reset" else "copy"
-        return True, [untie.UntieCallback(untie_at=_step_or_fraction(args.untie_at), optimizer_state=state, **common)]
+        callback = untie.UntieCallback(
+            untie_at=_step_or_fraction(args.untie_at), untie_when=None, optimizer_state=state, **common
+        )
+        return True, [callback]
     return True, [untie.UntieCallback(untie_at=None, untie_when=auto_rule(args), **common)]
 
 

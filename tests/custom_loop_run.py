@@ -35,7 +35,13 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
 def train(accelerator: Accelerator, out_dir: str, name: str, resume_from: str | None = None) -> None:
     model = _no_dropout(tiny_model("gpt2"))
     untier = untie.Untier(
-        model, max_steps=STEPS, accelerator=accelerator, untie_at=UNTIE_AT, metrics_every=2, pairs=[(3, 4)]
+        model,
+        max_steps=STEPS,
+        accelerator=accelerator,
+        untie_when=None,
+        untie_at=UNTIE_AT,
+        metrics_every=2,
+        pairs=[(3, 4)],
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -72,7 +78,7 @@ def train_plain_ddp(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = _no_dropout(tiny_model("gpt2"))
-    untier = untie.Untier(model, max_steps=STEPS, untie_at=UNTIE_AT, metrics_every=2, pairs=[(3, 4)])
+    untier = untie.Untier(model, max_steps=STEPS, untie_when=None, untie_at=UNTIE_AT, metrics_every=2, pairs=[(3, 4)])
     wrapped = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=5e-3, weight_decay=0.1)
     untier.start(optimizer)

@@ -28,9 +28,9 @@ def main(out_dir: str, arch: str, mode: str) -> None:
         rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=3)
         callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 4)])
     elif mode == "emulated":  # the head exists (and is DDP-wrapped) from the start, kept tied until step 4
-        callback = untie.UntieCallback(untie_at=4, tying_mode="emulated")
+        callback = untie.UntieCallback(untie_when=None, untie_at=4, tying_mode="emulated")
     else:
-        callback = untie.UntieCallback(untie_at=4)
+        callback = untie.UntieCallback(untie_when=None, untie_at=4)
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=128), callbacks=[callback])
     trainer.train()
     rank = int(os.environ["RANK"])

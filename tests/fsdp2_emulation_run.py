@@ -38,7 +38,9 @@ def main(out_dir: str, mode: str) -> None:
         untie.untie_embeddings(model)
         emulation = EmulatedTying(model)  # before sharding: the hooks live on the modules, which fully_shard keeps
     elif mode == "untier":  # the public custom-loop API: the Untier sets emulated tying up before sharding
-        untier = untie.Untier(model, max_steps=STEPS, untie_at=RELEASE_STEP, tying_mode="emulated", metrics_every=0)
+        untier = untie.Untier(
+            model, max_steps=STEPS, untie_when=None, untie_at=RELEASE_STEP, tying_mode="emulated", metrics_every=0
+        )
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     for block in model.transformer.h:
         fully_shard(block)

@@ -5,7 +5,8 @@ one check, so accelerate's real FSDP2 path runs on CPU with gloo: `fsdp2_prepare
 parameters), its optimizer, gradient clipping and DCP / full-state-dict checkpoints. Runs, all in one process group:
 
 * ``tied``: the model really tied (one parameter), no callback: the reference for the tied phase;
-* ``emulated``: `UntieCallback(untie_at=UNTIE_AT)` with the default tying_mode ("auto"), sharded checkpoints, and
+* ``emulated``: `UntieCallback(untie_when=None, untie_at=UNTIE_AT)`
+  with the default tying_mode ("auto"), sharded checkpoints, and
   drift metrics every 2 steps after the untie (read from the shards);
 * ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
 * ``full``: the same with full state-dict checkpoints, then `save_model`; ``full-resume-8`` resumes from it;
@@ -138,14 +139,32 @@ def main(out_dir: str) -> None:
     emulated = os.path.join(out_dir, "emulated")
     full_dir = os.path.join(out_dir, "full")
     _run(out_dir, "tied", "SHARDED_STATE_DICT", LiveSignals())
-    measured = untie.UntieCallback(untie_at=UNTIE_AT, metrics_every=2, pairs=PAIRS)  # drift after the untie
+    measured = untie.UntieCallback(
+        untie_when=None, untie_at=UNTIE_AT, metrics_every=2, pairs=PAIRS
+    )  # drift after the untie
     _run(out_dir, "emulated", "SHARDED_STATE_DICT", measured)
-    _run(out_dir, "resume-8", "SHARDED_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{emulated}/checkpoint-8")
-    _run(out_dir, "resume-4", "SHARDED_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{emulated}/checkpoint-4")
-    trainer = _run(out_dir, "full", "FULL_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT))
+    _run(
+        out_dir,
+        "resume-8",
+        "SHARDED_STATE_DICT",
+        untie.UntieCallback(untie_when=None, untie_at=UNTIE_AT),
+        f"{emulated}/checkpoint-8",
+    )
+    _run(
+        out_dir,
+        "resume-4",
+        "SHARDED_STATE_DICT",
+        untie.UntieCallback(untie_when=None, untie_at=UNTIE_AT),
+        f"{emulated}/checkpoint-4",
+    )
+    trainer = _run(out_dir, "full", "FULL_STATE_DICT", untie.UntieCallback(untie_when=None, untie_at=UNTIE_AT))
     trainer.save_model(os.path.join(out_dir, "saved"))
     _run(
-        out_dir, "full-resume-8", "FULL_STATE_DICT", untie.UntieCallback(untie_at=UNTIE_AT), f"{full_dir}/checkpoint-8"
+        out_dir,
+        "full-resume-8",
+        "FULL_STATE_DICT",
+        untie.UntieCallback(untie_when=None, untie_at=UNTIE_AT),
+        f"{full_dir}/checkpoint-8",
     )
     rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=2)  # fires at step 4
     trigger = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=PAIRS)

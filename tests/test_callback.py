@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import types
@@ -51,7 +53,7 @@ class _Recorder(tf.TrainerCallback):
 def test_tied_phase_equals_plain_tied_run_then_head_and_embedding_drift(make_args):
     plain = _train(tiny_model("gpt2"), make_args())
     model = tiny_model("gpt2")
-    cb = untie.UntieCallback(untie_at=6)
+    cb = untie.UntieCallback(untie_when=None, untie_at=6)
     grads = {}
 
     class GradProbe(tf.TrainerCallback):
@@ -88,7 +90,7 @@ def test_untie_is_loss_preserving(make_args):
                 seen["after"] = _eval_loss(model, batch)
                 seen["before_at_6"] = seen["before"]
 
-    run = _train(model, make_args(), [untie.UntieCallback(untie_at=6), AroundUntie()])
+    run = _train(model, make_args(), [untie.UntieCallback(untie_when=None, untie_at=6), AroundUntie()])
     assert seen["after"] == seen["before_at_6"]
     losses = _losses(run)
     jumps = [abs(b - a) for a, b in zip(losses[:6], losses[1:7], strict=True)]
@@ -102,7 +104,7 @@ def test_class_passed_without_arguments_runs_the_trigger_with_a_30_percent_deadl
     )
     trainer.train()
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
-    assert cb.config.untie_when == untie.UntieWhen()  # the pair-free rule: no pairs were given
+    assert cb.rule == untie.UntieWhen()  # the pair-free rule: no pairs were given
     assert (cb.untie_step, cb.untie_reason) == (6, "deadline")  # 0.3 * 20; no measurement before step 50
     assert not untie.is_tied(model)
 
@@ -118,9 +120,9 @@ def test_default_trigger_unties_before_the_deadline_when_it_fires(make_args, mon
 
 def test_a_chosen_untie_at_is_an_exact_schedule_unless_a_rule_is_given(make_args, monkeypatch):
     monkeypatch.setattr(untie.run, "role_signals", lambda *a, **k: {"cancellation": 0.9})
-    scheduled = untie.UntieCallback(untie_at=0.3, metrics_every=1)  # the default's value, but chosen
+    scheduled = untie.UntieCallback(untie_when=None, untie_at=0.3, metrics_every=1)  # the default's value, but chosen
     _train(tiny_model("gpt2"), make_args(max_steps=40), [scheduled])
-    assert scheduled.config.untie_when is None and (scheduled.untie_step, scheduled.untie_reason) == (12, "deadline")
+    assert scheduled.rule is None and (scheduled.untie_step, scheduled.untie_reason) == (12, "deadline")
     deadline = untie.UntieCallback(untie_at=0.3, untie_when="divergence", metrics_every=1)
     _train(tiny_model("gpt2"), make_args(max_steps=40), [deadline])
     assert (deadline.untie_step, deadline.untie_reason) == (6, "trigger")
@@ -128,7 +130,7 @@ def test_a_chosen_untie_at_is_an_exact_schedule_unless_a_rule_is_given(make_args
 
 def test_logs_reach_integrations_registered_before_the_callback(make_args):
     recorder = _Recorder()
-    _train(tiny_model("gpt2"), make_args(), [recorder, untie.UntieCallback(untie_at=4)])
+    _train(tiny_model("gpt2"), make_args(), [recorder, untie.UntieCallback(untie_when=None, untie_at=4)])
     train_logs = [log for log in recorder.logs if "loss" in log]
     # A log is written after its step's on_step_end: the log of step 4 already reports the untie.
     assert [log["untie/tied"] for log in train_logs[:3]] == [1.0] * 3
@@ -138,7 +140,7 @@ def test_logs_reach_integrations_registered_before_the_callback(make_args):
 def test_untie_values_reach_log_history_and_trainer_state_json(make_args):
     """Trainer copies a log into log_history before on_log: the untie/* values are added to that copy too."""
     args = make_args(save_strategy="steps", save_steps=6)
-    trainer = _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=4, metrics_every=2)])
+    trainer = _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_when=None, untie_at=4, metrics_every=2)])
     train_logs = [log for log in trainer.state.log_history if "loss" in log]
     assert [log["untie/tied"] for log in train_logs] == [1.0] * 3 + [0.0] * 9
     assert "untie/cancellation" in train_logs[1] and "untie/cka" in train_logs[5]  # role signals, then drift
@@ -148,25 +150,62 @@ def test_untie_values_reach_log_history_and_trainer_state_json(make_args):
 
 def test_checkpoint_at_untie_and_state_in_trainer_state(make_args):
     args = make_args(save_strategy="steps", save_steps=100)  # only the untie saves
-    _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=5)])
+    _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_when=None, untie_at=5)])
     ckpt = os.path.join(args.output_dir, "checkpoint-5")
     assert os.path.isdir(ckpt)
     state = json.load(open(os.path.join(ckpt, "trainer_state.json")))["stateful_callbacks"]["UntieCallback"]
     attributes = state["attributes"]
     assert (attributes["untied"], attributes["untie_step"], attributes["untie_reason"]) == (True, 5, "deadline")
-    assert untie.UntieConfig.from_dict(state["args"]) == untie.UntieConfig(untie_at=5)
+    assert untie.UntieConfig.from_dict(state["args"]) == untie.UntieConfig(untie_when=None, untie_at=5)
     assert untie.checkpoint_is_untied(ckpt) is True
     assert json.load(open(os.path.join(ckpt, "config.json")))["tie_word_embeddings"] is False
 
 
+class _MyUntieCallback(untie.UntieCallback):
+    """A user's subclass: Trainer files its state under this class name."""
+
+
+def test_a_subclass_keeps_its_state_across_a_resume(make_args, tmp_path):
+    """The saved state is found by its marker, not by the class name: the subclass's resumed run knows its untie
+    and history, and the checkpoint tools read it."""
+    args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=6)
+    first = _MyUntieCallback(untie_when=None, untie_at=4, metrics_every=2)
+    _train(tiny_model("gpt2"), args, [first])
+    ckpt = str(tmp_path / "run" / "checkpoint-6")
+    saved = json.load(open(os.path.join(ckpt, "trainer_state.json")))["stateful_callbacks"]
+    assert "_MyUntieCallback" in saved and "UntieCallback" not in saved
+    assert untie.checkpoint_is_untied(ckpt) is True
+    resumed = _MyUntieCallback(untie_when=None, untie_at=4, metrics_every=2)
+    _train(tiny_model("gpt2"), args, [resumed], resume=ckpt)
+    assert (resumed.untie_step, resumed.untie_reason) == (4, "deadline")
+    assert [h["step"] for h in resumed.history] == [h["step"] for h in first.history]
+
+
+@pytest.mark.parametrize("adapter", ["UntieCallback", "Untier"])
+def test_every_setting_is_an_explicit_keyword_with_the_config_default(adapter):
+    """help(UntieCallback) / help(untie.Untier) list every setting, with UntieConfig's defaults, and document it."""
+    cls = getattr(untie, adapter)
+    parameters = inspect.signature(cls.__init__).parameters
+    for field in dataclasses.fields(untie.UntieConfig):
+        if adapter == "Untier" and field.name == "save_at_untie":  # Trainer's checkpoint: not a custom loop's
+            continue
+        assert field.name in parameters, field.name
+        assert parameters[field.name].default == field.default, field.name
+        assert f"{field.name}:" in (cls.__init__.__doc__ or "") + (cls.__doc__ or ""), field.name
+        assert field.metadata.get("help"), field.name
+    assert not any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def test_no_checkpoint_at_untie_when_disabled(make_args):
     args = make_args()
-    _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=5, save_at_untie=False)])
+    _train(tiny_model("gpt2"), args, [untie.UntieCallback(untie_when=None, untie_at=5, save_at_untie=False)])
     assert not os.path.exists(os.path.join(args.output_dir, "checkpoint-5"))
 
 
 def test_config_round_trips_through_json():
-    config = untie.UntieConfig(untie_at=0.25, optimizer_state="reset", tie_init="mean", save_at_untie=False)
+    config = untie.UntieConfig(
+        untie_when=None, untie_at=0.25, optimizer_state="reset", tie_init="mean", save_at_untie=False
+    )
     assert untie.UntieConfig.from_json(config.to_json()) == config
     with pytest.raises(ValueError, match="Unknown UntieConfig keys"):
         untie.UntieConfig.from_dict({"untie_step": 3})
@@ -181,7 +220,7 @@ def test_resume_before_at_and_after_untie_matches_uninterrupted_run(arch, state,
     def run(resume=None):
         args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4)
         model = tiny_model(arch)
-        callback = untie.UntieCallback(untie_at=6, optimizer_state=state)
+        callback = untie.UntieCallback(untie_when=None, untie_at=6, optimizer_state=state)
         _train(model, args, [callback], resume=resume)
         assert callback.untie_step == 6  # restored from the checkpoint's callback state when resumed after it
         return model
@@ -231,8 +270,8 @@ def test_resume_with_trainer_restoring_callback_states_matches_uninterrupted_run
 
 
 def test_a_restored_default_callback_still_knows_its_trigger_is_the_default(make_args, tmp_path):
-    """The saved args name the default rule explicitly; the swapped-in callback takes from the model's setup that the
-    user left it at its default (which FSDP2 turns off unless asked for)."""
+    """The saved args keep the default rule's name ("divergence"), so the swapped-in callback still knows the user
+    left it at its default (which FSDP2 turns off unless a rule is named)."""
     args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=8)
     _train(tiny_model("gpt2"), args, [untie.UntieCallback()])
     original = untie.UntieCallback()
@@ -240,12 +279,12 @@ def test_a_restored_default_callback_still_knows_its_trigger_is_the_default(make
     trainer = _train(tiny_model("gpt2"), args, [original], resume=str(tmp_path / "full" / "checkpoint-8"))
     live = trainer.callback_handler.callbacks[0]
     assert live is not original and live.config.untie_when == original.config.untie_when
-    assert live.config.trigger_by_default and (live.untie_step, live.untie_reason) == (4, "deadline")
+    assert live.config.is_default_rule and (live.untie_step, live.untie_reason) == (4, "deadline")
 
 
 def test_a_callback_added_after_the_trainer_was_built_is_refused(make_args):
     trainer = tf.Trainer(model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset())
-    trainer.add_callback(untie.UntieCallback(untie_at=6))
+    trainer.add_callback(untie.UntieCallback(untie_when=None, untie_at=6))
     with pytest.raises(RuntimeError, match=r"Pass it to the constructor: Trainer\(\.\.\., callbacks="):
         trainer.train()
 
@@ -261,7 +300,7 @@ def _untied_gpt2():
 def test_every_train_call_with_model_init_is_a_fresh_tie_then_untie_run(make_args):
     """hyperparameter_search calls train() once per trial on one Trainer, and Trainer builds each trial's model with
     model_init after the callbacks' init: each model is tied like the constructor's, and each run starts afresh."""
-    callback = untie.UntieCallback(untie_at=4, metrics_every=2)
+    callback = untie.UntieCallback(untie_when=None, untie_at=4, metrics_every=2)
     trainer = tf.Trainer(model_init=_untied_gpt2, args=make_args(), train_dataset=ToyLMDataset(), callbacks=[callback])
     runs = []
     for _ in range(2):
@@ -279,7 +318,7 @@ def test_resume_with_model_init_after_the_untie_matches_uninterrupted_run(make_a
 
     def run(resume=None):
         args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4)
-        callback = untie.UntieCallback(untie_at=6)
+        callback = untie.UntieCallback(untie_when=None, untie_at=6)
         trainer = tf.Trainer(
             model_init=lambda: tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]
         )
@@ -305,7 +344,7 @@ def test_a_model_swapped_in_after_the_trainer_was_built_is_refused(make_args):
 def test_resume_without_callback_uses_prepare_for_resume(make_args, tmp_path):
     args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=8)
     reference_model = tiny_model("gpt2")
-    _train(reference_model, args, [untie.UntieCallback(untie_at=4)])
+    _train(reference_model, args, [untie.UntieCallback(untie_when=None, untie_at=4)])
     ckpt = str(tmp_path / "full" / "checkpoint-8")
 
     # Upstream (transformers 5.23, README Limits): without the callback or prepare_for_resume, Trainer loads the head
@@ -323,7 +362,7 @@ def test_resume_guard_never_overwrites_the_embedding_with_the_head(make_args, tm
     """An untied checkpoint loaded into a tied model: the guard unties first, so both matrices are restored."""
     args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=12)
     trained = tiny_model("gpt2")
-    _train(trained, args, [untie.UntieCallback(untie_at=3)])
+    _train(trained, args, [untie.UntieCallback(untie_when=None, untie_at=3)])
     fresh = tiny_model("gpt2")
     untie.install_resume_guard(fresh)
     from safetensors.torch import load_file
@@ -362,7 +401,7 @@ def test_finetune_tied_checkpoint_untied_from_step_zero(arch, make_args, tmp_pat
     tiny_model(arch).save_pretrained(tmp_path / "pretrained")
     model = type(tiny_model(arch)).from_pretrained(tmp_path / "pretrained")
     assert untie.is_tied(model)
-    cb = untie.UntieCallback(untie_at=0)
+    cb = untie.UntieCallback(untie_when=None, untie_at=0)
     trainer = _train(model, make_args(), [cb])
     assert cb.untie_step == 0 and not untie.is_tied(model)
     layout = untie.embedding_layout(model)
@@ -390,7 +429,7 @@ def test_callback_ties_an_untied_checkpoint(init, make_args, tmp_path):
             model=model,
             args=make_args(max_steps=2),
             train_dataset=ToyLMDataset(),
-            callbacks=[untie.UntieCallback(untie_at=None, tie_init=init)],
+            callbacks=[untie.UntieCallback(untie_when=None, untie_at=None, tie_init=init)],
         )
     assert untie.is_tied(model)
     expected = {"input": w_in, "output": w_out, "mean": (w_in + w_out) / 2}[init]
@@ -415,12 +454,12 @@ def test_callback_ties_an_untied_checkpoint(init, make_args, tmp_path):
 )
 def test_invalid_untie_at_is_refused(untie_at, message):
     with pytest.raises(ValueError, match=message):
-        untie.UntieCallback(untie_at=untie_at)
+        untie.UntieCallback(untie_when=None, untie_at=untie_at)
 
 
 def test_untie_at_beyond_the_run_is_refused(make_args):
     with pytest.raises(ValueError, match="beyond the end of the run \\(max_steps=12\\)"):
-        _train(tiny_model("gpt2"), make_args(), [untie.UntieCallback(untie_at=50)])
+        _train(tiny_model("gpt2"), make_args(), [untie.UntieCallback(untie_when=None, untie_at=50)])
 
 
 def test_unknown_settings_are_refused():

@@ -61,7 +61,12 @@ def test_release_forks_like_a_live_untie(make_args, tmp_path):
     live = tiny_model("gpt2")
     emulated = untie.untie_embeddings(copy.deepcopy(live))
     emulation = EmulatedTying(emulated)
-    _train(live, make_args, tmp_path / "live", [untie.UntieCallback(untie_at=6, metrics_every=0, save_at_untie=False)])
+    _train(
+        live,
+        make_args,
+        tmp_path / "live",
+        [untie.UntieCallback(untie_when=None, untie_at=6, metrics_every=0, save_at_untie=False)],
+    )
     _train(emulated, make_args, tmp_path / "emulated", [_Attach(emulation, release_at=6)])
     assert not emulation.active
     for get in ("get_input_embeddings", "get_output_embeddings"):
@@ -85,8 +90,10 @@ def _params(model):
 @pytest.mark.parametrize("state", ["copy", "reset"])
 def test_callback_emulated_mode_equals_a_live_untie(state, make_args, tmp_path):
     live, emulated = tiny_model("gpt2"), tiny_model("gpt2")
-    _train(live, make_args, tmp_path / "live", [untie.UntieCallback(untie_at=6, optimizer_state=state)])
-    callback = untie.UntieCallback(untie_at=6, optimizer_state=state, tying_mode="emulated")
+    _train(
+        live, make_args, tmp_path / "live", [untie.UntieCallback(untie_when=None, untie_at=6, optimizer_state=state)]
+    )
+    callback = untie.UntieCallback(untie_when=None, untie_at=6, optimizer_state=state, tying_mode="emulated")
     _train(emulated, make_args, tmp_path / "emulated", [callback])
     assert (callback.untie_step, callback.untie_reason, callback.untied) == (6, "deadline", True)
     reference, params = _params(live), _params(emulated)
@@ -98,7 +105,7 @@ def test_callback_emulated_mode_resumes_before_and_after_the_untie(make_args, tm
     def run(resume=None):
         args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4, max_steps=12)
         model = tiny_model("gpt2")
-        callback = untie.UntieCallback(untie_at=6, tying_mode="emulated")
+        callback = untie.UntieCallback(untie_when=None, untie_at=6, tying_mode="emulated")
         trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(64), callbacks=[callback])
         trainer.train(resume_from_checkpoint=resume)
         assert callback.untie_step == 6

@@ -113,10 +113,10 @@ def test_the_default_reads_pairs_when_trainer_has_a_tokenizer(tokenizers, make_a
     )
     if with_tokenizer:
         assert callback.pairs == [p.ids for p in tokenizer_pairs(tokenizer)]
-        assert callback.config.untie_when == callback.divergence.rule == untie.RULES["evidence"]
+        assert callback.rule == callback.divergence.rule == untie.RULES["evidence"]
     else:
         assert callback.pairs == []
-        assert callback.config.untie_when == callback.divergence.rule == untie.RULES["cancellation"]
+        assert callback.rule == callback.divergence.rule == untie.RULES["cancellation"]
         with pytest.raises(ValueError, match="no tokenizer"):
             tf.Trainer(
                 model=model,

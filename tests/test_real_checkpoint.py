@@ -66,7 +66,7 @@ def test_untie_fine_tune_convert_reload_real_checkpoint(make_args, tmp_path, cap
     tokenizer = tf.AutoTokenizer.from_pretrained(MINILM)
     texts = offline_sentences()[:256]
     data = [tokenizer(t, truncation=True, max_length=48) for t in texts]
-    callback = untie.UntieCallback(untie_at=2, metrics_every=2)
+    callback = untie.UntieCallback(untie_when=None, untie_at=2, metrics_every=2)
     args = make_args(max_steps=6, learning_rate=1e-4, weight_decay=0.0)
     collator = tf.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     trainer = tf.Trainer(model=model, args=args, train_dataset=data, data_collator=collator, callbacks=[callback])

@@ -36,7 +36,7 @@ def checkpoints(make_args, tmp_path):
         folder = tmp_path / f"full-{tying_mode}"
         args = make_args(output_dir=str(folder), save_strategy="steps", save_steps=4)
         model = tiny_model("gpt2")
-        callback = untie.UntieCallback(untie_at=8, tying_mode=tying_mode)
+        callback = untie.UntieCallback(untie_when=None, untie_at=8, tying_mode=tying_mode)
         _trainer(model, args, [callback]).train()
         assert callback.untie_step == 8
         return folder, _params(model)
@@ -48,7 +48,9 @@ def test_an_emulated_tied_checkpoint_resumes_emulated_on_one_device(checkpoints,
     folder, reference = checkpoints("emulated")
     args = make_args(output_dir=str(folder), save_strategy="no")
     model = tiny_model("gpt2")
-    callback = untie.UntieCallback(untie_at=8)  # tying_mode="auto" is live on one device: it follows the checkpoint
+    callback = untie.UntieCallback(
+        untie_when=None, untie_at=8
+    )  # tying_mode="auto" is live on one device: it follows the checkpoint
     _trainer(model, args, [callback]).train(resume_from_checkpoint=str(folder / "checkpoint-4"))
     assert (callback.untie_step, callback.untie_reason) == (8, "deadline")
     assert _worst(_params(model), reference) <= 1e-6
@@ -66,7 +68,7 @@ def test_a_tied_checkpoint_resumed_in_the_other_tying_mode_names_the_fix(
 ):
     folder, _ = checkpoints(written)
     args = make_args(output_dir=str(folder), save_strategy="no")
-    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=8, tying_mode=asked)])
+    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_when=None, untie_at=8, tying_mode=asked)])
     with pytest.raises(ValueError, match=message):
         trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
 
@@ -75,7 +77,7 @@ def test_a_tied_checkpoint_resumed_with_untie_at_0_unties_at_the_resume_step_and
     folder, _ = checkpoints("live")
     args = make_args(output_dir=str(folder), save_strategy="no")
     model = tiny_model("gpt2")
-    callback = untie.UntieCallback(untie_at=0)
+    callback = untie.UntieCallback(untie_when=None, untie_at=0)
     embedding_at_4 = tf.GPT2LMHeadModel.from_pretrained(folder / "checkpoint-4").transformer.wte.weight.detach()
     with pytest.warns(UserWarning, match=r"resumed at step 4 with changed settings \(untie_at: 8 -> 0\)"):
         _trainer(model, args, [callback]).train(resume_from_checkpoint=str(folder / "checkpoint-4"))
@@ -90,7 +92,7 @@ def test_a_changed_untie_at_after_the_untie_is_reported_as_without_effect(checkp
     folder, reference = checkpoints("live")
     args = make_args(output_dir=str(folder), save_strategy="no")
     model = tiny_model("gpt2")
-    callback = untie.UntieCallback(untie_at=10)
+    callback = untie.UntieCallback(untie_when=None, untie_at=10)
     with pytest.warns(UserWarning, match=r"untie_at: 8 -> 10\), which have no effect: .* untied at step 8"):
         _trainer(model, args, [callback]).train(resume_from_checkpoint=str(folder / "checkpoint-8"))
     assert callback.untie_step == 8 and _worst(_params(model), reference) <= 1e-6
@@ -101,12 +103,12 @@ def test_a_half_written_latest_checkpoint_is_named_with_what_to_do(damage, check
     folder, _ = checkpoints("live")
     (folder / "checkpoint-12" / damage).unlink()
     args = make_args(output_dir=str(folder), save_strategy="no")
-    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=8)])
+    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_when=None, untie_at=8)])
     with pytest.raises(ValueError, match=r"checkpoint-12 is incomplete.*Move it out of .* or delete it"):
         trainer.train(resume_from_checkpoint=True)
     shutil.rmtree(folder / "checkpoint-12")  # as the message says: then the newest complete one resumes
     model = tiny_model("gpt2")
-    _trainer(model, args, [untie.UntieCallback(untie_at=8)]).train(resume_from_checkpoint=True)
+    _trainer(model, args, [untie.UntieCallback(untie_when=None, untie_at=8)]).train(resume_from_checkpoint=True)
     assert not untie.is_tied(model)
 
 
@@ -115,28 +117,30 @@ def test_a_truncated_weight_file_in_the_resumed_checkpoint_is_named(checkpoints,
     weights = folder / "checkpoint-8" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
     args = make_args(output_dir=str(folder), save_strategy="no")
-    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=8)])
+    trainer = _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_when=None, untie_at=8)])
     with pytest.raises(ValueError, match=r"checkpoint-8 is incomplete: its weights cannot be read"):
         trainer.train(resume_from_checkpoint=str(folder / "checkpoint-8"))
 
 
 def test_two_untie_callbacks_in_one_trainer_are_refused(make_args):
     with pytest.raises(ValueError, match="2 UntieCallbacks"):
-        _trainer(tiny_model("gpt2"), make_args(), [untie.UntieCallback(untie_at=4), untie.UntieCallback])
+        _trainer(
+            tiny_model("gpt2"), make_args(), [untie.UntieCallback(untie_when=None, untie_at=4), untie.UntieCallback]
+        )
 
 
 def test_save_strategy_no_wins_over_save_at_untie(make_args, caplog):
     args = make_args(save_strategy="no")
     with caplog.at_level(logging.INFO, logger="untie"):
-        _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_at=5)]).train()
+        _trainer(tiny_model("gpt2"), args, [untie.UntieCallback(untie_when=None, untie_at=5)]).train()
     assert not os.path.exists(args.output_dir) or not os.listdir(args.output_dir)
     assert "save_strategy='no'" in caplog.text
 
 
 def test_numpy_steps_are_steps():
-    assert untie.UntieCallback(untie_at=np.int64(5)).config.untie_at == 5
-    assert type(untie.UntieConfig(untie_at=np.int32(5)).untie_at) is int
-    assert untie.UntieConfig(untie_at=np.float32(0.25)).untie_at == 0.25
+    assert untie.UntieCallback(untie_when=None, untie_at=np.int64(5)).config.untie_at == 5
+    assert type(untie.UntieConfig(untie_when=None, untie_at=np.int32(5)).untie_at) is int
+    assert untie.UntieConfig(untie_when=None, untie_at=np.float32(0.25)).untie_at == 0.25
     assert untie.UntieConfig(metrics_every=np.int64(10)).metrics_every == 10
 
 

@@ -92,11 +92,11 @@ def test_rule_and_config_validation_and_json_round_trip():
     config = untie.UntieConfig(untie_at=0.5, untie_when={"signal": "tension/0-1", "patience": 2}, pairs=[[0, 1]])
     assert config.untie_when == untie.UntieWhen(signal="tension/0-1", patience=2)
     assert untie.UntieConfig.from_json(config.to_json()) == config
-    assert untie.UntieConfig(untie_when="divergence", pairs=[]).untie_when == untie.UntieWhen()
-    assert untie.UntieConfig(untie_when="divergence", pairs=[(0, 1)]).untie_when == untie.RULES["evidence"]
-    # pairs=None (default) may be read from Trainer's tokenizer: the evidence rule until the callback knows
-    assert untie.UntieConfig(untie_when="divergence").untie_when == untie.RULES["evidence"]
-    assert untie.UntieConfig(untie_when="gap").untie_when == untie.RULES["gap"]  # the earlier rule, by name
+    assert untie.UntieConfig(untie_when="divergence", pairs=[]).rule(with_pairs=False) == untie.UntieWhen()
+    assert untie.UntieConfig(untie_when="divergence", pairs=[(0, 1)]).rule(with_pairs=True) == untie.RULES["evidence"]
+    # the name is kept as given (what the user wrote round-trips); the run resolves it once the pairs are known
+    assert untie.UntieConfig(untie_when="divergence").untie_when == "divergence"
+    assert untie.UntieConfig(untie_when="gap").rule(with_pairs=True) == untie.RULES["gap"]  # the earlier rule, by name
     for bad, message in [
         ({"signal": "loss"}, "not a known signal"),
         ({"smoothing": 1.0}, "smoothing"),
@@ -125,18 +125,31 @@ def test_rule_and_config_validation_and_json_round_trip():
         ({}, untie.RULES["evidence"], 0.3),  # the default: evidence rule (pairs from the tokenizer), deadline 30%
         ({"pairs": []}, untie.UntieWhen(), 0.3),  # no pairs: the pair-free rule
         ({"pairs": [(0, 1)]}, untie.RULES["evidence"], 0.3),  # with pairs, the paper's criterion on evidence
-        ({"untie_at": 100}, None, 100),  # a chosen step is a fixed schedule
-        ({"untie_at": 0.3}, None, 0.3),  # even the default's value, once chosen
-        ({"untie_at": None}, None, None),  # a tied baseline
-        ({"metrics_every": 0}, None, 0.3),  # nothing to read: the deadline alone
+        ({"untie_at": 0.3}, untie.RULES["evidence"], 0.3),  # the default spelled out: the same settings
+        ({"untie_at": 100}, untie.RULES["evidence"], 100),  # the trigger, with a deadline at step 100
+        ({"untie_at": 100, "untie_when": None}, None, 100),  # a fixed schedule
+        ({"untie_at": None, "untie_when": None}, None, None),  # a tied baseline
+        ({"metrics_every": 0, "untie_when": None}, None, 0.3),  # nothing measured: the deadline alone
+        ({"untie_when": "gap"}, untie.RULES["gap"], 0.3),  # a named rule stays that rule
         ({"untie_at": 100, "untie_when": "divergence", "pairs": []}, untie.UntieWhen(), 100),  # trigger + deadline
     ],
 )
-def test_the_default_trigger_is_on_unless_the_user_chose_a_schedule(settings, rule, untie_at):
+def test_settings_mean_what_they_say(settings, rule, untie_at):
     config = untie.UntieConfig(**settings)
-    assert (config.untie_when, config.untie_at) == (rule, untie_at)
-    assert untie.UntieConfig.from_json(config.to_json()) == config  # the JSON form is explicit: it round-trips
+    assert (config.rule(with_pairs=config.pairs != []), config.untie_at) == (rule, untie_at)
+    assert untie.UntieConfig.from_json(config.to_json()) == config  # the JSON form round-trips
     assert json.loads(config.to_json())["untie_at"] == untie_at
+
+
+def test_the_default_and_the_default_spelled_out_are_the_same_callback():
+    assert untie.UntieCallback().config == untie.UntieCallback(untie_at=0.3, untie_when="divergence").config
+    assert untie.UntieConfig() == untie.UntieConfig(untie_at=0.3)
+    assert type(untie.UntieConfig().untie_at) is float
+
+
+def test_metrics_every_0_with_a_trigger_names_the_fix():
+    with pytest.raises(ValueError, match="untie_when=None for a fixed schedule"):
+        untie.UntieCallback(untie_at=10, metrics_every=0)
 
 
 # -- in Trainer ------------------------------------------------------------------------------------------------------
@@ -264,7 +277,7 @@ def test_a_run_too_short_for_the_trigger_says_so_once(make_args):
 
 def test_metrics_that_measure_nothing_before_the_untie_say_so(make_args, caplog):
     args = make_args(max_steps=12)
-    callback = untie.UntieCallback(untie_at=4, metrics_every=10)
+    callback = untie.UntieCallback(untie_when=None, untie_at=4, metrics_every=10)
     with caplog.at_level(logging.INFO, logger="untie"):
         tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
     assert "metrics_every=10 measures nothing by step 4 (the untie)" in caplog.text

@@ -69,7 +69,9 @@ def test_plain_pytorch_resume_before_and_after_the_untie_equals_the_uninterrupte
     def new_run():
         model = tiny_model("llama")
         optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
-        return model, untie.Untier(model, optimizer, max_steps=12, untie_at=6, metrics_every=2, pairs=[(3, 4)])
+        return model, untie.Untier(
+            model, optimizer, max_steps=12, untie_when=None, untie_at=6, metrics_every=2, pairs=[(3, 4)]
+        )
 
     model, untier = new_run()
     saved = {}
@@ -154,7 +156,7 @@ def test_an_optimizer_built_before_the_structure_changes_is_refused_with_the_fix
     optimizer = torch.optim.AdamW(model.parameters())
     # Emulated tying gives the head its own parameter, which this optimizer was built without.
     with pytest.raises(RuntimeError, match=r"emulated tying.*Create the Untier before the optimizer"):
-        untie.Untier(model, optimizer, untie_at=4, tying_mode="emulated")
+        untie.Untier(model, optimizer, untie_when=None, untie_at=4, tying_mode="emulated")
 
 
 def test_a_fractional_untie_at_needs_max_steps():
@@ -164,11 +166,11 @@ def test_a_fractional_untie_at_needs_max_steps():
 
 def test_step_before_start_and_a_tied_checkpoint_into_an_untied_run_are_refused():
     model = tiny_model("gpt2")
-    untier = untie.Untier(model, untie_at=0)
+    untier = untie.Untier(model, untie_when=None, untie_at=0)
     with pytest.raises(RuntimeError, match="start"):
         untier.step()
     untier.start(torch.optim.AdamW(model.parameters()))
-    tied_state = untie.Untier(tiny_model("gpt2"), untie_at=5).state_dict()
+    tied_state = untie.Untier(tiny_model("gpt2"), untie_when=None, untie_at=5).state_dict()
     with pytest.raises(ValueError, match="untied the model before it started"):
         untier.load_state_dict(tied_state)
 

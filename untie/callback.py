@@ -5,17 +5,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
+from untie import _compat
 from untie.adapters import is_peft_model
-from untie.checkpoint import SavedRun, read_saved_run, saved_callback_state
-from untie.config import DEFAULT_UNTIE_AT, UntieConfig
+from untie.checkpoint import STATE_FORMAT, STATE_MARKER, SavedRun, read_saved_run, saved_callback_state
+from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
 from untie.distributed import training_engine
 from untie.emulation import EmulatedTying
 from untie.pairs import is_tokenizer
@@ -33,7 +33,6 @@ class _Setup:
 
     tying_mode: str
     emulation: EmulatedTying | None
-    trigger_by_default: bool
     pairs: list[tuple[int, int]]
 
 
@@ -47,11 +46,12 @@ class UntieCallback(TrainerCallback, ExportableState):
     """Train tied, then untie the LM head from the input embedding when tying starts to hurt, or at a deadline.
 
     `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: the divergence trigger, with a deadline
-    at 30% of the run; `UntieCallback(untie_at=N)` alone unties at N. Every `metrics_every` steps it measures
-    the role signals of the shared matrix (drift between the two spaces once untied), feeds them to the divergence
-    trigger (`untie_when`), and logs them as `untie/...` with Trainer's next log, next to `untie/tied` and
-    `untie/untie_step`; `history` keeps every measurement. Saves its state in checkpoints and restores the untied
-    structure by itself when a run resumes from a checkpoint saved after the untie.
+    at 30% of the run; `UntieCallback(untie_at=N, untie_when=None)` unties at N (a fixed schedule). Every
+    `metrics_every` steps it measures the role signals of the shared matrix (drift between the two spaces once
+    untied), feeds them to the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next
+    log, next to `untie/tied` and `untie/untie_step`; `history` keeps every measurement. Saves its state in
+    checkpoints and restores the untied structure by itself when a run resumes from a checkpoint saved after the
+    untie.
 
     The run logic is `untie.run.UntieRun` (shared with `untie.Untier`, for custom loops); this class only maps
     Trainer's events onto it and handles what only Trainer does (building the model, loading checkpoints, logs).
@@ -66,13 +66,62 @@ class UntieCallback(TrainerCallback, ExportableState):
     trigger_state = _run_attribute("trigger_state", "The divergence trigger's running state (None without one).")
     pairs = _run_attribute("pairs", "The measured pairs: `config.pairs`, or those read from the tokenizer.")
     tying_mode = _run_attribute("tying_mode", 'The tied phase\'s implementation, "live" or "emulated".')
+    rule = _run_attribute("rule", 'The trigger\'s rule (`untie.UntieWhen`), "divergence" resolved for the pairs; None.')
     divergence = _run_attribute("divergence", "The divergence trigger (`untie.triggers.DivergenceTrigger`) or None.")
     deadline = _run_attribute("deadline", "`untie_at` (`untie.triggers.ScheduledTrigger`).")
 
-    def __init__(self, untie_at: int | float | None = DEFAULT_UNTIE_AT, **settings: Any) -> None:
-        self.run = UntieRun(UntieConfig(untie_at=untie_at, **settings), owner="UntieCallback")
+    def __init__(
+        self,
+        untie_at: int | float | None = DEFAULT_UNTIE_AT,
+        *,
+        untie_when: RuleSpec = "divergence",
+        metrics_every: int = 50,
+        pairs: list[tuple[int, int]] | Literal["auto"] | None = None,
+        optimizer_state: OptimizerStateInit = "copy",
+        tie_init: TieInit = "input",
+        tying_mode: TyingMode = "auto",
+        save_at_untie: bool = True,
+    ) -> None:
+        """Args:
+            untie_at: the untie step at the latest: an int is a global optimizer step (0 = before the first step),
+                a float in (0, 1) a fraction of `max_steps`, None no deadline. With ``untie_when=None`` it is a
+                fixed schedule.
+            untie_when: the divergence trigger. ``"divergence"`` (default): the evidence rule when pairs are
+                measured, the pair-free rule otherwise (off under FSDP2, where a measurement is dense); a name from
+                `untie.RULES`; an `untie.UntieWhen` or its dict; None: untie at `untie_at` only.
+            metrics_every: measure every this many optimizer steps (role signals while tied, drift after the untie),
+                logged as ``untie/...``; 0 measures nothing and needs ``untie_when=None``.
+            pairs: token-id pairs known to be semantically equivalent, measured too. ``"auto"``: the tokenizer's
+                case and word-start variants (Trainer's `processing_class`); None: ``"auto"`` when Trainer has a
+                tokenizer; ``[]``: none.
+            optimizer_state: the untied head's optimizer state: ``"copy"`` (the shared matrix's moments) or
+                ``"reset"``.
+            tie_init: a model that arrives untied is tied at construction from this matrix: ``"input"``,
+                ``"output"`` or ``"mean"``.
+            tying_mode: ``"live"`` (one shared parameter), ``"emulated"`` (the head kept equal to the embedding:
+                FSDP2) or ``"auto"`` (emulated under FSDP2, else live).
+            save_at_untie: ask Trainer for a checkpoint at the untie step.
+
+        Every setting is a field of `untie.UntieConfig`, which checks them (bad values raise `ValueError` here).
+        """
+        config = UntieConfig(
+            untie_at=untie_at,
+            untie_when=untie_when,
+            metrics_every=metrics_every,
+            pairs=pairs,
+            optimizer_state=optimizer_state,
+            tie_init=tie_init,
+            tying_mode=tying_mode,
+            save_at_untie=save_at_untie,
+        )
+        self.run = UntieRun(config, owner="UntieCallback")
         """The run logic and state (`untie.run.UntieRun`)."""
         self._resuming: SavedRun | None = None
+
+    @classmethod
+    def from_config(cls, config: UntieConfig) -> UntieCallback:
+        """A callback with the settings of `config` (e.g. parsed with `HfArgumentParser`)."""
+        return cls(**config.to_dict())
 
     @property
     def config(self) -> UntieConfig:
@@ -80,8 +129,14 @@ class UntieCallback(TrainerCallback, ExportableState):
         return self.run.config
 
     # -- ExportableState ------------------------------------------------------------------------------------------
+    #: Marks this callback's state among Trainer's saved callback states (`untie.checkpoint.STATE_MARKER`).
+    untie_state_format = STATE_FORMAT
+
     def state(self) -> dict:
-        return {"args": self.config.to_dict(), "attributes": self.run.state_attributes()}
+        """What Trainer saves in `trainer_state.json`: the settings (`args`) and the run state (`attributes`), with
+        a marker that finds them under any class name (a subclass's state is filed under its own name)."""
+        attributes = {**self.run.state_attributes(), STATE_MARKER: STATE_FORMAT}
+        return {"args": self.config.to_dict(), "attributes": attributes}
 
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -118,7 +173,7 @@ class UntieCallback(TrainerCallback, ExportableState):
     def _leave_setup(self, model) -> None:
         """Record on the model what was prepared, for an instance Trainer creates later (`_adopt_setup`)."""
         run = self.run
-        setattr(model, _SETUP_ATTR, _Setup(run.tying_mode, run.emulation, self.config.trigger_by_default, run.pairs))
+        setattr(model, _SETUP_ATTR, _Setup(run.tying_mode, run.emulation, run.pairs))
 
     def _before_resume(self, trainer, folder: str | None) -> None:
         """Called by `trainer.train` before anything is loaded: refuse an incomplete checkpoint folder, and give the
@@ -169,7 +224,7 @@ class UntieCallback(TrainerCallback, ExportableState):
                 "Trainer(..., callbacks=[UntieCallback(...)])."
             )
         self.run.tying_mode, self.run.emulation, self.run.pairs = setup.tying_mode, setup.emulation, setup.pairs
-        self.config.trigger_by_default = setup.trigger_by_default  # the saved args name the default rule explicitly
+        self.run.match_rule_to_pairs()  # "divergence" follows the pairs found then
         _run_first(self)  # Trainer appended the new instance after the logging integrations
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -207,16 +262,12 @@ def _calling(callback: TrainerCallback, handler_of=lambda caller: caller):
 
     Callbacks are handed neither the handler nor the trainer, so look for them among the callers' frames.
     """
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return None
-        caller = frame.f_locals.get("self")
+
+    def holds_callback(caller) -> bool:
         handler = handler_of(caller)
-        if isinstance(handler, CallbackHandler) and callback in handler.callbacks:
-            return caller
-        frame = frame.f_back
-    return None
+        return isinstance(handler, CallbackHandler) and callback in handler.callbacks
+
+    return _compat.find_caller(holds_callback, skip=3)
 
 
 def _run_first(callback: TrainerCallback) -> None:
@@ -229,8 +280,7 @@ def _run_first(callback: TrainerCallback) -> None:
     if handler is None:
         logger.warning("untie: could not move UntieCallback ahead of the logging integrations; untie/* may be late.")
         return
-    handler.callbacks.remove(callback)
-    handler.callbacks.insert(0, callback)
+    _compat.move_callback_first(handler, callback)
 
 
 def _checking_resume(trainer, before_resume):

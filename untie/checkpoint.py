@@ -11,21 +11,36 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from untie import _compat
 from untie.loading import CheckpointError, folder_weight_map, stored_name
 from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
 
 logger = logging.getLogger(__name__)
 
 CALLBACK_STATE_KEY = "UntieCallback"
+#: The attribute that marks UntieCallback's state in `trainer_state.json`, whatever the class is called: Trainer files a
+#: callback's state under its class name, so a subclass's state sits under the subclass's name.
+STATE_MARKER = "untie_state_format"
+STATE_FORMAT = 1
 _GUARD_ATTR = "_untie_resume_guard"
 
 
 def saved_callback_state(stateful_callbacks: dict | None) -> dict:
-    """UntieCallback's saved `{"args", "attributes"}` among a TrainerState's `stateful_callbacks` ({} if absent)."""
-    state = (stateful_callbacks or {}).get(CALLBACK_STATE_KEY)
-    if isinstance(state, list):  # Trainer stores a list when several instances of a callback exist
-        state = state[-1] if state else None
-    return state or {}
+    """UntieCallback's saved `{"args", "attributes"}` among a TrainerState's `stateful_callbacks` ({} if absent).
+
+    Found by its marker attribute (`STATE_MARKER`), so a subclass of UntieCallback, filed under its own class name,
+    is found too; checkpoints written before the marker are found under "UntieCallback".
+    """
+    entries = stateful_callbacks or {}
+
+    def last(state):  # Trainer stores a list when several instances of a callback exist
+        return (state[-1] if state else None) if isinstance(state, list) else state
+
+    for state in entries.values():
+        state = last(state)
+        if isinstance(state, dict) and STATE_MARKER in state.get("attributes", {}):
+            return state
+    return last(entries.get(CALLBACK_STATE_KEY)) or {}
 
 
 def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
@@ -168,7 +183,7 @@ def _match_structure_to_state_dict(module: nn.Module, state_dict: dict, prefix: 
         return
     if layout.output_weight in state_dict or layout.input_weight not in state_dict:
         return
-    tie_targets = set(getattr(module, "all_tied_weights_keys", None) or {})
+    tie_targets = _compat.expanded_tied_keys(module)
     head_keys = {layout.output_weight, layout.output_bias, *layout.bias_aliases}
     expected = set(module.state_dict()) - head_keys - tie_targets
     if not expected <= set(state_dict):

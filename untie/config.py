@@ -4,66 +4,89 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from untie.surgery import _STATE_INITS, _TIE_INITS
 from untie.triggers import UntieWhen, pair_signal
 
-
-class DefaultDeadline(float):
-    """The default `untie_at`, a float that `UntieConfig` can tell from a step the user chose: left at its default,
-    `untie_at` is the divergence trigger's deadline; chosen by the user (with no `untie_when`), a fixed schedule."""
-
-
 #: Default deadline: untie after 30% of the run's optimizer steps unless the divergence trigger fires first. Tying
 #: speeds up the start of training and the untie leaves 70% of the budget for the two spaces to separate.
-DEFAULT_UNTIE_AT = DefaultDeadline(0.3)
-#: `untie_when`'s default: the trigger is on (`default_rule`) when `untie_at` is left at its default, off when the
-#: user chose `untie_at` (an explicit step is a schedule). A private object, so no user value can mean it.
-_TRIGGER_UNLESS_SCHEDULED: Any = object()
+DEFAULT_UNTIE_AT = 0.3
 #: How the tied phase is implemented (see `UntieConfig.tying_mode`).
 TYING_MODES = ("auto", "live", "emulated")
+TyingMode = Literal["auto", "live", "emulated"]
+OptimizerStateInit = Literal["copy", "reset"]
+TieInit = Literal["input", "output", "mean"]
+#: What `untie_when` accepts: a rule, its dict form, a rule name (`untie.RULES`), "divergence", or None (no trigger).
+RuleSpec = UntieWhen | dict | str | None
 
 
 @dataclass
 class UntieConfig:
-    """Settings of `UntieCallback`.
+    """Every setting of a tie-then-untie run (`UntieCallback`, `untie.Untier`), as plain fields that round-trip to JSON.
 
-    untie_at: optimizer step to untie at: an int is a global step (0 = before the first step), a float in (0, 1) a
-        fraction of `max_steps`; None never unties (a tied baseline that still logs `untie/tied`).
-    optimizer_state: what the untied head's optimizer state starts from: "copy" (the shared matrix's moments: the
-        head continues smoothly) or "reset" (fresh state, as for a new parameter).
-    tie_init: when the model arrives untied, the Trainer's model is tied at construction from this matrix:
-        "input", "output" or "mean".
-    save_at_untie: ask Trainer for a checkpoint at the untie step.
-    untie_when: the divergence trigger's rule (`untie.UntieWhen`, its dict, a name from `untie.RULES`, or
-        "divergence" for `default_rule`: the evidence rule with `pairs`, the pair-free rule without); the model
-        unties when it fires or at `untie_at`,
-        whichever comes first. None: untie at `untie_at` only. Left out, it is "divergence" when `untie_at` is
-        left out too (trigger + 30% deadline), and None when `untie_at` is given (a fixed schedule) or
-        `metrics_every` is 0 (nothing to read).
-    metrics_every: measure every this many optimizer steps (0: never): role signals while tied (they feed the
-        trigger), drift between the two spaces after the untie. Logged as `untie/...` with Trainer's next log.
-    tying_mode: how the tied phase runs. "live": one shared parameter; the head parameter is created at the
-        untie (single device, DDP). "emulated": the head has its own parameter from the start and is kept equal to
-        the embedding, with the tied gradient (`untie.emulation`); the untie only stops that. It costs one more
-        (V, d) parameter while tied and is what FSDP2 needs. "auto" (default): "emulated" under FSDP2, else "live".
-    pairs: symbol pairs (token ids) whose distances, pushes, tension, conditional gap and evidence are measured
-        too, e.g. [[0, 1], [2, 3]]: pairs you know to be semantically equivalent (synonyms, spelling variants,
-        twins). "auto": the most frequent case and word-start variants of the tokenizer Trainer is given as
-        `processing_class` (``the``/``The``, ``Ġthe``/``the``, ``▁the``/``the``, ``the``/``##the``; `untie.pairs`),
-        refused without one. None (default): "auto" when Trainer has a tokenizer, no pairs otherwise. [] : none.
+    The defaults are the product's behaviour: train tied, untie when the divergence trigger fires, and at 30% of the
+    run at the latest. A fixed schedule is ``untie_when=None`` with ``untie_at=<step or fraction>``; a tied
+    baseline that still logs is ``untie_at=None, untie_when=None``.
     """
 
-    untie_at: int | float | None = DEFAULT_UNTIE_AT
-    optimizer_state: str = "copy"
-    tie_init: str = "input"
-    save_at_untie: bool = True
-    untie_when: UntieWhen | None = _TRIGGER_UNLESS_SCHEDULED
-    metrics_every: int = 50
-    pairs: list[tuple[int, int]] | Literal["auto"] | None = None
-    tying_mode: str = "auto"
+    untie_at: int | float | None = field(
+        default=DEFAULT_UNTIE_AT,
+        metadata={
+            "help": "The untie step at the latest: an int is a global optimizer step (0 = before the first step), a "
+            "float in (0, 1) a fraction of max_steps, None no deadline. With untie_when=None it is a fixed schedule."
+        },
+    )
+    optimizer_state: OptimizerStateInit = field(
+        default="copy",
+        metadata={
+            "help": "What the untied head's optimizer state starts from: 'copy' (the shared matrix's moments: the "
+            "head continues smoothly) or 'reset' (fresh state, as for a new parameter)."
+        },
+    )
+    tie_init: TieInit = field(
+        default="input",
+        metadata={
+            "help": "When the model arrives untied, Trainer's model is tied at construction from this matrix: "
+            "'input', 'output' or 'mean'."
+        },
+    )
+    save_at_untie: bool = field(
+        default=True, metadata={"help": "Ask Trainer for a checkpoint at the untie step (Trainer only)."}
+    )
+    untie_when: RuleSpec = field(
+        default="divergence",
+        metadata={
+            "help": "The divergence trigger: 'divergence' (the default rule: the evidence rule when pairs are "
+            "measured, the pair-free rule otherwise; off under FSDP2, where a measurement is dense), a rule name from "
+            "untie.RULES ('evidence', 'gap', 'cancellation', ...), an untie.UntieWhen or its dict, or None (untie at "
+            "untie_at only). The model unties when it fires or at untie_at, whichever comes first."
+        },
+    )
+    metrics_every: int = field(
+        default=50,
+        metadata={
+            "help": "Measure every this many optimizer steps: role signals while tied (they feed the trigger), drift "
+            "between the two spaces after the untie, logged as untie/... 0 measures nothing (needs untie_when=None)."
+        },
+    )
+    pairs: list[tuple[int, int]] | Literal["auto"] | None = field(
+        default=None,
+        metadata={
+            "help": "Symbol pairs (token ids) known to be semantically equivalent, measured too: [[id_a, id_b], ...]. "
+            "'auto': the tokenizer's most frequent case and word-start variants (the/The, Ġthe/the, ▁the/the, "
+            "the/##the), refused without a tokenizer. None: 'auto' when there is a tokenizer, else none. []: none."
+        },
+    )
+    tying_mode: TyingMode = field(
+        default="auto",
+        metadata={
+            "help": "The tied phase: 'live' (one shared parameter; the head is created at the untie: one device, DDP), "
+            "'emulated' (the head is its own parameter kept equal to the embedding, with the tied gradient: what "
+            "FSDP2 needs, at the cost of one more (V, d) parameter while tied), or 'auto' (emulated under FSDP2)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.metrics_every, numbers.Integral) and not isinstance(self.metrics_every, bool):
@@ -78,15 +101,20 @@ class UntieConfig:
                     f"pairs={self.pairs!r}: pass a list of (token_id, token_id) pairs, or 'auto' (read from the "
                     "tokenizer Trainer is given as processing_class)."
                 ) from None
-        self._resolve_defaults()
-        per_pair = pair_signal(self.untie_when.signal) if self.untie_when is not None else None
-        if per_pair is not None:
+        if isinstance(self.untie_when, dict):
+            self.untie_when = UntieWhen.coerce(self.untie_when)  # the JSON form of a rule: the rule itself
+        rule = self.rule(with_pairs=self.pairs != [])  # refuses an unknown name or a bad rule now
+        if rule is not None and self.metrics_every == 0:
+            raise ValueError(
+                f"untie_when={self.untie_when!r} reads measurements, and metrics_every=0 takes none: set "
+                "metrics_every > 0 (e.g. 50), or untie_when=None for a fixed schedule at untie_at."
+            )
+        per_pair = pair_signal(rule.signal) if rule is not None else None
+        if per_pair is not None and self.untie_when != "divergence":
             wanted = per_pair[1]
             listed = isinstance(self.pairs, list)  # "auto" pairs are known only once the tokenizer is read
             if self.pairs == [] or (wanted and listed and wanted not in {f"{a}-{b}" for a, b in self.pairs}):
-                raise ValueError(
-                    f"untie_when.signal={self.untie_when.signal!r} needs that pair in pairs=..., got {self.pairs}."
-                )
+                raise ValueError(f"untie_when.signal={rule.signal!r} needs that pair in pairs=..., got {self.pairs}.")
         at = self.untie_at
         if isinstance(at, numbers.Integral) and not isinstance(at, bool):
             at = self.untie_at = int(at)  # numpy / torch integers are steps too
@@ -107,24 +135,14 @@ class UntieConfig:
         if self.tie_init not in _TIE_INITS:
             raise ValueError(f"tie_init={self.tie_init!r} is not one of {_TIE_INITS}.")
 
-    def _resolve_defaults(self) -> None:
-        """Turn `untie_when` (left out, "divergence", a dict, ...) into an `UntieWhen` or None, and `untie_at` into a
-        plain number: the JSON form is explicit, so a round trip gives the same settings."""
-        # A step the user chose is a schedule, and metrics_every=0 leaves the trigger nothing to read.
-        scheduled = not isinstance(self.untie_at, DefaultDeadline) or self.metrics_every == 0
-        left_out = self.untie_when is _TRIGGER_UNLESS_SCHEDULED
-        #: The trigger is on by default, not by the user's choice (not a field: the JSON form is explicit).
-        self.trigger_by_default = left_out and not scheduled
-        if left_out:
-            self.untie_when = None if scheduled else "divergence"
-        #: "divergence" depends on whether pairs are measured, known for pairs=None only once Trainer is built.
-        self.rule_follows_pairs = self.untie_when == "divergence" and self.pairs is None
-        # pairs=None may find no tokenizer: the callback then falls back to the pair-free rule (`UntieCallback`).
-        self.untie_when = UntieWhen.coerce(self.untie_when, with_pairs=self.pairs != [])
-        if self.untie_when is not None and self.metrics_every == 0:
-            raise ValueError("untie_when needs measurements: set metrics_every > 0 (e.g. 50) or untie_when=None.")
-        if isinstance(self.untie_at, DefaultDeadline):
-            self.untie_at = float(self.untie_at)
+    @property
+    def is_default_rule(self) -> bool:
+        """`untie_when` is "divergence": the rule follows whether pairs are measured (and is off under FSDP2)."""
+        return self.untie_when == "divergence"
+
+    def rule(self, with_pairs: bool) -> UntieWhen | None:
+        """The trigger's rule (`untie.UntieWhen`) for a run that measures pairs or not; None: no trigger."""
+        return UntieWhen.coerce(self.untie_when, with_pairs=with_pairs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

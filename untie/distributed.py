@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from untie import _compat
+
 _WHY = {
     "FSDP1": "FSDP1 flattens every parameter of a unit into one FlatParameter at wrap time: a head created later is "
     "never sharded, and the emulated mode's gradient fold needs row-aligned shards. Use FSDP2 (accelerate "
@@ -35,13 +37,13 @@ def training_engine(args=None) -> str | None:
     try:
         from accelerate.state import AcceleratorState, PartialState
 
-        if AcceleratorState._shared_state:
+        if _compat.accelerator_state_exists():
             state = AcceleratorState()
             name = state.distributed_type.name
             if name == "FSDP":
                 return f"FSDP{getattr(state.fsdp_plugin, 'fsdp_version', 1)}"
             return name if name in _WHY else None
-        if PartialState._shared_state and PartialState().distributed_type.name == "XLA":
+        if _compat.partial_state_exists() and PartialState().distributed_type.name == "XLA":
             return "XLA"
     except (ImportError, AttributeError, ValueError):
         pass

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from untie import _compat
 from untie.surgery import _embedding_modules, _inner, copy_optimizer_state
 
 
@@ -64,10 +65,10 @@ class EmulatedTying:
         # queue runs go to its end, after DDP's finalisation and FSDP2's reduce-scatter (queued at backward start).
         if not self._fold_queued:
             self._fold_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._queue_fold_last)
+            _compat.queue_autograd_callback(self._queue_fold_last)
 
     def _queue_fold_last(self) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self.fold_gradients)
+        _compat.queue_autograd_callback(self.fold_gradients)
 
     def fold_gradients(self) -> None:
         """Move the head's gradient into the embedding's: the embedding holds the tied gradient, the head none."""

@@ -18,6 +18,8 @@ import transformers as tf
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from untie import _compat
+
 #: `--head` choices: the Auto class used to load a checkpoint with a language-modeling head.
 HEADS = {
     "causal-lm": tf.AutoModelForCausalLM,
@@ -106,7 +108,7 @@ class Checkpoint:
     def empty_model(self) -> tf.PreTrainedModel:
         """The model on the meta device: names, shapes and declared ties, with no memory and no weights (built once)."""
         with torch.device("meta"):
-            return self.model_class._from_config(self.config)
+            return _compat.build_from_config(self.model_class, self.config)
 
     def load(self) -> tf.PreTrainedModel:
         """The model with its weights, as plain `from_pretrained` gives it (stored dtype)."""
@@ -204,7 +206,7 @@ def _model_class(source: str, config: tf.PretrainedConfig, head: str) -> type[tf
 
 
 def _auto_class(source: str, config: tf.PretrainedConfig, head: str) -> type[tf.PreTrainedModel]:
-    mapping = HEADS[head]._model_mapping
+    mapping = _compat.auto_class_mapping(HEADS[head])
     if type(config) not in mapping:
         raise NoEmbeddings(f"{source}: model type {config.model_type!r} has no {head} head in transformers.")
     return mapping[type(config)]

@@ -37,7 +37,7 @@ from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics, su
 from untie.pairs import tokenizer_pairs
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
-from untie.triggers import DivergenceTrigger, ScheduledTrigger, default_rule, pair_signal
+from untie.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,9 @@ class UntieRun:
         self.owner = owner
         self.deadline = ScheduledTrigger(config.untie_at)
         """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
-        self.divergence: DivergenceTrigger | None = DivergenceTrigger(config.untie_when) if config.untie_when else None
+        self.rule = config.rule(with_pairs=config.pairs != [])
+        """The divergence trigger's rule (`untie.UntieWhen`), "divergence" resolved (`match_rule_to_pairs`); None."""
+        self.divergence: DivergenceTrigger | None = DivergenceTrigger(self.rule) if self.rule else None
         self.untied = False
         self.untie_step: int | None = None
         self.untie_reason: str | None = None
@@ -112,12 +114,12 @@ class UntieRun:
     def match_rule_to_pairs(self) -> None:
         """With pairs=None, "divergence" is the evidence rule only if the tokenizer gave pairs: else the pair-free
         rule. A per-pair rule the user chose, with no pairs to read, is refused."""
-        rule = self.config.untie_when
+        rule = self.rule
         if rule is None or self.pairs or pair_signal(rule.signal) is None:
             return
-        if self.config.rule_follows_pairs:
-            self.config.untie_when = default_rule(with_pairs=False)
-            self.divergence = DivergenceTrigger(self.config.untie_when)
+        if self.config.is_default_rule:
+            self.rule = default_rule(with_pairs=False)
+            self.divergence = DivergenceTrigger(self.rule)
             return
         raise ValueError(
             f"untie_when.signal={rule.signal!r} reads pairs, and there are none: no tokenizer to read them from "
@@ -204,7 +206,7 @@ class UntieRun:
         train() called again) carries nothing over.
         """
         self.history = [h for h in attributes.get("history", []) if h["step"] <= step]
-        self.divergence = DivergenceTrigger(self.config.untie_when) if self.config.untie_when else None
+        self.divergence = DivergenceTrigger(self.rule) if self.rule else None
         self.trigger_state = attributes.get("trigger_state", attributes.get("trigger"))  # "trigger": its earlier name
         self.untied = bool(attributes.get("untied"))
         self.untie_step = attributes.get("untie_step") if self.untied else None
@@ -214,7 +216,7 @@ class UntieRun:
     def warn_changed_settings(self, saved_config: dict, step: int) -> None:
         """Say which schedule settings differ from the checkpoint's run (`saved_config`, as JSON), and what they do."""
         now = self.config.to_json_dict()
-        changed = [k for k in ("untie_at", "untie_when") if k in saved_config and saved_config[k] != now[k]]
+        changed = [k for k in ("untie_at", "untie_when") if k in saved_config and not self._same(k, saved_config[k])]
         if not changed:
             return
         what = ", ".join(f"{k}: {saved_config[k]!r} -> {now[k]!r}" for k in changed)
@@ -230,6 +232,16 @@ class UntieRun:
                 "the new ones (a deadline already passed unties at the resume step).",
                 stacklevel=4,
             )
+
+    def _same(self, key: str, saved) -> bool:
+        """Whether a checkpoint's setting (JSON) is this run's; rules compare by what they resolve to."""
+        if key != "untie_when":
+            return saved == self.config.to_json_dict()[key]
+        try:
+            then = UntieWhen.coerce(saved, with_pairs=bool(self.pairs))
+        except (TypeError, ValueError):
+            return False
+        return (then and then.to_dict()) == (self.rule and self.rule.to_dict())
 
     # -- the run ------------------------------------------------------------------------------------------------------
     def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
@@ -264,10 +276,10 @@ class UntieRun:
             return
         self.emulation.attach_optimizer(optimizer)
         sharded = is_sharded(model.get_input_embeddings().weight)
-        if sharded and self.config.trigger_by_default and self.divergence is not None:
+        if sharded and self.config.is_default_rule and self.divergence is not None:
             # Sharded (FSDP2), a measurement costs dense (V, d) buffers and a gather of W on every rank: the trigger
-            # runs there only when the user asks for it (untie_when=...); the default is the deadline alone.
-            logger.info("untie: FSDP2: the default divergence trigger is off (pass untie_when to turn it on).")
+            # runs there only when the user names a rule; the default ("divergence") is the deadline alone.
+            logger.info("untie: FSDP2: the default trigger is off (name a rule to keep it: untie_when='evidence').")
             self.divergence = None
         if self.deadline.fires(step):
             self.untie(model, optimizer, step, "deadline")
@@ -401,7 +413,7 @@ class UntieRun:
                 f"{self.owner}: metrics_every={every} leaves the divergence trigger {chances} measurement(s) after "
                 f"its warm-up (step {self.divergence.warmup_step}) and by step {last}; it needs {needed} in a row to "
                 f"fire, so it cannot fire and {what}. Pass metrics_every <= {fit} to give it a chance, or "
-                "untie_at=<step> alone for a plain schedule.",
+                "untie_when=None for a plain schedule at untie_at.",
                 stacklevel=5,
             )
         elif every > last - step:  # no trigger reads them: a note, not a warning

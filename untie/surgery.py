@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from untie import _compat
 from untie.adapters import refuse_peft_surgery
 
 logger = logging.getLogger(__name__)
@@ -98,8 +99,8 @@ def _declared_ties(model: nn.Module) -> dict[str, str]:
     """The class-level tied-weights mapping of `model` and its PreTrainedModel submodules, with full names."""
     mapping: dict[str, str] = {}
     for prefix, module in model.named_modules():
-        keys = getattr(type(module), "_tied_weights_keys", None)  # the class's mapping, not an instance override
-        if not isinstance(keys, dict):
+        keys = _compat.class_tied_keys(module)  # the class's mapping, not an instance override
+        if keys is None:
             continue
         dot = f"{prefix}." if prefix else ""
         mapping.update({f"{dot}{target}": f"{dot}{source}" for target, source in keys.items()})
@@ -159,25 +160,23 @@ def _drop_head_ties(model: nn.Module, layout: EmbeddingLayout) -> None:
     """Remove the LM-head entries (weight and bias) from every module's tied-weights mapping, on the instance."""
     head_names = {layout.output_weight, layout.output_bias} - {None}
     for prefix, module in model.named_modules():
-        keys = getattr(module, "_tied_weights_keys", None)
-        if not isinstance(keys, dict) or not keys:
+        keys = _compat.tied_keys(module)
+        if not keys:
             continue
         dot = f"{prefix}." if prefix else ""
         kept = {t: s for t, s in keys.items() if f"{dot}{t}" not in head_names}
         if len(kept) != len(keys):
-            module._tied_weights_keys = kept
+            _compat.set_instance_tied_keys(module, kept)
 
 
 def _restore_head_ties(model: nn.Module) -> None:
     """Undo `_drop_head_ties`: fall back to the class-level tied-weights mapping."""
     for module in model.modules():
-        if "_tied_weights_keys" in vars(module):
-            del module._tied_weights_keys
+        _compat.clear_instance_tied_keys(module)
 
 
 def _refresh_tied_cache(model: nn.Module) -> None:
-    if hasattr(model, "get_expanded_tied_weights_keys"):
-        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+    _compat.refresh_tied_keys_cache(model)
 
 
 def _mark_untied(model: nn.Module, layout: EmbeddingLayout) -> None:
@@ -255,11 +254,7 @@ def _reshare_other_ties(model: nn.Module) -> None:
 
 
 def _remaining_ties(model: nn.Module) -> bool:
-    for module in model.modules():
-        keys = getattr(module, "_tied_weights_keys", None)
-        if isinstance(keys, dict) and keys:
-            return True
-    return False
+    return any(_compat.tied_keys(module) for module in model.modules())
 
 
 def _mark_tied(model: nn.Module) -> None:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from untie.config import DEFAULT_UNTIE_AT, UntieConfig
+from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
 from untie.distributed import is_sharded, training_engine
 from untie.pairs import is_tokenizer
 from untie.run import UntieRun
@@ -61,9 +61,16 @@ class Untier:
             sync gradients (not accumulation micro-batches), and `accelerator.save_state` / `load_state` carry the
             untie state (`untie_state.json`) and give a resumed model the checkpoint's structure before it loads.
         tokenizer: the tokenizer, for `pairs="auto"` (and pairs=None, which reads the pairs when it is given).
-        untie_at: as `untie.UntieConfig.untie_at`.
-        **settings: the other fields of `untie.UntieConfig` (`untie_when`, `metrics_every`, `pairs`, `tying_mode`,
-            `optimizer_state`, `tie_init`); `save_at_untie` is Trainer's and is ignored here.
+        untie_at: the untie step at the latest (int), or a fraction of `max_steps` (float); None: no deadline.
+        untie_when: the divergence trigger: "divergence" (default rule), a name from `untie.RULES`, an
+            `untie.UntieWhen`, or None (a fixed schedule at `untie_at`).
+        metrics_every: measure every this many optimizer steps (0: never; needs ``untie_when=None``).
+        pairs: token-id pairs to measure, "auto" (from `tokenizer`), None ("auto" when a tokenizer is given), [].
+        optimizer_state: the untied head's optimizer state: "copy" or "reset".
+        tie_init: an untied model is tied from this matrix: "input", "output" or "mean".
+        tying_mode: "live", "emulated" (FSDP2) or "auto".
+
+    The settings are the fields of `untie.UntieConfig` (its docs say more) but `save_at_untie`, which is Trainer's.
     """
 
     def __init__(
@@ -75,7 +82,12 @@ class Untier:
         accelerator: Any = None,
         tokenizer: Any = None,
         untie_at: int | float | None = DEFAULT_UNTIE_AT,
-        **settings: Any,
+        untie_when: RuleSpec = "divergence",
+        metrics_every: int = 50,
+        pairs: list[tuple[int, int]] | Literal["auto"] | None = None,
+        optimizer_state: OptimizerStateInit = "copy",
+        tie_init: TieInit = "input",
+        tying_mode: TyingMode = "auto",
     ) -> None:
         self.model = _unwrap(model)
         self.accelerator = accelerator
@@ -83,7 +95,15 @@ class Untier:
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_step = 0
         """Optimizer steps done (restored by `load_state_dict`)."""
-        config = UntieConfig(untie_at=untie_at, **settings)
+        config = UntieConfig(
+            untie_at=untie_at,
+            untie_when=untie_when,
+            metrics_every=metrics_every,
+            pairs=pairs,
+            optimizer_state=optimizer_state,
+            tie_init=tie_init,
+            tying_mode=tying_mode,
+        )
         if isinstance(config.untie_at, float) and max_steps is None:
             raise ValueError(
                 f"Untier: untie_at={config.untie_at} is a fraction of the run: pass max_steps=<the run's optimizer "

@@ -1,0 +1,128 @@
+"""Every touch of a transformers / accelerate / torch internal, in one place, with the versions it was checked on.
+
+The rest of the library calls these functions instead of reaching into private names, so an upstream change is
+fixed here once. Each entry says what it touches, why no public API does the job, and the versions it was checked
+on.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+# -- transformers: tied-weights declarations -------------------------------------------------------------------------
+# `PreTrainedModel._tied_weights_keys` (class attribute, {target: source} since transformers 5.0) declares the ties
+# that `tie_weights()` re-applies; `all_tied_weights_keys` is its expanded per-instance cache, rebuilt by
+# `get_expanded_tied_weights_keys(all_submodels=True)`. No public API removes one entry (the head's) from an
+# instance; the untie sets an instance-level mapping without it. Checked: transformers 5.23.0.
+TIED_KEYS_ATTR = "_tied_weights_keys"
+
+
+def class_tied_keys(module: nn.Module) -> dict[str, str] | None:
+    """The tied-weights mapping the module's class declares ({target: source}), ignoring instance overrides."""
+    keys = getattr(type(module), TIED_KEYS_ATTR, None)
+    return keys if isinstance(keys, dict) else None
+
+
+def tied_keys(module: nn.Module) -> dict[str, str] | None:
+    """The tied-weights mapping in effect on the module (an instance override first, else the class's)."""
+    keys = getattr(module, TIED_KEYS_ATTR, None)
+    return keys if isinstance(keys, dict) else None
+
+
+def set_instance_tied_keys(module: nn.Module, keys: dict[str, str]) -> None:
+    """Override the module's tied-weights mapping on this instance only (the class keeps its declaration)."""
+    setattr(module, TIED_KEYS_ATTR, keys)
+
+
+def clear_instance_tied_keys(module: nn.Module) -> None:
+    """Drop an instance override: the class's declaration applies again."""
+    if TIED_KEYS_ATTR in vars(module):
+        delattr(module, TIED_KEYS_ATTR)
+
+
+def refresh_tied_keys_cache(model: nn.Module) -> None:
+    """Rebuild `model.all_tied_weights_keys` after the mapping changed (what `save_pretrained` / loading read)."""
+    if hasattr(model, "get_expanded_tied_weights_keys"):
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+
+
+def expanded_tied_keys(model: nn.Module) -> set[str]:
+    """The names of the parameters that loading fills by tying (`all_tied_weights_keys`), empty if unknown."""
+    return set(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+# -- transformers: model classes -------------------------------------------------------------------------------------
+def build_from_config(model_class: type, config: Any) -> nn.Module:
+    """`model_class._from_config(config)`: a model built from its config without loading weights (the public
+    `AutoModel*.from_config` needs an Auto class; this builds any class, e.g. on the meta device).
+    Checked: transformers 5.23.0."""
+    return model_class._from_config(config)
+
+
+def auto_class_mapping(auto_class: type) -> Any:
+    """`AutoModel*._model_mapping`: {config class: model class}, to find a checkpoint's head class without building
+    it (no public lookup exists). Checked: transformers 5.23.0."""
+    return auto_class._model_mapping
+
+
+# -- transformers: Trainer's callback handler ------------------------------------------------------------------------
+def find_caller(accept: Callable[[Any], bool], skip: int = 2, depth: int = 8) -> Any:
+    """The nearest `self` among the calling frames (from `skip` frames up) that `accept` takes, or None.
+
+    Trainer hands callbacks neither itself nor its `CallbackHandler`; `on_init_end` needs both (to refuse a second
+    UntieCallback, to run first, to wrap `model_init` and `train`). Frame walking is CPython behaviour
+    (`sys._getframe`); the callers are `CallbackHandler.call_event` and `Trainer.__init__`. Checked: transformers
+    5.0.0, 5.23.0 on CPython 3.10-3.12.
+    """
+    frame = sys._getframe(skip)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        caller = frame.f_locals.get("self")
+        if accept(caller):
+            return caller
+        frame = frame.f_back
+    return None
+
+
+def move_callback_first(handler: Any, callback: Any) -> None:
+    """Put `callback` first in `CallbackHandler.callbacks` (a plain list; the public `add_callback` appends):
+    Trainer adds the reporting integrations before user callbacks, and `untie/*` keys added in `on_log` must reach
+    them. Checked: transformers 5.23.0."""
+    handler.callbacks.remove(callback)
+    handler.callbacks.insert(0, callback)
+
+
+# -- accelerate: whether an Accelerator exists -----------------------------------------------------------------------
+def accelerator_state_exists() -> bool:
+    """Whether an `Accelerator` (hence an `AcceleratorState`) was created in this process, without creating one.
+
+    accelerate has no public query for the full state (`accelerate.state.is_initialized()` answers for
+    `PartialState` only): read the shared state dict of the borg class. Checked: accelerate 1.15.0.
+    """
+    from accelerate.state import AcceleratorState
+
+    return bool(AcceleratorState._shared_state)
+
+
+def partial_state_exists() -> bool:
+    """Whether accelerate's `PartialState` was initialised (public since accelerate 1.0: `is_initialized`)."""
+    from accelerate import state
+
+    is_initialized = getattr(state, "is_initialized", None)
+    if is_initialized is not None:
+        return bool(is_initialized())
+    return bool(state.PartialState._shared_state)
+
+
+# -- torch: autograd engine ------------------------------------------------------------------------------------------
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the current backward pass ends (`Variable._execution_engine.queue_callback`; DDP and
+    FSDP2 finalise their gradients the same way, and there is no public equivalent). Must be called during
+    backward. Checked: torch 2.13.0."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
