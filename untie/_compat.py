@@ -77,7 +77,7 @@ def find_caller(accept: Callable[[Any], bool], skip: int = 2, depth: int = 8) ->
     Trainer hands callbacks neither itself nor its `CallbackHandler`; `on_init_end` needs both (to refuse a second
     UntieCallback, to run first, to wrap `model_init` and `train`). Frame walking is CPython behaviour
     (`sys._getframe`); the callers are `CallbackHandler.call_event` and `Trainer.__init__`. Checked: transformers
-    5.0.0, 5.23.0 on CPython 3.10-3.12.
+    5.23.0 on CPython 3.11.
     """
     frame = sys._getframe(skip)
     for _ in range(depth):
@@ -98,26 +98,17 @@ def move_callback_first(handler: Any, callback: Any) -> None:
     handler.callbacks.insert(0, callback)
 
 
-# -- accelerate: whether an Accelerator exists -----------------------------------------------------------------------
-def accelerator_state_exists() -> bool:
-    """Whether an `Accelerator` (hence an `AcceleratorState`) was created in this process, without creating one.
-
-    accelerate has no public query for the full state (`accelerate.state.is_initialized()` answers for
-    `PartialState` only): read the shared state dict of the borg class. Checked: accelerate 1.15.0.
-    """
-    from accelerate.state import AcceleratorState
-
-    return bool(AcceleratorState._shared_state)
-
-
+# -- accelerate: whether a PartialState exists ------------------------------------------------------------------------
 def partial_state_exists() -> bool:
-    """Whether accelerate's `PartialState` was initialised (public since accelerate 1.0: `is_initialized`)."""
-    from accelerate import state
+    """Whether accelerate's `PartialState` was initialised in this process, without initialising it.
 
-    is_initialized = getattr(state, "is_initialized", None)
-    if is_initialized is not None:
-        return bool(is_initialized())
-    return bool(state.PartialState._shared_state)
+    The public `accelerate.state.is_initialized()` answers for `AcceleratorState` (an `Accelerator`), and
+    `PartialState().initialized` would create the state it asks about: read the borg class's shared state dict.
+    Checked: accelerate 1.15.0.
+    """
+    from accelerate.state import PartialState
+
+    return bool(PartialState._shared_state)
 
 
 # -- torch: autograd engine ------------------------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class UntieConfig:
                 "metrics_every > 0 (e.g. 50), or untie_when=None for a fixed schedule at untie_at."
             )
         per_pair = pair_signal(rule.signal) if rule is not None else None
-        if per_pair is not None and self.untie_when != "divergence":
+        if per_pair is not None and not self.is_default_rule:
             wanted = per_pair[1]
             listed = isinstance(self.pairs, list)  # "auto" pairs are known only once the tokenizer is read
             if self.pairs == [] or (wanted and listed and wanted not in {f"{a}-{b}" for a, b in self.pairs}):

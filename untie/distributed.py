@@ -35,9 +35,9 @@ def training_engine(args=None) -> str | None:
     `fsdp=True` on CPU trains unsharded). Without that state, read the arguments and accelerate's launch environment.
     """
     try:
-        from accelerate.state import AcceleratorState, PartialState
+        from accelerate.state import AcceleratorState, PartialState, is_initialized
 
-        if _compat.accelerator_state_exists():
+        if is_initialized():  # an Accelerator exists (public since accelerate 1.0; it creates nothing)
             state = AcceleratorState()
             name = state.distributed_type.name
             if name == "FSDP":

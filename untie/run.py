@@ -216,7 +216,9 @@ class UntieRun:
     def warn_changed_settings(self, saved_config: dict, step: int) -> None:
         """Say which schedule settings differ from the checkpoint's run (`saved_config`, as JSON), and what they do."""
         now = self.config.to_json_dict()
-        changed = [k for k in ("untie_at", "untie_when") if k in saved_config and not self._same(k, saved_config[k])]
+        changed = [
+            k for k in ("untie_at", "untie_when") if k in saved_config and not self._same(k, saved_config[k], now[k])
+        ]
         if not changed:
             return
         what = ", ".join(f"{k}: {saved_config[k]!r} -> {now[k]!r}" for k in changed)
@@ -233,10 +235,10 @@ class UntieRun:
                 stacklevel=4,
             )
 
-    def _same(self, key: str, saved) -> bool:
-        """Whether a checkpoint's setting (JSON) is this run's; rules compare by what they resolve to."""
+    def _same(self, key: str, saved, now) -> bool:
+        """Whether a checkpoint's setting (JSON) is this run's (`now`); rules compare by what they resolve to."""
         if key != "untie_when":
-            return saved == self.config.to_json_dict()[key]
+            return saved == now
         try:
             then = UntieWhen.coerce(saved, with_pairs=bool(self.pairs))
         except (TypeError, ValueError):

@@ -175,10 +175,6 @@ def _restore_head_ties(model: nn.Module) -> None:
         _compat.clear_instance_tied_keys(module)
 
 
-def _refresh_tied_cache(model: nn.Module) -> None:
-    _compat.refresh_tied_keys_cache(model)
-
-
 def _mark_untied(model: nn.Module, layout: EmbeddingLayout) -> None:
     _drop_head_ties(model, layout)
     remaining_ties = _remaining_ties(model)
@@ -197,7 +193,7 @@ def _mark_untied(model: nn.Module, layout: EmbeddingLayout) -> None:
         setattr(config, UNTIED_MARKER, True)
     if keeps_other_ties:
         _store_other_ties_apart(model)
-    _refresh_tied_cache(model)
+    _compat.refresh_tied_keys_cache(model)
 
 
 def _flag_survives_reload(config) -> bool:
@@ -268,7 +264,7 @@ def _mark_tied(model: nn.Module) -> None:
             config.tie_word_embeddings = True
         if hasattr(config, UNTIED_MARKER):
             delattr(config, UNTIED_MARKER)
-    _refresh_tied_cache(model)
+    _compat.refresh_tied_keys_cache(model)
 
 
 def was_untied(model: nn.Module) -> bool:
