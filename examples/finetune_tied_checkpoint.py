@@ -19,7 +19,7 @@ import transformers as tf
 
 import untie
 from untie.inspection import describe
-from untie.testing import shakespeare_blocks, small_checkpoint
+from untie_recipes.offline import shakespeare_blocks, small_checkpoint
 
 
 @dataclass

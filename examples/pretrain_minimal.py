@@ -6,8 +6,8 @@ import torch
 import transformers as tf
 
 from untie import UntieCallback
-from untie.bookcorpus.data import load_tokenizer  # the shipped Shakespeare WordPiece vocabulary
-from untie.testing import shakespeare_blocks  # the shipped Shakespeare text, as 64-token blocks
+from untie_recipes.offline import shakespeare_blocks  # the shipped Shakespeare text, as 64-token blocks
+from untie_recipes.tasks.bookcorpus.data import load_tokenizer  # the shipped Shakespeare WordPiece vocabulary
 
 tokenizer = load_tokenizer("offline")
 model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=64, n_layer=2, n_head=4, n_positions=64))

@@ -18,7 +18,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.testing import shakespeare_blocks, small_checkpoint
+from untie_recipes.offline import shakespeare_blocks, small_checkpoint
 
 
 @dataclass

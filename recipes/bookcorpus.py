@@ -33,7 +33,11 @@ import transformers as tf
 from accelerate import PartialState
 
 import untie
-from untie.bookcorpus import (
+from untie.metrics import pair_distances
+from untie_recipes.progress import JobProgress, quiet_trainer
+from untie_recipes.schedules import periodic_cosine
+from untie_recipes.tasks.bookcorpus import (
+    TwinTable,
     build_twins,
     lm_collator,
     load_corpus,
@@ -42,8 +46,6 @@ from untie.bookcorpus import (
     small_gpt2,
     tokenize_corpus,
 )
-from untie.metrics import pair_distances
-from untie.schedules import periodic_cosine
 
 ARMS = ("tied", "untied", "scheduled", "auto")
 PRESETS = {
@@ -153,7 +155,9 @@ class BookCorpusArguments:
     save_model: bool = field(default=False, metadata={"help": "save_pretrained each arm's final model."})
     logging_steps: int = 50
     report_to: str = field(default="none", metadata={"help": "Trainer logging integrations (tensorboard, wandb)."})
-    disable_tqdm: bool = False
+    disable_tqdm: bool = field(
+        default=False, metadata={"help": "No progress line for the job: each arm prints its logs instead."}
+    )
 
     def resolved(self) -> BookCorpusArguments:
         """The arguments with every unset field taken from the preset, checked before anything is trained."""
@@ -187,7 +191,7 @@ class PreparedData:
     """What every arm shares: tokenizer, twins, tokenised splits."""
 
     tokenizer: tf.PreTrainedTokenizerBase
-    twins: untie.bookcorpus.TwinTable
+    twins: TwinTable
     train: datasets.Dataset | datasets.IterableDataset
     validation: datasets.Dataset | datasets.IterableDataset
 
@@ -267,7 +271,7 @@ class TwinDistanceRecorder(tf.TrainerCallback):
     """The paper's measure at every evaluation: mean Euclidean distance word-twin (DH and skewed twins) and between
     random different words, in the input and the output space; with the evaluation's loss, perplexity, accuracy."""
 
-    def __init__(self, twins: untie.bookcorpus.TwinTable) -> None:
+    def __init__(self, twins: TwinTable) -> None:
         self.groups = {
             "twin-dh": twins.pairs_where(skewed=False),
             "twin-skewed": twins.pairs_where(skewed=True),
@@ -334,9 +338,7 @@ class ThroughputMeter(tf.TrainerCallback):
 # -- One arm --
 
 
-def arm_callbacks(
-    arm: str, args: BookCorpusArguments, twins: untie.bookcorpus.TwinTable
-) -> tuple[bool, list[tf.TrainerCallback]]:
+def arm_callbacks(arm: str, args: BookCorpusArguments, twins: TwinTable) -> tuple[bool, list[tf.TrainerCallback]]:
     """Whether the arm's model starts tied, and its untie callback. tied and untied are plain Trainer runs: the
     baselines that the callback's cost is measured against."""
     if arm in ("tied", "untied"):
@@ -382,8 +384,11 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def train_arm(arm: str, args: BookCorpusArguments, data: PreparedData) -> tuple[dict, tf.Trainer]:
-    """Train one arm; return its record (summary + histories) and the trainer."""
+def train_arm(
+    arm: str, args: BookCorpusArguments, data: PreparedData, progress: JobProgress | None = None
+) -> tuple[dict, tf.Trainer]:
+    """Train one arm; return its record (summary + histories) and the trainer. `progress` is the job's progress line
+    (None keeps Trainer's own bar, or its log printer with --disable_tqdm)."""
     tied, callbacks = arm_callbacks(arm, args, data.twins)
     tf.set_seed(args.seed)  # every arm starts from the same input table and sees the same data draws
     model = build_model(args, data.vocab_size, data.tokenizer.pad_token_id, tied)
@@ -429,6 +434,9 @@ def train_arm(arm: str, args: BookCorpusArguments, data: PreparedData) -> tuple[
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
         callbacks=[*callbacks, recorder, meter],
     )
+    if progress is not None:
+        quiet_trainer(trainer)
+        trainer.add_callback(progress.callback(arm))
     started = time.perf_counter()
     trainer.train()
     if recorder.history[-1]["step"] != trainer.state.global_step:  # the last step was not an eval step
@@ -474,7 +482,7 @@ def train_arm(arm: str, args: BookCorpusArguments, data: PreparedData) -> tuple[
     return record, trainer
 
 
-def _named_pairs(keys: list[str], tokenizer, twins: untie.bookcorpus.TwinTable) -> list[str]:
+def _named_pairs(keys: list[str], tokenizer, twins: TwinTable) -> list[str]:
     """Pair keys ("12-8201") as tokens ("the/the'"), a twin written as its word with a prime."""
     twin_of = {twin: word for word, twin in twins.pairs}
 
@@ -598,8 +606,15 @@ def main(argv: list[str] | None = None) -> dict:
         todo = [a for a in args.arms() if args.overwrite or not Path(args.output_dir, "arms", f"{a}.json").exists()]
         if todo:
             data = prepare_data(args)
-            for arm in todo:
-                train_arm(arm, args, data)
+            progress = None
+            if not args.disable_tqdm:  # one line for every arm; its length comes from the first arm's max_steps
+                progress = JobProgress(len(todo), None, description="BookCorpus", disable=launch_rank() != 0)
+            try:
+                for arm in todo:
+                    train_arm(arm, args, data, progress)
+            finally:
+                if progress:
+                    progress.close()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

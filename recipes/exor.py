@@ -1,4 +1,4 @@
-"""EXor (Bertolotti & Cazzola, ICML 2024, section "EXor") with Trainer + UntieCallback, plus the tie-then-untie arm.
+"""EXor (Bertolotti & Cazzola, ICML 2024, as in the authors' code) with Trainer + UntieCallback, plus tie-then-untie.
 
     python recipes/exor.py                        # quick preset: main variant, Transformer, one seed, ~3 min on CPU
     python recipes/exor.py --preset paper         # the paper's setup: 150k full-batch steps, 5 seeds, all variants
@@ -22,14 +22,16 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import transformers as tf
 
 import untie
-from untie.exor import EQUIVALENT_PAIRS, PAIRS, VARIANTS, ExorDataset, exor_model, vocabulary
-from untie.schedules import periodic_cosine
+from untie_recipes.progress import JobProgress, StepReporter, quiet_trainer
+from untie_recipes.schedules import periodic_cosine
+from untie_recipes.tasks.exor import EQUIVALENT_PAIRS, PAIRS, VARIANTS, ExorDataset, exor_model, vocabulary
 
 ARMS = ("untied", "tied", "scheduled", "scheduled-reset", "auto")
 PRESETS = {
@@ -132,7 +134,9 @@ class ExorArguments:
         },
     )
     report_to: str = field(default="none", metadata={"help": "Trainer logging integrations (tensorboard, wandb, ...)."})
-    disable_tqdm: bool = field(default=False, metadata={"help": "Hide Trainer's progress bars."})
+    disable_tqdm: bool = field(
+        default=False, metadata={"help": "No progress line for the job: each run prints its logs instead."}
+    )
 
     def resolved(self) -> ExorArguments:
         """The arguments with every unset field taken from the preset."""
@@ -269,8 +273,9 @@ def _step_or_fraction(value: float) -> int | float:
     return int(value) if value >= 1 or value == 0 else value
 
 
-def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
-    """Train one run and write its record (summary + histories) to runs_dir/<name>.json."""
+def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str, progress: JobProgress | Any | None = None) -> dict:
+    """Train one run and write its record (summary + histories) to runs_dir/<name>.json. `progress` is the job's
+    progress line (same process) or its queue (a worker process); None keeps Trainer's own bar or log printer."""
     torch.set_num_threads(1)  # the models are tiny: parallel runs beat intra-op threads
     tf.logging.set_verbosity_warning()
     started = time.perf_counter()
@@ -319,6 +324,10 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str) -> dict:
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
         callbacks=[*callbacks, recorder, ReleaseFinishedEpochs()],
     )
+    if progress is not None:
+        quiet_trainer(trainer)
+        direct = isinstance(progress, JobProgress)
+        trainer.add_callback(progress.callback(spec.name) if direct else StepReporter(progress, spec.name))
     trainer.train()
     final_sets = {
         "train": ExorDataset("train", spec.variant, seed=data_seed + 3, repeats=4 * args.eval_repeats),
@@ -400,13 +409,26 @@ def train_missing(todo: list[RunSpec], total: int, args: ExorArguments, runs_dir
     workers = args.workers or min(os.cpu_count() or 1, 8)
     workers = 1 if launch_world_size() > 1 else max(1, min(workers, len(todo)))
     print(f"EXor: {total} runs, {total - len(todo)} already done, training {len(todo)} with {workers} workers")
-    if workers == 1:
-        for spec in todo:
-            train_run(spec, args, runs_dir)
+    if args.disable_tqdm:  # no line: each run's Trainer prints its logs
+        progress = None
     else:
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            for future in [pool.submit(train_run, spec, args, runs_dir) for spec in todo]:
-                future.result()
+        progress = JobProgress(len(todo), args.max_steps, description="EXor", disable=launch_rank() != 0)
+    try:
+        if workers == 1:
+            for spec in todo:
+                train_run(spec, args, runs_dir, progress)
+        else:
+            context = get_context("spawn")
+            with ProcessPoolExecutor(workers, mp_context=context) as pool:
+                queue = progress.queue(context) if progress else None
+                futures = [pool.submit(train_run, spec, args, runs_dir, queue) for spec in todo]
+                if progress:
+                    progress.follow(futures)
+                for future in futures:
+                    future.result()
+    finally:
+        if progress:
+            progress.close()
 
 
 # -- Analysis --

@@ -60,7 +60,7 @@ def main(tarball: str) -> None:
         f.write("\n".join(lines) + "\n")
     print(f"{OUT}: {len(lines)} sentences, {sum(len(s.split()) for s in lines)} words")
     # The vocabulary ships too: tokenizers' trainer breaks ties differently from run to run.
-    from untie.bookcorpus.data import OFFLINE_VOCAB, train_wordpiece_tokenizer
+    from untie_recipes.tasks.bookcorpus.data import OFFLINE_VOCAB, train_wordpiece_tokenizer
 
     tokenizer = train_wordpiece_tokenizer(lines, vocab_size=8192)
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])

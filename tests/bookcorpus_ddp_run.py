@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 import transformers as tf
+import worker_exit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import bookcorpus as recipe  # noqa: E402
-import worker_exit  # noqa: E402
+from untie_recipes import bookcorpus as recipe
 
 
 def main(out_dir: str) -> None:

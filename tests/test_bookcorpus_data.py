@@ -1,4 +1,5 @@
-"""untie.bookcorpus: offline corpus, local and hub loading (up to the network), tokenizer, twins, collators, model."""
+"""untie_recipes.tasks.bookcorpus: offline corpus, local and hub loading (up to the network), tokenizer, twins,
+collators, model."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import untie
-from untie.bookcorpus import (
+from untie_recipes.tasks.bookcorpus import (
     COMMON_WORDS,
     build_twins,
     data,

@@ -6,16 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from launch import torchrun
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import bookcorpus as recipe  # noqa: E402
+from untie_recipes import bookcorpus as recipe
 
 SHORT = ["--max_steps", "12", "--eval_steps", "6", "--untie_at", "4", "--auto_deadline", "8", "--metrics_every", "2",
          "--batch_size", "16", "--max_train_samples", "400", "--max_eval_samples", "64", "--logging_steps", "3",
@@ -107,16 +103,7 @@ def test_bad_arguments_fail_before_training(tmp_path):
 
 def test_scheduled_arm_under_two_process_ddp(tmp_path):
     """torchrun on CPU (gloo): both ranks untie at the same step and end with identical weights."""
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not on PATH")
-    worker = Path(__file__).with_name("bookcorpus_ddp_run.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(worker), str(tmp_path)]  # fmt: skip
-    result = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=1800
-    )  # a hang guard (a deadlocked worker), not a speed limit
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun("bookcorpus_ddp_run.py", tmp_path)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert rank0["distributed_type"] == "MULTI_CPU"
     assert rank0["untie_step"] == rank1["untie_step"] == 4
@@ -125,11 +112,3 @@ def test_scheduled_arm_under_two_process_ddp(tmp_path):
     assert rank0["params"].keys() == rank1["params"].keys()
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -4,45 +4,17 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
+from launch import torchrun
 
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_untie_run.py")
 
 
 def _torchrun(tmp_path, arch: str, mode: str) -> list[dict]:
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not on PATH")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(_free_port()),
-        WORKER,
-        str(tmp_path),
-        arch,
-        mode,
-    ]
-    result = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=1800
-    )  # a hang guard (a deadlocked worker), not a speed limit
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(WORKER, tmp_path, arch, mode)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])

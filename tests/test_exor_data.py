@@ -9,8 +9,8 @@ import torch
 import transformers as tf
 
 import untie
-from untie.exor import ExorDataset, exor_model, exor_splits, vocabulary
-from untie.exor.modeling import ExorForMaskedLM
+from untie_recipes.tasks.exor import ExorDataset, exor_model, exor_splits, vocabulary
+from untie_recipes.tasks.exor.modeling import ExorForMaskedLM
 
 
 def _draw(variant: str, n: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from launch import torchrun
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import exor as recipe  # noqa: E402
+from untie_recipes import exor as recipe
 
 SHORT = ["--max_steps", "40", "--record_every", "10", "--eval_every", "20", "--untie_at", "20", "--metrics_every", "10"]
 SHORT += ["--disable_tqdm"]
@@ -293,21 +292,7 @@ def test_bad_arguments_fail_early(tmp_path):
 
 def test_recipe_runs_under_a_two_process_launch(tmp_path):
     """The `accelerate launch` / torchrun path: runs go one after another, each trained by both ranks (gloo)."""
-    import os
-    import socket
-    import subprocess
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    recipe_path = Path(recipe.__file__)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    cmd += [str(recipe_path), "--output_dir", str(tmp_path), "--arms", "tied", "scheduled", *SHORT]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    result = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=1800
-    )  # a hang guard (a deadlocked worker), not a speed limit
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = torchrun(recipe.__file__, "--output_dir", tmp_path, "--arms", "tied", "scheduled", *SHORT)
     assert "training 2 with 1 workers" in result.stdout
     runs = {r["arm"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
     assert runs["scheduled"]["untie_step"] == 20 and runs["scheduled"]["steps"] == runs["tied"]["steps"] == 40

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from test_ddp import _free_port
+from launch import free_port, torchrun, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_emulation_run.py")
 RELEASE_STEP = 7
 
 
 def _torchrun(tmp_path, mode: str) -> list[dict]:
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not on PATH")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    result = subprocess.run(
-        [*cmd, WORKER, str(tmp_path), mode], env=env, capture_output=True, text=True, timeout=1800
-    )  # a hang guard (a deadlocked worker), not a speed limit
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(WORKER, tmp_path, mode)
     return [torch.load(tmp_path / f"{mode}-rank{r}.pt") for r in (0, 1)]
 
 
@@ -75,15 +67,8 @@ UNTIE_AT = 6
 
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not on PATH")
     out = tmp_path_factory.mktemp("fsdp2-trainer")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    result = subprocess.run(
-        [*cmd, TRAINER_WORKER, str(out)], env=env, capture_output=True, text=True, timeout=1800
-    )  # a hang guard (a deadlocked worker), not a speed limit
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(TRAINER_WORKER, out)
     names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8", "trigger", "default")
     return out, {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
 
@@ -203,10 +188,9 @@ dist.destroy_process_group()
 
 
 def test_sharded_role_probe_takes_plain_modules_and_refuses_a_scaled_embedding():
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    code = SHARDED_PROBE.format(port=_free_port())
+    code = SHARDED_PROBE.format(port=free_port())
     result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1800
+        [sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=1800
     )  # a hang guard (a deadlocked worker), not a speed limit
     assert result.returncode == 0, result.stderr[-3000:]
     assert "gpt2 measured" in result.stdout

@@ -11,10 +11,10 @@ import transformers as tf
 from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
 
 import untie
-from untie.bookcorpus.data import load_tokenizer
 from untie.cli import main
 from untie.pairs import tokenizer_family, tokenizer_pairs
 from untie.testing import ToyLMDataset
+from untie_recipes.tasks.bookcorpus.data import load_tokenizer
 
 SHIPPED_TEXT = Path(untie.__file__).parent / "bookcorpus" / "shakespeare.txt.gz"
 

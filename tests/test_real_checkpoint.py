@@ -17,8 +17,8 @@ import transformers as tf
 from safetensors import safe_open
 
 import untie
-from untie.bookcorpus.data import offline_sentences
 from untie.cli import main
+from untie_recipes.tasks.bookcorpus.data import offline_sentences
 
 pytestmark = pytest.mark.checkpoint
 

@@ -338,7 +338,7 @@ def test_evidence_rule_corrects_for_the_number_of_pairs_and_resumes_exactly():
 
 
 def _exor_trainer(tmp_path, learning_rate: float, rule: untie.UntieWhen, seed: int = 0):
-    from untie.exor import EQUIVALENT_PAIRS, ExorDataset, exor_model
+    from untie_recipes.tasks.exor import EQUIVALENT_PAIRS, ExorDataset, exor_model
 
     tf.set_seed(seed)
     callback = untie.UntieCallback(

@@ -1,6 +1,6 @@
 """The paper's BookCorpus experiment: corpora, tokenizer, twin tokens and models, importable by recipes and tests."""
 
-from untie.bookcorpus.data import (
+from untie_recipes.tasks.bookcorpus.data import (
     COMMON_WORDS,
     OFFLINE_CORPUS,
     TWIN_VARIANTS,
@@ -13,7 +13,12 @@ from untie.bookcorpus.data import (
     offline_sentences,
     tokenize_corpus,
 )
-from untie.bookcorpus.modeling import TwinEncoderConfig, TwinEncoderForMaskedLM, paper_mlm_model, small_gpt2
+from untie_recipes.tasks.bookcorpus.modeling import (
+    TwinEncoderConfig,
+    TwinEncoderForMaskedLM,
+    paper_mlm_model,
+    small_gpt2,
+)
 
 __all__ = [
     "COMMON_WORDS",
