@@ -1,6 +1,6 @@
-"""BookCorpus (Bertolotti & Cazzola, ICML 2024, section "BookCorpus") with Trainer + UntieCallback, every arm.
+"""BookCorpus (Bertolotti & Cazzola, ICML 2024, as in the authors' code) with Trainer + UntieCallback, every arm.
 
-    python recipes/bookcorpus.py                              # quick preset, offline: all arms, ~12 min on 2 cores
+    python recipes/bookcorpus.py                              # quick preset, offline: all arms (10-11 min, 2 cores)
     python recipes/bookcorpus.py --arm scheduled              # one arm; the report covers every finished arm
     accelerate launch recipes/bookcorpus.py --preset paper --arm tied   # the paper's run on BookCorpus, 1..N GPUs
     python recipes/bookcorpus.py --report_only                # rebuild the table and figures from finished arms

@@ -3,6 +3,8 @@ arms, the causal variant, local files, and the scheduled arm under 2-process DDP
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
@@ -13,9 +15,10 @@ from launch import torchrun
 
 from untie_recipes import bookcorpus as recipe
 
-SHORT = ["--max_steps", "12", "--eval_steps", "6", "--untie_at", "4", "--auto_deadline", "8", "--metrics_every", "2",
-         "--batch_size", "16", "--max_train_samples", "400", "--max_eval_samples", "64", "--logging_steps", "3",
-         "--disable_tqdm"]  # fmt: skip
+WITH_LINE = ["--max_steps", "12", "--eval_steps", "6", "--untie_at", "4", "--auto_deadline", "8", "--metrics_every",
+             "2", "--batch_size", "16", "--max_train_samples", "400", "--max_eval_samples", "64",
+             "--logging_steps", "3"]  # fmt: skip
+SHORT = [*WITH_LINE, "--disable_tqdm"]  # each arm prints its logs instead of the job's progress line
 ARM_KEYS = {"arm", "steps", "untie_step", "eval_loss", "perplexity", "accuracy", "distances", "tokens_per_second",
             "throughput_vs_tied"}  # fmt: skip
 
@@ -23,12 +26,19 @@ ARM_KEYS = {"arm", "steps", "untie_step", "eval_loss", "perplexity", "accuracy",
 @pytest.fixture(scope="module")
 def all_arms(tmp_path_factory):
     out = tmp_path_factory.mktemp("bookcorpus")
-    results = recipe.main(["--output_dir", str(out), *SHORT])
-    return out, results
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        results = recipe.main(["--output_dir", str(out), *WITH_LINE])
+    return out, results, stderr.getvalue()
+
+
+def test_one_progress_line_covers_every_arm(all_arms):
+    line = all_arms[2].replace("\r", "\n").splitlines()
+    assert any("BookCorpus 4/4 runs" in text and "100%" in text and "48/48" in text for text in line), line[-3:]
 
 
 def test_every_arm_trains_and_reports(all_arms):
-    out, results = all_arms
+    out, results, _ = all_arms
     arms = {a["arm"]: a for a in results["arms"]}
     assert list(arms) == ["tied", "untied", "scheduled", "auto"]
     for arm in arms.values():
@@ -47,7 +57,7 @@ def test_every_arm_trains_and_reports(all_arms):
 
 
 def test_history_has_every_eval_and_arms_share_the_start(all_arms):
-    out, _ = all_arms
+    out, *_ = all_arms
     records = {r["arm"]: r for r in recipe.load_records(str(out))}
     for record in records.values():
         assert [e["step"] for e in record["history"]["eval"]] == [0, 6, 12]
@@ -58,7 +68,7 @@ def test_history_has_every_eval_and_arms_share_the_start(all_arms):
 
 
 def test_table_and_figures_are_written(all_arms):
-    out, _ = all_arms
+    out, *_ = all_arms
     table = (out / "results.md").read_text()
     assert "| scheduled | 4 (deadline) |" in table and "| tied | - |" in table
     for name in ("curves.png", "distances.png"):
@@ -67,7 +77,7 @@ def test_table_and_figures_are_written(all_arms):
 
 
 def test_finished_arms_are_reused_and_reported_again(all_arms):
-    out, _ = all_arms
+    out, *_ = all_arms
     record = out / "arms" / "tied.json"
     before = record.stat().st_mtime_ns
     os.remove(out / "results.md")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -13,8 +15,9 @@ from launch import torchrun
 
 from untie_recipes import exor as recipe
 
-SHORT = ["--max_steps", "40", "--record_every", "10", "--eval_every", "20", "--untie_at", "20", "--metrics_every", "10"]
-SHORT += ["--disable_tqdm"]
+WITH_LINE = ["--max_steps", "40", "--record_every", "10", "--eval_every", "20", "--untie_at", "20"]
+WITH_LINE += ["--metrics_every", "10"]  # the job's progress line on stderr (untie_recipes.progress)
+SHORT = [*WITH_LINE, "--disable_tqdm"]  # each run prints its logs instead
 RUN_KEYS = {
     "variant", "model", "arm", "seed", "steps", "untie_step", "final_loss", "train_accuracy", "heldout_accuracy",
     "input_distance", "output_distance",
@@ -25,12 +28,20 @@ RUN_KEYS = {
 def short_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("exor")
     arms = ["--arms", "untied", "tied", "scheduled", "scheduled-reset", "auto"]
-    claims = recipe.main(["--output_dir", str(out), "--workers", "2", *arms, *SHORT])
-    return out, claims
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):  # two worker processes report their steps to the parent's one line
+        claims = recipe.main(["--output_dir", str(out), "--workers", "2", *arms, *WITH_LINE])
+    return out, claims, stderr.getvalue()
+
+
+def test_one_progress_line_covers_every_run_of_the_job(short_run):
+    line = short_run[2].replace("\r", "\n").splitlines()
+    assert any("EXor 5/5 runs" in text and "100%" in text and "200/200" in text for text in line), line[-3:]
+    assert not any("eval_loss" in text or "'loss'" in text for text in line)  # no per-run bars or log dicts
 
 
 def test_results_schema(short_run):
-    out, _ = short_run
+    out, *_ = short_run
     results = json.loads((out / "results.json").read_text())
     runs = results["runs"]
     assert {r["arm"] for r in runs} == {"untied", "tied", "scheduled", "scheduled-reset", "auto"}
@@ -55,14 +66,14 @@ def test_results_schema(short_run):
 
 
 def test_figures_are_written(short_run):
-    out, _ = short_run
+    out, *_ = short_run
     for name in ("main-transformer-distances.png", "main-transformer-curves.png", "main-transformer-signals.png"):
         png = out / "figures" / name
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_scheduled_arm_is_the_tied_arm_until_the_untie(short_run):
-    out, _ = short_run
+    out, *_ = short_run
     tied = json.loads((out / "runs" / "main-transformer-tied-42.json").read_text())["history"]["geometry"]
     scheduled = json.loads((out / "runs" / "main-transformer-scheduled-42.json").read_text())["history"]["geometry"]
     before = [(t, s) for t, s in zip(tied, scheduled, strict=True) if s["step"] < 20]
@@ -74,9 +85,9 @@ def test_scheduled_arm_is_the_tied_arm_until_the_untie(short_run):
 
 def test_same_seed_gives_the_same_numbers_whatever_the_worker_count(short_run, tmp_path):
     """The fixture trained with --workers 2 (two runs at once in spawned processes); one worker must agree exactly."""
-    out, _ = short_run
+    out, *_ = short_run
     single = tmp_path / "one-worker"
-    recipe.main(["--output_dir", str(single), "--workers", "1", "--arms", "tied", "scheduled", "auto", *SHORT])
+    recipe.main(["--output_dir", str(single), "--workers", "1", "--arms", "tied", "scheduled", "auto", *WITH_LINE])
 
     def records(folder):
         runs = json.loads((folder / "results.json").read_text())["runs"]
@@ -92,7 +103,7 @@ def test_same_seed_gives_the_same_numbers_whatever_the_worker_count(short_run, t
 def test_report_survives_runs_that_untie_at_different_steps_or_never(short_run, tmp_path):
     """A grid where the auto arm unties on one seed and not on another (so its histories differ in length) used to
     crash write_figures with numpy's 'inhomogeneous shape' after every run was trained."""
-    out, _ = short_run
+    out, *_ = short_run
     records = [json.loads(path.read_text()) for path in sorted((out / "runs").glob("*.json"))]
     auto = next(r for r in records if r["arm"] == "auto")
     never = json.loads(json.dumps(auto))
@@ -108,7 +119,7 @@ def test_report_survives_runs_that_untie_at_different_steps_or_never(short_run, 
 
 
 def test_finished_runs_are_reused(short_run, capsys):
-    out, _ = short_run
+    out, *_ = short_run
     record = out / "runs" / "main-transformer-untied-42.json"
     stamp = record.stat().st_mtime_ns
     recipe.main(["--output_dir", str(out), "--workers", "1", "--arms", "untied", "tied", *SHORT])
@@ -117,7 +128,7 @@ def test_finished_runs_are_reused(short_run, capsys):
 
 
 def test_report_only_reports_the_finished_runs_and_trains_nothing(short_run, tmp_path, capsys):
-    out, _ = short_run
+    out, *_ = short_run
     report_dir = tmp_path / "report"
     (report_dir / "runs").mkdir(parents=True)
     for arm in ("untied", "tied"):
