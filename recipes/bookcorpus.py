@@ -22,7 +22,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import datasets
@@ -384,6 +384,18 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def sampling_arguments(strategy: str) -> dict:
+    """TrainingArguments for the sampling order: `train_sampling_strategy` where this transformers has it (later 5.x),
+    else the older `group_by_length` flag, which is the same choice between "random" and "group_by_length"."""
+    if "train_sampling_strategy" in {f.name for f in fields(tf.TrainingArguments)}:
+        return {"train_sampling_strategy": strategy}
+    if strategy not in ("random", "group_by_length"):
+        raise ValueError(
+            f"--train_sampling_strategy {strategy!r} needs a newer transformers (random or group_by_length)."
+        )
+    return {"group_by_length": strategy == "group_by_length"}
+
+
 def train_arm(
     arm: str, args: BookCorpusArguments, data: PreparedData, progress: JobProgress | None = None
 ) -> tuple[dict, tf.Trainer]:
@@ -404,7 +416,7 @@ def train_arm(
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        train_sampling_strategy=args.train_sampling_strategy,
+        **sampling_arguments(args.train_sampling_strategy),
         max_steps=args.max_steps,
         num_train_epochs=args.num_train_epochs or 1.0,
         max_grad_norm=args.max_grad_norm,

