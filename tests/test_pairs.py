@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
 import pytest
 import transformers as tf
@@ -14,9 +13,9 @@ import untie
 from untie.cli import main
 from untie.pairs import tokenizer_family, tokenizer_pairs
 from untie.testing import ToyLMDataset
-from untie_recipes.tasks.bookcorpus.data import load_tokenizer
+from untie_recipes.tasks.bookcorpus.data import OFFLINE_CORPUS, load_tokenizer
 
-SHIPPED_TEXT = Path(untie.__file__).parent / "bookcorpus" / "shakespeare.txt.gz"
+SHIPPED_TEXT = OFFLINE_CORPUS
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from torch import nn
 # `PreTrainedModel._tied_weights_keys` (class attribute, {target: source} since transformers 5.0) declares the ties
 # that `tie_weights()` re-applies; `all_tied_weights_keys` is its expanded per-instance cache, rebuilt by
 # `get_expanded_tied_weights_keys(all_submodels=True)`. No public API removes one entry (the head's) from an
-# instance; the untie sets an instance-level mapping without it. Checked: transformers 5.23.0.
+# instance; the untie sets an instance-level mapping without it. Checked: transformers 5.12.1 and 5.23.0 (CI).
 TIED_KEYS_ATTR = "_tied_weights_keys"
 
 
@@ -60,13 +60,13 @@ def expanded_tied_keys(model: nn.Module) -> set[str]:
 def build_from_config(model_class: type, config: Any) -> nn.Module:
     """`model_class._from_config(config)`: a model built from its config without loading weights (the public
     `AutoModel*.from_config` needs an Auto class; this builds any class, e.g. on the meta device).
-    Checked: transformers 5.23.0."""
+    Checked: transformers 5.12.1 and 5.23.0 (CI)."""
     return model_class._from_config(config)
 
 
 def auto_class_mapping(auto_class: type) -> Any:
     """`AutoModel*._model_mapping`: {config class: model class}, to find a checkpoint's head class without building
-    it (no public lookup exists). Checked: transformers 5.23.0."""
+    it (no public lookup exists). Checked: transformers 5.12.1 and 5.23.0 (CI)."""
     return auto_class._model_mapping
 
 
@@ -76,8 +76,8 @@ def find_caller(accept: Callable[[Any], bool], skip: int = 2, depth: int = 8) ->
 
     Trainer hands callbacks neither itself nor its `CallbackHandler`; `on_init_end` needs both (to refuse a second
     UntieCallback, to run first, to wrap `model_init` and `train`). Frame walking is CPython behaviour
-    (`sys._getframe`); the callers are `CallbackHandler.call_event` and `Trainer.__init__`. Checked: transformers
-    5.23.0 on CPython 3.11.
+    (`sys._getframe`); the callers are `CallbackHandler.call_event` and `Trainer.__init__`. Checked:
+    transformers 5.12.1 and 5.23.0 (CI) on CPython 3.11.
     """
     frame = sys._getframe(skip)
     for _ in range(depth):
@@ -93,7 +93,7 @@ def find_caller(accept: Callable[[Any], bool], skip: int = 2, depth: int = 8) ->
 def move_callback_first(handler: Any, callback: Any) -> None:
     """Put `callback` first in `CallbackHandler.callbacks` (a plain list; the public `add_callback` appends):
     Trainer adds the reporting integrations before user callbacks, and `untie/*` keys added in `on_log` must reach
-    them. Checked: transformers 5.23.0."""
+    them. Checked: transformers 5.12.1 and 5.23.0 (CI)."""
     handler.callbacks.remove(callback)
     handler.callbacks.insert(0, callback)
 
@@ -104,7 +104,7 @@ def partial_state_exists() -> bool:
 
     The public `accelerate.state.is_initialized()` answers for `AcceleratorState` (an `Accelerator`), and
     `PartialState().initialized` would create the state it asks about: read the borg class's shared state dict.
-    Checked: accelerate 1.15.0.
+    Checked: accelerate 1.13.0 and 1.15.0 (CI).
     """
     from accelerate.state import PartialState
 
