@@ -1,6 +1,6 @@
 """Pre-train tied, untie when the divergence trigger fires or at the 30% deadline: the defaults, in a dozen lines.
 
-Offline; 32 s wall on the 2-core development machine (`python examples/pretrain_minimal.py`, CPU)."""
+Offline; 50 s wall on the 2-core development machine (`python examples/pretrain_minimal.py`, CPU)."""
 
 import torch
 import transformers as tf

@@ -1,4 +1,4 @@
-"""Pre-train a tiny GPT-2 tied, untie it at 30% of the run, and report what happened. Offline; 12 s wall on the
+"""Pre-train a tiny GPT-2 tied, untie it at 30% of the run, and report what happened. Offline; 20 s wall on the
 2-core development machine (`python examples/tie_then_untie.py`, CPU).
 
 python examples/tie_then_untie.py [--max_steps 300] [--untie_at 0.3] [--output_dir runs/tie_then_untie]

@@ -1,6 +1,6 @@
 """EXor (Bertolotti & Cazzola, ICML 2024, as in the authors' code) with Trainer + UntieCallback, plus tie-then-untie.
 
-    python recipes/exor.py                        # quick preset: main variant, Transformer, one seed (4 min, 2 cores)
+    python recipes/exor.py                        # quick preset: main variant, Transformer, one seed (7 min, 2 cores)
     python recipes/exor.py --preset paper         # the paper's setup: 150k full-batch steps, 5 seeds, all variants
     accelerate launch recipes/exor.py --preset paper   # runs one after another, each on all processes
 
