@@ -112,14 +112,14 @@ def test_class_passed_without_arguments_runs_the_trigger_with_a_30_percent_deadl
 def test_default_trigger_unties_before_the_deadline_when_it_fires(make_args, monkeypatch):
     # Half of the two roles' updates cancel at every measurement: the default rule (warm-up 5% = step 2, patience 5)
     # fires at step 6, before the default deadline at 30% of 40 steps (12).
-    monkeypatch.setattr(untie.run, "role_signals", lambda *a, **k: {"cancellation": 0.9})
+    monkeypatch.setattr(untie.run, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
     callback = untie.UntieCallback(metrics_every=1)
     _train(tiny_model("gpt2"), make_args(max_steps=40), [callback])
     assert (callback.untie_step, callback.untie_reason, callback.divergence.fired_step) == (6, "trigger", 6)
 
 
 def test_a_chosen_untie_at_is_an_exact_schedule_unless_a_rule_is_given(make_args, monkeypatch):
-    monkeypatch.setattr(untie.run, "role_signals", lambda *a, **k: {"cancellation": 0.9})
+    monkeypatch.setattr(untie.run, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
     scheduled = untie.UntieCallback(untie_when=None, untie_at=0.3, metrics_every=1)  # the default's value, but chosen
     _train(tiny_model("gpt2"), make_args(max_steps=40), [scheduled])
     assert scheduled.rule is None and (scheduled.untie_step, scheduled.untie_reason) == (12, "deadline")
@@ -241,7 +241,7 @@ def test_resume_with_trainer_restoring_callback_states_matches_uninterrupted_run
 ):
     """With restore_callback_states_from_checkpoint=True, Trainer swaps in a new UntieCallback built from the
     checkpoint: it takes over the model's setup and the trigger's streak, and the run ends as if never stopped."""
-    monkeypatch.setattr(untie.run, "role_signals", lambda *a, **k: {"cancellation": 0.9})
+    monkeypatch.setattr(untie.run, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
     rule = untie.UntieWhen(signal="cancellation", threshold=0.5, smoothing=0.0, warmup=0, patience=6)
 
     def run(resume=None):

@@ -119,21 +119,26 @@ def test_callback_emulated_mode_resumes_before_and_after_the_untie(make_args, tm
 
 
 def test_probe_splits_the_emulated_tied_gradient_into_its_two_roles():
-    model = untie.untie_embeddings(tiny_model("gpt2"))
+    model = untie.untie_embeddings(tiny_model("gpt2")).eval()  # no dropout: the twin sees the same forward
+    twin = copy.deepcopy(model)  # the same untied matrices, trained without emulation: the dense role gradients
     emulation = EmulatedTying(model)
-    probe = RoleGradientProbe(model, pairs=[(3, 5)], emulated=True)
+    probe = RoleGradientProbe(model, pairs=[(3, 5)], emulation=emulation)
     probe.armed = True
     ids = ToyLMDataset(8).ids[:4]
     for micro in (ids[:2], ids[2:]):  # two micro-batches: both roles accumulate, like the folded gradient
         model(input_ids=micro, labels=micro).loss.backward()
-    input_grad, output_grad = probe.collect()
-    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        twin(input_ids=micro, labels=micro).loss.backward()
+    grads = probe.collect()
+    head = model.get_output_embeddings().weight
     assert head.grad is None and emulation.active  # folded: the embedding holds the tied gradient
-    torch.testing.assert_close(input_grad + output_grad, embedding.grad, rtol=1e-5, atol=1e-7)
-    assert input_grad.abs().sum() > 0 and output_grad.abs().sum() > 0
+    dense_in, dense_out = twin.get_input_embeddings().weight.grad, twin.get_output_embeddings().weight.grad
+    torch.testing.assert_close(grads.input_grad, dense_in[grads.rows], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads.output_grad, dense_out[grads.rows], rtol=1e-5, atol=1e-6)
+    assert grads.output_sq_norm == pytest.approx(dense_out.double().square().sum().item(), rel=1e-6)
+    assert grads.input_grad.abs().sum() > 0 and grads.output_grad.abs().sum() > 0
     with pytest.raises(ValueError, match="really tied"):
-        RoleGradientProbe(tiny_model("gpt2"), emulated=True)
-    with pytest.raises(ValueError, match="emulated=True"):
+        RoleGradientProbe(tiny_model("gpt2"), emulation=emulation)
+    with pytest.raises(ValueError, match="emulation=EmulatedTying"):
         RoleGradientProbe(untie.untie_embeddings(tiny_model("gpt2")))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -134,8 +135,10 @@ def test_fsdp2_drift_metrics_after_the_untie_read_the_shards_and_agree_across_ra
     rank0, rank1 = runs["emulated"]
     assert json.dumps(rank0["history"]) == json.dumps(rank1["history"])  # bit-identical, NaN included
     steps = [h["step"] for h in rank0["history"]]
-    # Every 2 steps once untied. No role signals while tied: sharded, they are measured only for a trigger (below).
-    assert steps == [8, 10]
+    # Every 2 steps: role signals while tied (sharded too, O(|T| d) per rank), drift once untied at 6.
+    assert steps == [2, 4, 6, 8, 10]
+    assert all("cosine" in h and "knn_overlap" not in h for h in rank0["history"][:2])
+    assert all("knn_overlap" in h for h in rank0["history"][3:])
     last = rank0["history"][-1]
     assert 0 < last["knn_overlap"] <= 1 and 0 < last["cka"] <= 1
     # (7, 40) has one row on each rank: the gathered rows are the full matrices' rows.
@@ -160,12 +163,19 @@ def test_fsdp2_divergence_trigger_reads_the_emulated_role_signals_and_unties_eve
             assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
 
 
-def test_fsdp2_default_trigger_is_off_and_the_deadline_unties(trainer_runs):
+def test_fsdp2_default_trigger_measures_and_the_deadline_unties(trainer_runs):
     _, runs = trainer_runs
-    for run in runs["default"]:
+    rank0, rank1 = runs["default"]
+    for run in (rank0, rank1):
         assert (run["tying_mode"], run["untie_step"], run["reason"]) == ("emulated", 3, "deadline")
-        assert [h["step"] for h in run["history"]] == [4, 6, 8, 10]  # drift after the untie; no tied-phase probe
-        assert "cosine" not in run["history"][0]
+        assert [h["step"] for h in run["history"]] == [2, 4, 6, 8, 10]  # the tied phase measured, then drift
+    assert json.dumps(rank0["history"]) == json.dumps(rank1["history"])
+    tied_phase = rank0["history"][0]
+    assert all(math.isfinite(tied_phase[key]) for key in ("cosine", "cancellation", "norm_ratio", "agreement"))
+    # The same step of the really tied run, measured by a live probe, gives the same signals.
+    live = runs["tied"][0]["history"][0]
+    for key in ("cosine", "cancellation", "norm_ratio", "conflict", "agreement"):
+        assert tied_phase[key] == pytest.approx(live[key], rel=1e-4, abs=1e-6), key
 
 
 SHARDED_PROBE = """
@@ -175,11 +185,13 @@ import untie
 from untie.probe import RoleGradientProbe
 from untie.testing import tiny_model
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from untie.emulation import EmulatedTying
 for arch in ("gpt2", "gemma"):
     model = untie.untie_embeddings(tiny_model(arch))
+    emulation = EmulatedTying(model)
     fully_shard(model)
     try:
-        RoleGradientProbe(model, emulated=True)
+        RoleGradientProbe(model, emulation=emulation)
         print(arch, "measured")
     except ValueError as error:
         print(arch, "refused:", error)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import transformers
 
 import untie
 from untie.metrics import (
@@ -20,6 +21,7 @@ from untie.metrics import (
     pair_evidence_sums,
     pair_pushes,
     role_signals,
+    role_signals_on_rows,
     sampled_drift_metrics,
     summarize_pair_metrics,
     targets_from_gradient,
@@ -183,38 +185,115 @@ def _batch(n=4):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+PAIRS = [(3, 4), (5, 47)]
+
+
+def _dense_roles(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two role gradients of a tied model, densely: the gradients of its untied twin's two matrices."""
+    twin = untie.untie_embeddings(copy.deepcopy(model))
+    twin(**batch).loss.backward()
+    return twin.get_input_embeddings().weight.grad, twin.get_output_embeddings().weight.grad
+
+
+def _assert_signals_equal(sparse: dict[str, float], dense: dict[str, float], tolerance: float = 1e-6) -> None:
+    assert set(sparse) == set(dense)
+    for key, value in dense.items():
+        assert sparse[key] == pytest.approx(value, rel=tolerance, abs=tolerance, nan_ok=True), key
+
+
 @pytest.mark.parametrize("arch", sorted(TINY_MODELS))
-def test_role_gradients_sum_to_the_tied_gradient_and_match_an_untied_twin(arch):
+def test_probe_keeps_the_touched_rows_and_its_signals_equal_the_dense_ones(arch):
+    """The sparse measurement (G_in on the looked-up rows, G_out as W.grad - G_in, |G_out| from |W.grad|) equals the
+    dense role gradients of an untied twin, and so do the signals, to 1e-6."""
     model = tiny_model(arch).eval()  # eval: no dropout, so the untied twin sees the same forward
-    twin = copy.deepcopy(model)
-    untie.untie_embeddings(twin)
-    probe = RoleGradientProbe(model)
+    batch = _batch()
+    dense_in, dense_out = _dense_roles(model, batch)
+    probe = RoleGradientProbe(model, pairs=PAIRS)
     probe.armed = True
-    model(**_batch()).loss.backward()
-    g_in, g_out = probe.collect()
-    shared = model.get_input_embeddings().weight
-    torch.testing.assert_close(g_in + g_out, shared.grad, rtol=0, atol=1e-6)
-    twin(**_batch()).loss.backward()
-    torch.testing.assert_close(g_in, twin.get_input_embeddings().weight.grad, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(g_out, twin.get_output_embeddings().weight.grad, rtol=1e-5, atol=1e-7)
-    assert g_in.abs().sum() > 0 and g_out.abs().sum() > 0
+    model(**batch).loss.backward()
+    grads = probe.collect()
+    touched = (dense_in.norm(dim=1) > 0) | torch.isin(torch.arange(len(dense_in)), torch.tensor(PAIRS).reshape(-1))
+    assert set(touched.nonzero().squeeze(1).tolist()) <= set(grads.rows.tolist())  # + a looked-up padding row
+    assert len(grads.rows) < 2 * touched.sum()  # the looked-up rows (encoder and decoder inputs), not the vocabulary
+    torch.testing.assert_close(grads.input_grad, dense_in[grads.rows], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads.output_grad, dense_out[grads.rows], rtol=1e-5, atol=1e-7)
+    assert grads.output_sq_norm == pytest.approx(dense_out.double().square().sum().item(), rel=1e-6)
+    weight = model.get_input_embeddings().weight
+    dense = role_signals(dense_in, dense_out, weight=weight, pairs=PAIRS)
+    _assert_signals_equal(role_signals_on_rows(grads, pairs=PAIRS), dense)
+    assert math.isfinite(dense["cancellation"]) and math.isfinite(dense["tension/3-4"])
+
+
+def test_probe_memory_scales_with_the_batch_not_the_vocabulary():
+    """On a 4,096-token vocabulary, a batch of 10 distinct tokens gives 10 + pair rows: no (V, d) tensor is kept."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=4096, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(100, 110, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    dense_in, dense_out = _dense_roles(model, batch)
+    probe = RoleGradientProbe(model, pairs=[(3, 4)])
+    probe.armed = True
+    model(**batch).loss.backward()
+    grads = probe.collect()
+    assert grads.rows.tolist() == sorted({*ids.unique().tolist(), 3, 4})
+    for tensor in (grads.input_grad, grads.output_grad, grads.weight):
+        assert tensor.shape == (len(grads.rows), model.config.n_embd)
+    dense = role_signals(dense_in, dense_out, weight=model.get_input_embeddings().weight, pairs=[(3, 4)])
+    _assert_signals_equal(role_signals_on_rows(grads, pairs=[(3, 4)]), dense)
 
 
 def test_probe_accumulates_over_micro_batches_and_stays_idle_when_disarmed():
-    model = tiny_model("llama")
+    model = tiny_model("llama").eval()
     probe = RoleGradientProbe(model)
     model(**_batch(2)).loss.backward()
     assert probe.collect() is None  # disarmed: nothing recorded
     model.zero_grad()
     probe.armed = True
     batch = _batch(4)
-    for half in (slice(0, 2), slice(2, 4)):
-        (model(**{k: v[half] for k, v in batch.items()}).loss / 2).backward()
-    g_in, g_out = probe.collect()
-    torch.testing.assert_close(g_in + g_out, model.get_input_embeddings().weight.grad, rtol=0, atol=1e-6)
+    halves = [{k: v[half] for k, v in batch.items()} for half in (slice(0, 2), slice(2, 4))]
+    for half in halves:
+        (model(**half).loss / 2).backward()
+    grads = probe.collect()
+    twin = untie.untie_embeddings(copy.deepcopy(model))
+    twin.zero_grad()
+    for half in halves:
+        (twin(**half).loss / 2).backward()
+    dense_in, dense_out = twin.get_input_embeddings().weight.grad, twin.get_output_embeddings().weight.grad
+    torch.testing.assert_close(grads.input_grad, dense_in[grads.rows], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grads.output_grad, dense_out[grads.rows], rtol=1e-5, atol=1e-7)
+    assert grads.output_sq_norm == pytest.approx(dense_out.double().square().sum().item(), rel=1e-6)
     probe.remove()
     model(**batch).loss.backward()
     assert probe.collect() is None
+
+
+def test_probe_takes_a_common_factor_out_of_the_gradient_and_refuses_other_changes(caplog):
+    """Clipping or unscaling between backward and the optimizer step multiply W.grad by one factor: the signals are
+    unchanged. A change that is not one factor (clamping values) gives NaN role signals, says so, and keeps the gaps."""
+    model = tiny_model("gpt2").eval()
+    batch = _batch()
+    dense_in, dense_out = _dense_roles(model, batch)
+    dense = role_signals(dense_in, dense_out, weight=model.get_input_embeddings().weight, pairs=PAIRS)
+    probe = RoleGradientProbe(model, pairs=PAIRS)
+    probe.armed = True
+    model(**batch).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)  # scales every gradient by one factor
+    grads = probe.collect()
+    _assert_signals_equal(role_signals_on_rows(grads, pairs=PAIRS), dense, tolerance=1e-5)
+    probe.conditional_gaps(grads)
+    model.zero_grad()
+    probe.armed = True
+    model(**batch).loss.backward()
+    weight_grad = model.get_input_embeddings().weight.grad
+    limit = weight_grad.abs().max() / 4
+    torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=float(limit))
+    with caplog.at_level("WARNING", logger="untie"):
+        grads = probe.collect()
+    signals = role_signals_on_rows(grads, pairs=PAIRS)
+    assert math.isnan(signals["cancellation"]) and math.isnan(signals["tension/3-4"])
+    assert "more than one common factor" in caplog.text
+    assert math.isfinite(probe.conditional_gaps(grads)["gap/3-4"])
 
 
 def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
@@ -228,8 +307,8 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     labels[:, :5] = -100  # no loss on the first positions
     logits = model(input_ids=ids, labels=labels).logits
     logits.sum().mul(0).add(model(input_ids=ids, labels=labels).loss).backward()
-    g_in, _ = probe.collect()
-    gaps = probe.conditional_gaps(g_in)
+    grads = probe.collect()
+    gaps = probe.conditional_gaps(grads)
     # A causal LM's logits at position t predict token t + 1: the loss positions are those with a label at t + 1.
     carries_loss = torch.zeros(labels.shape, dtype=torch.bool)
     carries_loss[:, :-1] = labels[:, 1:] != -100
@@ -238,12 +317,12 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     assert gaps["gap/5-6"] == pytest.approx(expected["5-6"], rel=1e-6)
     assert expected["3-4"] != pytest.approx(conditional_gaps(logits, pairs[:1])["3-4"], rel=1e-3)  # the mask matters
     assert math.isnan(gaps["gap/3-47"])  # 47 was never looked up: no evidence about it
-    assert math.isnan(probe.conditional_gaps(g_in)["gap/3-4"])  # reset after reading
+    assert math.isnan(probe.conditional_gaps(grads)["gap/3-4"])  # reset after reading
     # A later step that looks 47 up measures the pair from then on, also in steps where 47 does not occur.
     for step_ids in (torch.full_like(ids, 47), ids):
         probe.armed = True
         model(input_ids=step_ids, labels=labels).loss.backward()
-        last = probe.conditional_gaps(probe.collect()[0])
+        last = probe.conditional_gaps(probe.collect())
     assert math.isfinite(last["gap/3-47"])
 
 
@@ -329,8 +408,7 @@ def test_probe_reports_evidence_and_learning_with_the_gaps():
     ids[0, -1] = 6
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    g_in, _ = probe.collect()
-    measured = probe.conditional_gaps(g_in)
+    measured = probe.conditional_gaps(probe.collect())
     assert set(measured) == {"gap/3-4", "gap/5-6", "evidence/3-4", "evidence/5-6", "learned_z"}
     # the causal LM's targets are the next tokens: recompute the evidence from the logits and the shifted labels
     logits = out.logits.detach()[:, :-1].reshape(-1, out.logits.shape[-1])

@@ -87,7 +87,7 @@ class UntieCallback(TrainerCallback, ExportableState):
                 a float in (0, 1) a fraction of `max_steps`, None no deadline. With ``untie_when=None`` it is a
                 fixed schedule.
             untie_when: the divergence trigger. ``"divergence"`` (default): the evidence rule when pairs are
-                measured, the pair-free rule otherwise (off under FSDP2, where a measurement is dense); a name from
+                measured, the pair-free rule otherwise; a name from
                 `untie.RULES`; an `untie.UntieWhen` or its dict; None: untie at `untie_at` only.
             metrics_every: measure every this many optimizer steps (role signals while tied, drift after the untie),
                 logged as ``untie/...``; 0 measures nothing and needs ``untie_when=None``.

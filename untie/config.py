@@ -59,7 +59,7 @@ class UntieConfig:
         default="divergence",
         metadata={
             "help": "The divergence trigger: 'divergence' (the default rule: the evidence rule when pairs are "
-            "measured, the pair-free rule otherwise; off under FSDP2, where a measurement is dense), a rule name from "
+            "measured, the pair-free rule otherwise), a rule name from "
             "untie.RULES ('evidence', 'gap', 'cancellation', ...), an untie.UntieWhen or its dict, or None (untie at "
             "untie_at only). The model unties when it fires or at untie_at, whichever comes first."
         },
@@ -137,7 +137,7 @@ class UntieConfig:
 
     @property
     def is_default_rule(self) -> bool:
-        """`untie_when` is "divergence": the rule follows whether pairs are measured (and is off under FSDP2)."""
+        """`untie_when` is "divergence": the rule follows whether pairs are measured."""
         return self.untie_when == "divergence"
 
     def rule(self, with_pairs: bool) -> UntieWhen | None:

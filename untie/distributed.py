@@ -124,6 +124,19 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def union_rows(ids: torch.Tensor) -> torch.Tensor:
+    """The sorted union of every rank's sorted, duplicate-free ids (lengths may differ). Every rank must call it."""
+    sizes = [torch.zeros(1, dtype=torch.long, device=ids.device) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, torch.tensor([len(ids)], device=ids.device))
+    longest = int(max(size.item() for size in sizes))
+    padded = torch.full((longest,), -1, dtype=torch.long, device=ids.device)
+    padded[: len(ids)] = ids
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(gathered, padded)
+    every = torch.cat(gathered)
+    return torch.unique(every[every >= 0])
+
+
 def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a (V, d) matrix as a plain tensor on every rank, also when FSDP2 shards it by rows.
 

@@ -52,6 +52,8 @@ class EmulatedTying:
         ]
         self._step_handle = None
         self._state_dict_handle = None
+        #: Called after every fold, when the embedding holds the step's tied gradient so far (the probe reads it).
+        self.after_fold: list = []
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def _on_lookup(self, module, args, output) -> None:
@@ -76,13 +78,14 @@ class EmulatedTying:
         if not self.active:
             return
         embedding, head = self.embedding.weight, self.head.weight
-        if head.grad is None:
-            return
-        if embedding.grad is None:
-            embedding.grad = head.grad.clone()
-        else:
-            embedding.grad.add_(head.grad)
-        head.grad = None
+        if head.grad is not None:
+            if embedding.grad is None:
+                embedding.grad = head.grad.clone()
+            else:
+                embedding.grad.add_(head.grad)
+            head.grad = None
+        for listener in self.after_fold:
+            listener()
 
     def mirror_weights(self, *_args) -> None:
         """Copy the embedding's values into the head (after an optimizer step)."""

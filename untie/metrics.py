@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +52,63 @@ def pair_pushes(weight: torch.Tensor, grad: torch.Tensor, pairs: Pairs) -> torch
     return -(direction * grad_diff).sum(dim=1)
 
 
+@dataclass
+class RoleGradients:
+    """A step's two role gradients of a tied (V, d) matrix, kept on the rows that carry information.
+
+    The input role G_in is zero outside the rows the embedding looked up, so it is exact on ``rows``. The output role
+    G_out is dense, but every role signal reads it only on those rows, plus its squared norm over the whole matrix,
+    which is kept as one number. The memory is O(len(rows) d), whatever the vocabulary.
+    """
+
+    rows: torch.Tensor
+    """(R,) sorted token ids: every row the input role touched, and the pairs' rows."""
+    input_grad: torch.Tensor
+    """(R, d) float32: G_in on `rows` (zero on a pair's row that was not looked up)."""
+    output_grad: torch.Tensor
+    """(R, d) float32: G_out on `rows`."""
+    output_sq_norm: float
+    """|G_out|^2 over the whole (V, d) matrix."""
+    weight: torch.Tensor | None = None
+    """(R, d): the shared matrix's rows, for the pair pushes and ``agreement``; None leaves those out."""
+
+    @classmethod
+    def from_dense(
+        cls, input_grad: torch.Tensor, output_grad: torch.Tensor, weight: torch.Tensor | None = None, pairs: Pairs = ()
+    ) -> RoleGradients:
+        """Keep the rows of two dense (V, d) role gradients that `role_signals` reads: those the input role touched
+        and the pairs' rows."""
+        g_in, g_out = input_grad.detach().float(), output_grad.detach().float()
+        if g_in.shape != g_out.shape or g_in.dim() != 2:
+            raise ValueError(
+                f"role gradients must be two (V, d) matrices of one shape, got {g_in.shape} and {g_out.shape}"
+            )
+        keep = torch.linalg.vector_norm(g_in, dim=1) != 0  # a NaN row too: it must reach the signals
+        if pairs:
+            keep[torch.as_tensor(pairs, device=keep.device).reshape(-1)] = True
+        rows = keep.nonzero().squeeze(1)
+        return cls(
+            rows=rows,
+            input_grad=g_in[rows],
+            output_grad=g_out[rows],
+            output_sq_norm=float(torch.linalg.vector_norm(g_out, dtype=torch.float64).square()),
+            weight=None if weight is None else weight.detach()[rows],
+        )
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Where each token id sits in `rows` (the tokens must be there)."""
+        return torch.searchsorted(self.rows, tokens.to(self.rows.device))
+
+    def looked_up(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Whether the input role touched each token's row (its G_in row is nonzero)."""
+        tokens = tokens.to(self.rows.device)
+        at = self.positions(tokens).clamp_max(max(len(self.rows) - 1, 0))
+        if not len(self.rows):
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        present = self.rows[at] == tokens
+        return present & (torch.linalg.vector_norm(self.input_grad[at], dim=1) > 0)
+
+
 def role_signals(
     input_grad: torch.Tensor,
     output_grad: torch.Tensor,
@@ -58,7 +116,7 @@ def role_signals(
     pairs: Pairs = (),
     sample_rows: int = 256,
 ) -> dict[str, float]:
-    """Signals of disagreement between the two roles of a tied matrix, from its two role gradients.
+    """Signals of disagreement between the two roles of a tied matrix, from its two dense (V, d) role gradients.
 
     With G_in, G_out the (V, d) role gradients and T the rows the input role touched (tokens seen in the batch):
 
@@ -80,50 +138,64 @@ def role_signals(
       gradient scales cancel out). 1: one role moves the pair straight together and the other straight apart;
       0: they agree on the pair's distance. A semantically but not conditionally equivalent pair builds tension.
 
-    Non-finite gradients give NaN signals (a trigger ignores them).
+    Every signal reads G_out only on T and the pairs' rows, and its norm: `role_signals_on_rows` computes the same
+    from those alone (what `untie.probe.RoleGradientProbe` keeps). Non-finite gradients give NaN signals (a trigger
+    ignores them).
     """
-    g_in = input_grad.detach().float()
-    g_out = output_grad.detach().float()
-    if g_in.shape != g_out.shape or g_in.dim() != 2:
-        raise ValueError(f"role gradients must be two (V, d) matrices of one shape, got {g_in.shape} and {g_out.shape}")
-    # One pass over each (V, d) matrix: vector_norm is many times faster than elementwise square/compare chains.
-    row_norms_in = torch.linalg.vector_norm(g_in, dim=1)
+    if pairs and weight is None:
+        raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
+    grads = RoleGradients.from_dense(input_grad, output_grad, weight, pairs)
+    return role_signals_on_rows(grads, pairs=pairs, sample_rows=sample_rows)
+
+
+def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: int = 256) -> dict[str, float]:
+    """`role_signals` from the rows of the role gradients that it reads (`RoleGradients`), in O(len(rows) d)."""
+    g_in, g_out = grads.input_grad.float(), grads.output_grad.float()
+    # A row of T is one where the input role is nonzero (a looked-up padding row gets no gradient, as densely).
+    row_norms_in = torch.linalg.vector_norm(g_in, dim=1, dtype=torch.float64)
     touched = row_norms_in > 0
     a, b = g_in[touched], g_out[touched]
-    row_dots = (a * b).sum(dim=1)
-    sq_in, sq_out = row_norms_in.square().sum(), torch.linalg.vector_norm(g_out).square()
+    row_dots = (a.double() * b.double()).sum(dim=1)
+    sq_in = row_norms_in.square().sum()
+    sq_out = torch.tensor(grads.output_sq_norm, dtype=torch.float64)
     dot_touched = row_dots.sum()
-    norm_a, norm_b = a.norm(), b.norm()
-    if not torch.isfinite(sq_in + sq_out):
+    norm_a = torch.linalg.vector_norm(a, dtype=torch.float64)
+    norm_b = torch.linalg.vector_norm(b, dtype=torch.float64)
+    if not (torch.isfinite(sq_in.cpu() + sq_out) and torch.isfinite(g_out).all()):
         nan = math.nan
-        return {"cosine": nan, "conflict": nan, "norm_ratio": nan, "cancellation": nan, "agreement": nan}
+        signals = {"cosine": nan, "conflict": nan, "norm_ratio": nan, "cancellation": nan, "agreement": nan}
+        for pair in pairs:
+            signals.update({f"{name}/{pair_key(pair)}": nan for name in ("push_in", "push_out", "tension")})
+        return signals
     signals = {
         "cosine": _ratio(dot_touched, norm_a * norm_b),
-        "conflict": float(row_dots.lt(0).float().mean()) if len(row_dots) else math.nan,
+        "conflict": float(row_dots.lt(0).double().mean()) if len(row_dots) else math.nan,
         "norm_ratio": _ratio(sq_out.sqrt(), sq_in.sqrt()),
         # G_in is zero outside T, so the full dot product equals the one over T.
-        "cancellation": _ratio(-2 * dot_touched, sq_in + sq_out),
+        "cancellation": _ratio(-2 * dot_touched.cpu(), sq_in.cpu() + sq_out),
     }
-    if weight is not None:
+    if grads.weight is not None:
         rows = touched.nonzero().squeeze(1)
         if len(rows) > sample_rows:  # evenly spaced: deterministic, and spread over the vocabulary
-            rows = rows[torch.linspace(0, len(rows) - 1, sample_rows).long()]
-        w = weight.detach()[rows].float()
+            rows = rows[torch.linspace(0, len(rows) - 1, sample_rows).long().to(rows.device)]
+        w = grads.weight[rows].float()
         signals["agreement"] = _correlation(_push_matrix(w, g_in[rows]), _push_matrix(w, g_out[rows]))
     if pairs:
-        if weight is None:
+        if grads.weight is None:
             raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
-        push_in = pair_pushes(weight, g_in, pairs)
-        push_out = pair_pushes(weight, g_out, pairs)
-        index = torch.as_tensor(pairs, device=g_in.device)
+        local = grads.positions(torch.as_tensor(pairs).reshape(-1)).reshape(-1, 2).tolist()
+        push_in = pair_pushes(grads.weight, g_in, local)
+        push_out = pair_pushes(grads.weight, g_out, local)
+        index = torch.as_tensor(local, device=g_in.device)
         share_in = push_in / (g_in[index[:, 0]] - g_in[index[:, 1]]).norm(dim=1)
         share_out = push_out / (g_out[index[:, 0]] - g_out[index[:, 1]]).norm(dim=1)
         tension = (-share_in * share_out).nan_to_num(0.0).clamp_min(0)
-        for i, pair in enumerate(pairs):
+        values = zip(push_in.tolist(), push_out.tolist(), tension.tolist(), strict=True)  # one copy each
+        for pair, (push_in_value, push_out_value, tension_value) in zip(pairs, values, strict=True):
             key = pair_key(pair)
-            signals[f"push_in/{key}"] = float(push_in[i])
-            signals[f"push_out/{key}"] = float(push_out[i])
-            signals[f"tension/{key}"] = float(tension[i])
+            signals[f"push_in/{key}"] = push_in_value
+            signals[f"push_out/{key}"] = push_out_value
+            signals[f"tension/{key}"] = tension_value
     return signals
 
 

@@ -1,15 +1,23 @@
 """`RoleGradientProbe`: split a tied matrix's gradient into its input-role and output-role parts, in the same backward.
 
-The shared matrix W is used twice: looked up by the input embedding and multiplied by the LM head. Autograd sums
-the two contributions into ``W.grad``. The probe hooks the two modules' outputs and, while armed, recomputes each
-contribution from the output gradient that backward hands over anyway:
+The shared matrix W is used twice: looked up by the input embedding and multiplied by the LM head. Autograd sums the
+two contributions into ``W.grad``. The probe measures them in memory that scales with the batch, not the vocabulary:
 
-* output role: for a linear head, G_out = dL/dlogits^T @ h, the head's own weight-gradient product;
-* input role: the embedding lookup's weight gradient, a scatter-add of dL/dembeddings onto the looked-up rows.
+* input role G_in: the embedding lookup's weight gradient, a scatter-add of dL/dembeddings onto the looked-up rows T,
+  recomputed from the output gradient that backward hands over anyway and kept as |T| rows;
+* output role G_out: dense over the vocabulary, but it is the rest of the tied gradient, G_out = W.grad - G_in. The
+  probe reads |W.grad|^2 when backward ends (after DDP's all-reduce) and, at `collect`, the rows of W.grad that the
+  role signals use (T and the pairs' rows), so it never materialises G_out: |G_out|^2 = |W.grad|^2
+  - 2 W.grad[T] . G_in[T] + |G_in|^2, exactly.
 
-Modules of other types (a scaled embedding, a custom head) are differentiated generically, by re-running their
-forward on a detached copy of W under autograd. No extra backward pass over the model is needed; the cost is one
-(V, d) float32 buffer per role on the steps where the probe is armed.
+Between backward and the optimizer step, Trainer (and most loops) clip the gradient, and a GradScaler unscales it:
+both scale every gradient by one factor. The probe recovers that factor from |W.grad| at both moments and checks,
+per column, that nothing else changed the gradient; if something did (``clip_grad_value_``, a gradient hook), the
+role signals are NaN for that step (a NaN never unties) and it says so once.
+
+A lookup of another type than `nn.Embedding` (a scaled embedding) is differentiated by re-running its forward on a
+detached W with sparse gradients, so it stays O(|T| d) too. The extra memory of a measuring step is O(|T| d) float32,
+plus the logits' rows processed a few at a time when pairs are measured.
 
 Given symbol ``pairs``, the probe also sums, over the positions that carry a loss (those whose logits receive a
 gradient), their conditional gaps (`untie.metrics.conditional_gaps`), the evidence the targets give against their
@@ -20,6 +28,7 @@ learned from an untrained one (`untie.metrics.learned_z`). The targets are read 
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -28,57 +37,62 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
-from untie.distributed import is_sharded, world_size
-from untie.metrics import (
-    Pairs,
-    cross_entropy_sums,
-    learned_z,
-    log_normalizers,
-    pair_evidence_sums,
-    pair_gap_sums,
-    pair_key,
-    targets_from_gradient,
-)
+from untie import _compat
+from untie.distributed import gather_rows, is_sharded, union_rows, world_size
+from untie.metrics import Pairs, RoleGradients, learned_z, pair_key
 from untie.surgery import _embedding_modules
+
+logger = logging.getLogger("untie")
+
+#: Logit entries processed at once for the pair sums: 2**22 float32 values (16 MiB), whatever the vocabulary.
+_LOGIT_CHUNK = 1 << 22
+#: Gradient entries read at once for |W.grad|^2 in float64 (32 MiB).
+_GRAD_CHUNK = 1 << 22
+#: Largest relative difference, per column, between the gradient's squared norms at the end of backward and at the
+#: optimizer step, after the common factor is taken out, that still counts as "scaled by one factor".
+_SCALE_TOLERANCE = 1e-4
 
 
 class RoleGradientProbe:
-    """Hooks on a tied (or emulated-tied) model's embedding and head that, while ``armed``, sum the two role gradients.
+    """Hooks on a tied (or emulated-tied) model's embedding and head that, while ``armed``, measure the two role
+    gradients of the shared matrix on the rows that carry information (`untie.metrics.RoleGradients`).
 
-    The gradients accumulate over the micro-batches of an optimizer step, like ``W.grad`` does; before any
-    clipping or all-reduce. Call `collect` after the step's last backward to get them (averaged over ranks,
-    as DDP averages ``W.grad``), and `remove` to take the hooks off.
+    The gradients accumulate over the micro-batches of an optimizer step, like ``W.grad`` does. Call `collect` after
+    the step's last backward (before the optimizer step; after clipping is fine) to get them, averaged over ranks as
+    DDP averages ``W.grad``, and `remove` to take the hooks off.
+
+    Args:
+        model: a tied model, or with ``emulation`` the model whose tying it emulates.
+        pairs: token-id pairs whose conditional gaps and evidence are measured too.
+        emulation: the model's `untie.emulation.EmulatedTying`: the embedding then holds the tied gradient once
+            the head's gradient is folded into it, which is when the probe reads it.
     """
 
-    def __init__(self, model: nn.Module, pairs: Pairs = (), emulated: bool = False) -> None:
+    def __init__(self, model: nn.Module, pairs: Pairs = (), emulation=None) -> None:
         embedding, self.head = _embedding_modules(model)
-        if emulated:
-            # `untie.emulation.EmulatedTying`: the head has its own parameter, kept equal to the embedding, and the
-            # embedding receives the tied gradient; the roles are the same two module uses.
+        if emulation is not None:
+            # The head has its own parameter, kept equal to the embedding, and the embedding receives the tied
+            # gradient; the roles are the same two module uses.
             if embedding.weight is self.head.weight or embedding.weight.shape != self.head.weight.shape:
                 raise ValueError(
-                    "RoleGradientProbe(emulated=True) needs a head with its own parameter of the embedding's shape "
+                    "RoleGradientProbe(emulation=...) needs a head with its own parameter of the embedding's shape "
                     "(untie.emulation.EmulatedTying); this model is really tied or its matrices differ in shape."
                 )
         elif embedding.weight is not self.head.weight:
             raise ValueError(
                 "RoleGradientProbe needs a tied model: the input embedding and the LM head share no weight (for "
-                "emulated tying pass emulated=True)."
+                "emulated tying pass emulation=EmulatedTying(model))."
             )
         self.weight: nn.Parameter = embedding.weight
         # Every other module holding W is an input use: T5 and BART look it up through encoder and decoder modules.
         self.lookups = [m for m in model.modules() if m is not self.head and getattr(m, "weight", None) is self.weight]
-        if is_sharded(self.weight):
-            plain = [_module_type(m) is nn.Embedding for m in self.lookups] + [_module_type(self.head) is nn.Linear]
-            if not all(plain):
-                raise ValueError(
-                    "RoleGradientProbe on a sharded (FSDP2) matrix supports plain nn.Embedding lookups and an "
-                    f"nn.Linear head; this model has {[_module_type(m).__name__ for m in (*self.lookups, self.head)]}. "
-                    "Measure on one device or under DDP, or untie at a fixed step (untie_at)."
-                )
+        if is_sharded(self.weight) and not all(_module_type(m) is nn.Embedding for m in self.lookups):
+            raise ValueError(
+                "RoleGradientProbe on a sharded (FSDP2) matrix supports plain nn.Embedding lookups; this model has "
+                f"{[_module_type(m).__name__ for m in self.lookups]}. Measure on one device or under DDP, or untie "
+                "at a fixed step (untie_at)."
+            )
         self.armed = False
-        self.input_grad: torch.Tensor | None = None
-        self.output_grad: torch.Tensor | None = None
         self.pairs = list(pairs)
         vocab = self.weight.shape[0]
         if any(not 0 <= token < vocab for pair in self.pairs for token in pair):
@@ -86,112 +100,160 @@ class RoleGradientProbe:
                 f"pairs={self.pairs} holds token ids outside the model's vocabulary of {vocab}: pass ids in "
                 f"[0, {vocab})."
             )
+        self._vocab = vocab
+        self._emulation = emulation
+        #: The step's input role so far: (ids, rows) per micro-batch, merged by `collect`.
+        self._input_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Per-column squared norms of W.grad (float64, this rank's part) when the step's last backward ended.
+        self._backward_column_sq: torch.Tensor | None = None
+        self._read_queued = False
+        self._scale_warned = False
         #: The measured step's sums, one float64 vector (a single all-reduce): gap numerators and denominators,
         #: evidence (P each), then the cross-entropy's sum, sum of squares and count.
         self._sums: torch.Tensor | None = None
-        self._vocab = vocab
         #: Which pair symbols have occurred as input in any measured step so far.
         self._seen = torch.zeros(len(self.pairs), 2, dtype=torch.bool)
         self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
-        self._handles.append(self.head.register_forward_hook(self._on_head_forward, with_kwargs=True))
+        if self.pairs:
+            self._handles.append(self.head.register_forward_hook(self._on_head_forward))
+        if emulation is not None:
+            emulation.after_fold.append(self._read_gradient)
 
     # -- hooks ------------------------------------------------------------------------------------------------------
     def _on_embedding_forward(self, module, args, kwargs, output) -> None:
         if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(
-                lambda grad: self._accumulate("input_grad", self._input_role(module, args, kwargs, grad))
-            )
+            output.register_hook(lambda grad: self._on_lookup_grad(module, args, kwargs, grad))
 
-    def _on_head_forward(self, module, args, kwargs, output) -> None:
+    def _on_lookup_grad(self, module, args, kwargs, grad: torch.Tensor) -> None:
+        self._input_parts.append(self._input_role(module, args, kwargs, grad))
+        if self._emulation is None and not self._read_queued:
+            # W's own gradient is complete only when backward ends, after DDP's all-reduce: DDP queues that
+            # finalisation once W's gradient is ready, i.e. after this hook. A callback queued while the queue runs
+            # goes to its end, so queue one that queues the read (as `EmulatedTying` queues its fold).
+            self._read_queued = True
+            _compat.queue_autograd_callback(lambda: _compat.queue_autograd_callback(self._read_gradient))
+
+    def _on_head_forward(self, module, args, output) -> None:
         if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
-            logits = output.detach() if self.pairs else None
+            logits = output.detach()
+            output.register_hook(lambda grad: self._accumulate_pair_sums(logits, grad))
 
-            def on_grad(grad: torch.Tensor) -> None:
-                self._accumulate("output_grad", self._output_role(module, args, kwargs, grad))
-                if logits is not None:
-                    self._accumulate_pair_sums(logits, grad)
-
-            output.register_hook(on_grad)
-
-    def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
+    def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's input-role gradient as (sorted ids, (len(ids), d) float32 rows)."""
         if (
             _module_type(module) is nn.Embedding
             and module.max_norm is None
             and not module.scale_grad_by_freq
             and not kwargs
         ):
-            ids = args[0].reshape(-1)
-            role = torch.zeros(self.weight.shape, dtype=torch.float32, device=grad.device)
-            role.index_add_(0, ids, grad.reshape(-1, grad.shape[-1]).float())
+            ids, inverse = args[0].reshape(-1).unique(return_inverse=True)
+            rows = torch.zeros(len(ids), grad.shape[-1], dtype=torch.float32, device=grad.device)
+            rows.index_add_(0, inverse.to(grad.device), grad.reshape(-1, grad.shape[-1]).float())
             if module.padding_idx is not None:
-                role[module.padding_idx] = 0  # the lookup never sends gradient to the padding row
-            return role
+                rows[ids == module.padding_idx % self._vocab] = 0  # the lookup sends no gradient to the padding row
+            return ids.to(grad.device), rows
         return self._generic_role(module, args, kwargs, grad)
 
-    def _output_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
-        if _module_type(module) is nn.Linear and not kwargs:
-            hidden = args[0]
-            return (grad.reshape(-1, grad.shape[-1]).T @ hidden.reshape(-1, hidden.shape[-1]).to(grad.dtype)).float()
-        return self._generic_role(module, args, kwargs, grad)
-
-    def _generic_role(self, module, args, kwargs, grad: torch.Tensor) -> torch.Tensor:
-        """d<output, grad>/dW for any module, by re-running its forward on a detached copy of W."""
+    def _generic_role(self, module, args, kwargs, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """d<output, grad>/dW for any lookup module, by re-running its forward on a detached copy of W: with sparse
+        gradients when it is an `nn.Embedding` (a scaled embedding), so that only the looked-up rows are built."""
         weight = self.weight.detach().requires_grad_(True)
         detached_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         armed, self.armed = self.armed, False  # the re-run must not hook itself again
+        sparse = getattr(module, "sparse", None)
         try:
+            if isinstance(module, nn.Embedding):
+                module.sparse = True
             with torch.enable_grad():
                 output = functional_call(module, {"weight": weight}, detached_args, kwargs)
                 (role,) = torch.autograd.grad(output, weight, grad)
         finally:
             self.armed = armed
-        return role.float()
+            if isinstance(module, nn.Embedding):
+                module.sparse = sparse
+        if role.is_sparse:
+            role = role.coalesce()
+            return role.indices()[0], role.values().float()
+        ids = (role != 0).any(dim=1).nonzero().squeeze(1)
+        return ids, role[ids].float()
+
+    def _read_gradient(self) -> None:
+        """Backward ended: keep the per-column squared norms of W.grad (the step's tied gradient so far)."""
+        self._read_queued = False
+        if not self.armed:
+            return
+        self._backward_column_sq = _column_sq_norms(self.weight.grad)
 
     def _accumulate_pair_sums(self, logits: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add this micro-batch's gap, evidence and cross-entropy sums, over the positions whose logits carry a loss."""
-        flat_grad = grad.reshape(-1, grad.shape[-1])
-        carries_loss = flat_grad.ne(0).any(dim=1)
-        flat_logits = logits.reshape(-1, logits.shape[-1])[carries_loss]
-        targets = targets_from_gradient(flat_grad[carries_loss])
-        log_norm = log_normalizers(flat_logits)
-        sums = torch.cat(
-            [
-                *pair_gap_sums(flat_logits, self.pairs, log_norm=log_norm),
-                pair_evidence_sums(flat_logits, targets, self.pairs)[0],
-                cross_entropy_sums(flat_logits, targets, log_norm=log_norm),
-            ]
-        )
+        """Add this micro-batch's gap, evidence and cross-entropy sums, over the positions whose logits carry a loss,
+        a few rows of the logits at a time (so the extra memory is bounded whatever the vocabulary)."""
+        vocab = logits.shape[-1]
+        flat_logits, flat_grad = logits.reshape(-1, vocab), grad.reshape(-1, vocab)
+        index = torch.as_tensor(self.pairs, device=logits.device)
+        sums = torch.zeros(3 * len(self.pairs) + 3, dtype=torch.float64, device=logits.device)
+        step = max(1, _LOGIT_CHUNK // vocab)
+        for start in range(0, len(flat_logits), step):
+            sums += _pair_sums(flat_logits[start : start + step], flat_grad[start : start + step], index)
         self._sums = sums if self._sums is None else self._sums.add_(sums)
 
-    def _accumulate(self, name: str, role: torch.Tensor) -> None:
-        current = getattr(self, name)
-        setattr(self, name, role if current is None else current.add_(role))
-
     # -- API --------------------------------------------------------------------------------------------------------
-    def dense_weight(self) -> torch.Tensor:
-        """W as one plain (V, d) tensor on every rank, for the pair pushes of `role_signals`: the parameter itself,
-        or under FSDP2 its full tensor (an all-gather; every rank must call it)."""
-        return self.weight.full_tensor() if is_sharded(self.weight) else self.weight
-
-    def collect(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step's (input_grad, output_grad), averaged over ranks; None if no backward ran while armed.
+    def collect(self) -> RoleGradients | None:
+        """The step's role gradients on the rows the signals read, averaged over ranks; None if no backward ran while
+        armed. Call it after the step's last backward and before the optimizer step.
 
         Every rank must call it on the same steps (it all-reduces under torch.distributed).
         """
-        grads, self.input_grad, self.output_grad = (self.input_grad, self.output_grad), None, None
-        have = torch.tensor([float(all(g is not None for g in grads))], device=self.weight.device)
+        parts, self._input_parts = self._input_parts, []
+        backward_sq, self._backward_column_sq = self._backward_column_sq, None
+        have = torch.tensor([float(bool(parts) and backward_sq is not None)], device=self.weight.device)
         if world_size() > 1:
             dist.all_reduce(have, op=dist.ReduceOp.MIN)
-            if have.item() == 1.0:
-                for grad in grads:
-                    dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-                    grad /= dist.get_world_size()
         if have.item() != 1.0:
             self._sums = None  # an incomplete step: its gaps are not read either
             return None
-        return grads
+        ids, rows = _merge_rows(parts)
+        if world_size() > 1:  # the union of every rank's rows, averaged as DDP averages W.grad
+            union = union_rows(ids)
+            summed = torch.zeros(len(union), rows.shape[1], dtype=rows.dtype, device=rows.device)
+            summed[torch.searchsorted(union, ids)] = rows
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+            ids, rows = union, summed / dist.get_world_size()
+        pair_ids = torch.as_tensor(self.pairs, dtype=ids.dtype, device=ids.device).reshape(-1)
+        all_ids = torch.unique(torch.cat([ids, pair_ids]))  # sorted
+        input_grad = torch.zeros(len(all_ids), rows.shape[1], dtype=rows.dtype, device=rows.device)
+        input_grad[torch.searchsorted(all_ids, ids)] = rows
 
-    def conditional_gaps(self, input_grad: torch.Tensor) -> dict[str, float]:
+        # The optimizer sees W.grad scaled by one factor (clipping, unscaling): take it out again.
+        now_sq = _column_sq_norms(self.weight.grad)
+        if is_sharded(self.weight):
+            both = torch.stack([backward_sq, now_sq])
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+            backward_sq, now_sq = both[0], both[1]
+        scale_sq = now_sq.sum() / backward_sq.sum()
+        columns = backward_sq > 0
+        uniform = bool(
+            torch.isfinite(scale_sq)
+            and scale_sq > 0
+            and torch.allclose(now_sq[columns], scale_sq * backward_sq[columns], rtol=_SCALE_TOLERANCE, atol=0)
+        )
+        if not uniform:
+            self._warn_not_scaled(scale_sq)
+            nan = torch.full_like(input_grad, math.nan)
+            return RoleGradients(all_ids, input_grad, nan, math.nan, gather_rows(self.weight, all_ids).float())
+        tied = gather_rows(self.weight.grad, all_ids).float() / scale_sq.sqrt().float()
+        output_grad = tied - input_grad
+        tied_dot_in = (tied.double() * input_grad.double()).sum()
+        sq_in = input_grad.double().square().sum()
+        output_sq = backward_sq.sum() - 2 * tied_dot_in + sq_in
+        return RoleGradients(
+            rows=all_ids,
+            input_grad=input_grad,
+            output_grad=output_grad,
+            output_sq_norm=float(output_sq.clamp_min(0)),
+            weight=gather_rows(self.weight, all_ids).float(),
+        )
+
+    def conditional_gaps(self, grads: RoleGradients) -> dict[str, float]:
         """The pair measurements of the step's loss positions (all ranks); resets the sums.
 
         * ``gap/<a-b>``: the pair's conditional gap (`untie.metrics.conditional_gaps`), in nats;
@@ -200,27 +262,26 @@ class RoleGradientProbe:
         * ``learned_z``: how far the step's cross-entropy lies below that of an uninformed prediction, in standard
           errors (`untie.metrics.learned_z`).
 
-        ``input_grad`` is the step's input-role gradient from `collect`: its nonzero rows are the tokens some rank
-        looked up. A pair with a symbol that has not occurred as input in any measured step yet is NaN (a symbol the
-        model never reads says nothing about tying); rare symbols need not occur in every step. Every rank must call
-        it on the same steps (it all-reduces).
+        ``grads`` is the step's `collect` result: its nonzero input rows are the tokens some rank looked up. A pair
+        with a symbol that has not occurred as input in any measured step yet is NaN (a symbol the model never reads
+        says nothing about tying); rare symbols need not occur in every step. Every rank must call it on the same
+        steps (it all-reduces).
         """
         if self._sums is None:  # nothing measured since the last read (or no pairs)
             nan = {f"{name}/{pair_key(p)}": math.nan for name in ("gap", "evidence") for p in self.pairs}
             return {**nan, "learned_z": math.nan} if self.pairs else nan
-        index = torch.as_tensor(self.pairs, device=input_grad.device)
         # Set by the backward hook that also yields the output role: every rank that collect() vouched for has them.
         sums, self._sums = self._sums, None
         if world_size() > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         total, weight, evidence, loss_sums = sums.split([len(self.pairs)] * 3 + [3])
-        looked_up = torch.linalg.vector_norm(input_grad[index.reshape(-1)], dim=1).reshape(-1, 2).gt(0)
+        looked_up = grads.looked_up(torch.as_tensor(self.pairs).reshape(-1)).reshape(-1, 2)
         self._seen |= looked_up.cpu()
         seen = self._seen.all(dim=1).to(weight.device)
         gaps = torch.where(seen & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
         evidence = torch.where(seen, evidence, torch.nan)
-        measured = {f"gap/{pair_key(p)}": float(g) for p, g in zip(self.pairs, gaps, strict=True)}
-        measured.update({f"evidence/{pair_key(p)}": float(e) for p, e in zip(self.pairs, evidence, strict=True)})
+        measured = {f"gap/{pair_key(p)}": g for p, g in zip(self.pairs, gaps.tolist(), strict=True)}
+        measured.update({f"evidence/{pair_key(p)}": e for p, e in zip(self.pairs, evidence.tolist(), strict=True)})
         measured["learned_z"] = learned_z(loss_sums.cpu(), self._vocab)
         return measured
 
@@ -228,9 +289,69 @@ class RoleGradientProbe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._emulation is not None and self._read_gradient in self._emulation.after_fold:
+            self._emulation.after_fold.remove(self._read_gradient)
         self.armed = False
-        self.input_grad = self.output_grad = None
-        self._sums = None
+        self._input_parts, self._backward_column_sq, self._sums = [], None, None
+
+    def _warn_not_scaled(self, scale_sq: torch.Tensor) -> None:
+        if self._scale_warned:
+            return
+        self._scale_warned = True
+        why = (
+            "it is not finite or zero (a skipped fp16 step, or zero_grad before the optimizer step)"
+            if not (torch.isfinite(scale_sq) and scale_sq > 0)
+            else "it changed by more than one common factor (clip_grad_value_, a gradient hook, a noise term)"
+        )
+        logger.warning(
+            "untie: the tied matrix's gradient at the optimizer step is not the one backward produced: %s. The role "
+            "signals of such a step are NaN (a NaN never unties); the gaps and the evidence are measured as usual. "
+            "Clip by norm (clip_grad_norm_, Trainer's max_grad_norm) to keep them.",
+            why,
+        )
+
+
+def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum (ids, rows) parts into one sorted, duplicate-free (ids, rows)."""
+    ids = torch.cat([part[0] for part in parts])
+    rows = torch.cat([part[1] for part in parts])
+    unique, inverse = ids.unique(return_inverse=True)
+    merged = torch.zeros(len(unique), rows.shape[1], dtype=rows.dtype, device=rows.device)
+    merged.index_add_(0, inverse, rows)
+    return unique, merged
+
+
+def _column_sq_norms(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """(d,) float64 squared norms of the columns of this rank's part of a (V, d) gradient, read a few rows at a time."""
+    if grad is None:
+        return None
+    local = grad.to_local() if is_sharded(grad) else grad
+    local = local.detach()
+    total = torch.zeros(local.shape[1], dtype=torch.float64, device=local.device)
+    for chunk in local.split(max(1, _GRAD_CHUNK // max(local.shape[1], 1))):
+        total += chunk.double().square().sum(dim=0)
+    return total
+
+
+def _pair_sums(logits: torch.Tensor, grad: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The pair sums of some rows of the logits (see `RoleGradientProbe._sums`), counting only rows whose logits
+    receive a gradient: `untie.metrics.pair_gap_sums`, `pair_evidence_sums` and `cross_entropy_sums` with a mask."""
+    carries = grad.ne(0).any(dim=1).double()
+    targets = grad.argmin(dim=1)  # `untie.metrics.targets_from_gradient`
+    log_norm = logits.float().logsumexp(dim=1, keepdim=True)
+    log_a = logits[:, index[:, 0]].float() - log_norm
+    log_b = logits[:, index[:, 1]].float() - log_norm
+    plausible = (log_a.exp() + log_b.exp()).double() * carries.unsqueeze(1)
+    gap_total = (plausible * (log_a - log_b).abs().double()).sum(dim=0)
+    is_a = targets.unsqueeze(1) == index[:, 0]
+    is_b = targets.unsqueeze(1) == index[:, 1]
+    signed = torch.where(is_a, log_a - log_b, log_b - log_a)
+    evidence = math.log(2.0) + torch.nn.functional.logsigmoid(signed)
+    counted = (is_a | is_b) & carries.bool().unsqueeze(1)
+    evidence_total = torch.where(counted, evidence, 0).double().sum(dim=0)
+    losses = (log_norm.squeeze(1) - logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()).double() * carries
+    loss_sums = torch.stack([losses.sum(), (losses.square() * carries).sum(), carries.sum()])
+    return torch.cat([gap_total, plausible.sum(dim=0), evidence_total, loss_sums])
 
 
 def _module_type(module: nn.Module) -> type:

@@ -33,7 +33,7 @@ from untie.distributed import (
     sync_grads_across_ranks,
 )
 from untie.emulation import EmulatedTying
-from untie.metrics import drift_metrics, role_signals, sampled_drift_metrics, summarize_pair_metrics
+from untie.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
 from untie.pairs import tokenizer_pairs
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
@@ -277,17 +277,11 @@ class UntieRun:
             self.emulation = None
             return
         self.emulation.attach_optimizer(optimizer)
-        sharded = is_sharded(model.get_input_embeddings().weight)
-        if sharded and self.config.is_default_rule and self.divergence is not None:
-            # Sharded (FSDP2), a measurement costs dense (V, d) buffers and a gather of W on every rank: the trigger
-            # runs there only when the user names a rule; the default ("divergence") is the deadline alone.
-            logger.info("untie: FSDP2: the default trigger is off (name a rule to keep it: untie_when='evidence').")
-            self.divergence = None
         if self.deadline.fires(step):
             self.untie(model, optimizer, step, "deadline")
-        elif self.config.metrics_every and (self.divergence is not None or not sharded):
-            # Sharded, a measurement is taken only when a trigger reads it.
-            self.probe = RoleGradientProbe(model, pairs=self.pairs, emulated=True)
+        elif self.config.metrics_every:
+            # A measurement costs O(|T| d) per rank (the rows the batch looked up), also sharded: the trigger stays on.
+            self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation)
             self._warn_short_run(step, max_steps)
 
     def arm(self, step: int) -> None:
@@ -305,8 +299,8 @@ class UntieRun:
         if grads is None:
             self._warn_unmeasured()
             return
-        signals = role_signals(*grads, weight=self.probe.dense_weight(), pairs=self.pairs)
-        signals.update(self.probe.conditional_gaps(grads[0]))
+        signals = role_signals_on_rows(grads, pairs=self.pairs)
+        signals.update(self.probe.conditional_gaps(grads))
         if self.divergence is not None:
             self.divergence.update(step, signals)
             signals["trigger"] = self.divergence.average if self.divergence.average is not None else math.nan
