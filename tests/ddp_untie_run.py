@@ -21,9 +21,17 @@ def main(out_dir: str, arch: str, mode: str) -> None:
     if mode == "nosync":  # negative control: show that without the hook the ranks drift apart
         untie.run.sync_grads_across_ranks = lambda param: None
     model = tiny_model(arch)
+    # "trigger-single": one process with both ranks' batches (8 = 2 x 4, the same samples in the same steps).
+    batch_size = 8 if mode == "trigger-single" else 4
     args = training_args(
-        out_dir, max_steps=10, per_device_train_batch_size=4, gradient_accumulation_steps=2, ddp_backend="gloo"
+        out_dir, max_steps=10, per_device_train_batch_size=batch_size, gradient_accumulation_steps=2, ddp_backend="gloo"
     )
+    if mode.startswith("trigger"):
+        # No dropout: the averaged role gradients of 2 ranks then equal one process's on the joint batch.
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        mode = "trigger"
     if mode == "trigger":  # the divergence trigger, fed by role signals measured every 2 steps, fires at step 6
         rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=3)
         callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 4)])

@@ -57,3 +57,11 @@ def test_divergence_trigger_decides_on_every_rank_from_the_same_signals(tmp_path
     assert len(tied_phase) == 3 and all(math.isfinite(h["gap/3-4"]) for h in tied_phase)  # summed over both ranks
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
+
+    # The union of the ranks' rows, averaged, is what one process measures on both ranks' batches at once.
+    torchrun(WORKER, tmp_path / "single", "gpt2", "trigger-single", processes=1)
+    single = torch.load(tmp_path / "single" / "rank0.pt")
+    assert [h["step"] for h in single["history"]] == [h["step"] for h in rank0["history"]]
+    for mine, reference in zip(tied_phase, single["history"][:3], strict=True):
+        for key in ("cosine", "cancellation", "norm_ratio", "conflict", "agreement", "tension/3-4", "gap/3-4"):
+            assert mine[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key

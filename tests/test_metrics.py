@@ -10,6 +10,7 @@ import torch
 import transformers
 
 import untie
+import untie.probe
 from untie.metrics import (
     conditional_gaps,
     cross_entropy_sums,
@@ -417,3 +418,26 @@ def test_probe_reports_evidence_and_learning_with_the_gaps():
     expected_z = learned_z(cross_entropy_sums(logits, ids[:, 1:].reshape(-1)), model.config.vocab_size)
     assert measured["learned_z"] == pytest.approx(expected_z, rel=1e-4)
     probe.remove()
+
+
+def test_probe_holds_no_logits_until_backward_and_a_kept_logits_head_measures_the_same(monkeypatch):
+    """With a linear head the probe keeps (N, 2P + 1) numbers per position until backward, not the (N, V) logits
+    (autograd frees them once the loss is computed). Another head keeps the logits; both measure the same."""
+    model = tiny_model("gpt2").eval()
+    ids = ToyLMDataset(8).ids[:4]
+    measured = []
+    for keep_logits in (False, True):
+        if keep_logits:  # the path of any non-linear head (or one FSDP2 manages)
+            monkeypatch.setattr(untie.probe, "FSDPModule", torch.nn.Linear)
+        probe = RoleGradientProbe(model, pairs=PAIRS)
+        probe.armed = True
+        out = model(input_ids=ids, labels=ids)
+        (hook,) = out.logits._backward_hooks.values()  # the probe's hook on the logits' gradient: what it holds
+        held = [c.cell_contents for c in hook.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+        assert any(t.numel() == out.logits.numel() for t in held) is keep_logits
+        out.loss.backward()
+        measured.append(probe.conditional_gaps(probe.collect()))
+        probe.remove()
+        model.zero_grad()
+    _assert_signals_equal(measured[0], measured[1], tolerance=1e-5)
+    assert math.isfinite(measured[0]["learned_z"]) and math.isfinite(measured[0]["gap/3-4"])

@@ -12,7 +12,7 @@ two contributions into ``W.grad``. The probe measures them in memory that scales
 
 Between backward and the optimizer step, Trainer (and most loops) clip the gradient, and a GradScaler unscales it:
 both scale every gradient by one factor. The probe recovers that factor from |W.grad| at both moments and checks,
-per column, that nothing else changed the gradient; if something did (``clip_grad_value_``, a gradient hook), the
+row by row, that nothing else changed the gradient; if something did (``clip_grad_value_``, a gradient hook), the
 role signals are NaN for that step (a NaN never unties) and it says so once.
 
 A lookup of another type than `nn.Embedding` (a scaled embedding) is differentiated by re-running its forward on a
@@ -46,10 +46,9 @@ logger = logging.getLogger("untie")
 
 #: Logit entries processed at once for the pair sums: 2**22 float32 values (16 MiB), whatever the vocabulary.
 _LOGIT_CHUNK = 1 << 22
-#: Gradient entries read at once for |W.grad|^2 in float64 (32 MiB).
-_GRAD_CHUNK = 1 << 22
-#: Largest relative difference, per column, between the gradient's squared norms at the end of backward and at the
-#: optimizer step, after the common factor is taken out, that still counts as "scaled by one factor".
+#: Largest relative difference, per row, between the gradient's squared norms at the end of backward and at the
+#: optimizer step, after the common factor is taken out, that still counts as "scaled by one factor" (at least; a
+#: half-precision gradient rounds its scaled values, so its tolerance is two of its epsilons).
 _SCALE_TOLERANCE = 1e-4
 
 
@@ -104,8 +103,8 @@ class RoleGradientProbe:
         self._emulation = emulation
         #: The step's input role so far: (ids, rows) per micro-batch, merged by `collect`.
         self._input_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        #: Per-column squared norms of W.grad (float64, this rank's part) when the step's last backward ended.
-        self._backward_column_sq: torch.Tensor | None = None
+        #: Per-row squared norms of W.grad (this rank's rows: O(V) floats) when the step's last backward ended.
+        self._backward_row_sq: torch.Tensor | None = None
         self._read_queued = False
         self._scale_warned = False
         #: The measured step's sums, one float64 vector (a single all-reduce): gap numerators and denominators,
@@ -134,9 +133,22 @@ class RoleGradientProbe:
             _compat.queue_autograd_callback(lambda: _compat.queue_autograd_callback(self._read_gradient))
 
     def _on_head_forward(self, module, args, output) -> None:
-        if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
-            logits = output.detach()
-            output.register_hook(lambda grad: self._accumulate_pair_sums(logits, grad))
+        if not (self.armed and isinstance(output, torch.Tensor) and output.requires_grad):
+            return
+        logits = output.detach()
+        if _module_type(module) is nn.Linear and not isinstance(module, FSDPModule) and len(args) == 1:
+            # Keep (N, 2P + 1) numbers per position, not the (N, V) logits: the target's logit is recomputed in
+            # backward from the head's input (which autograd keeps for the head's weight gradient anyway).
+            log_norm, pair_log_probs = _row_summaries(logits.reshape(-1, logits.shape[-1]), self._pair_index())
+            hidden = args[0].detach()
+            output.register_hook(
+                lambda grad: self._accumulate_pair_sums(grad, log_norm, pair_log_probs, target_logits=(module, hidden))
+            )
+        else:  # another head module (or FSDP2 managing it): the logits stay until backward
+            output.register_hook(lambda grad: self._accumulate_pair_sums(grad, logits=logits))
+
+    def _pair_index(self) -> torch.Tensor:
+        return torch.as_tensor(self.pairs, device=self.weight.device if not is_sharded(self.weight) else None)
 
     def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's input-role gradient as (sorted ids, (len(ids), d) float32 rows)."""
@@ -178,22 +190,39 @@ class RoleGradientProbe:
         return ids, role[ids].float()
 
     def _read_gradient(self) -> None:
-        """Backward ended: keep the per-column squared norms of W.grad (the step's tied gradient so far)."""
+        """Backward ended: keep the per-row squared norms of W.grad (the step's tied gradient so far)."""
         self._read_queued = False
         if not self.armed:
             return
-        self._backward_column_sq = _column_sq_norms(self.weight.grad)
+        self._backward_row_sq = _row_sq_norms(self.weight.grad)
 
-    def _accumulate_pair_sums(self, logits: torch.Tensor, grad: torch.Tensor) -> None:
-        """Add this micro-batch's gap, evidence and cross-entropy sums, over the positions whose logits carry a loss,
-        a few rows of the logits at a time (so the extra memory is bounded whatever the vocabulary)."""
-        vocab = logits.shape[-1]
-        flat_logits, flat_grad = logits.reshape(-1, vocab), grad.reshape(-1, vocab)
-        index = torch.as_tensor(self.pairs, device=logits.device)
-        sums = torch.zeros(3 * len(self.pairs) + 3, dtype=torch.float64, device=logits.device)
+    def _accumulate_pair_sums(
+        self,
+        grad: torch.Tensor,
+        log_norm: torch.Tensor | None = None,
+        pair_log_probs: torch.Tensor | None = None,
+        target_logits: tuple[nn.Module, torch.Tensor] | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> None:
+        """Add this micro-batch's gap, evidence and cross-entropy sums over the positions whose logits carry a loss.
+
+        The targets and the loss positions come from the logits' gradient, read a few rows at a time. The pairs'
+        log-probabilities and each row's log-normaliser come from the forward (or from ``logits``, kept until now);
+        the target's logit is h . W[target] (+ bias) from the head's input h, or read off ``logits``.
+        """
+        vocab = grad.shape[-1]
+        flat_grad = grad.reshape(-1, vocab)
         step = max(1, _LOGIT_CHUNK // vocab)
-        for start in range(0, len(flat_logits), step):
-            sums += _pair_sums(flat_logits[start : start + step], flat_grad[start : start + step], index)
+        carries = torch.cat([chunk.ne(0).any(dim=1) for chunk in flat_grad.split(step)])
+        targets = torch.cat([chunk.argmin(dim=1) for chunk in flat_grad.split(step)])  # `targets_from_gradient`
+        if logits is not None:
+            flat_logits = logits.reshape(-1, vocab)
+            log_norm, pair_log_probs = _row_summaries(flat_logits, self._pair_index().to(grad.device))
+            target_logit = flat_logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
+        else:
+            module, hidden = target_logits
+            target_logit = _linear_rows(module, hidden.reshape(-1, hidden.shape[-1]), targets)
+        sums = _pair_sums(log_norm, pair_log_probs, target_logit, targets, carries, self._pair_index().to(grad.device))
         self._sums = sums if self._sums is None else self._sums.add_(sums)
 
     # -- API --------------------------------------------------------------------------------------------------------
@@ -204,7 +233,7 @@ class RoleGradientProbe:
         Every rank must call it on the same steps (it all-reduces under torch.distributed).
         """
         parts, self._input_parts = self._input_parts, []
-        backward_sq, self._backward_column_sq = self._backward_column_sq, None
+        backward_sq, self._backward_row_sq = self._backward_row_sq, None
         have = torch.tensor([float(bool(parts) and backward_sq is not None)], device=self.weight.device)
         if world_size() > 1:
             dist.all_reduce(have, op=dist.ReduceOp.MIN)
@@ -223,20 +252,22 @@ class RoleGradientProbe:
         input_grad = torch.zeros(len(all_ids), rows.shape[1], dtype=rows.dtype, device=rows.device)
         input_grad[torch.searchsorted(all_ids, ids)] = rows
 
-        # The optimizer sees W.grad scaled by one factor (clipping, unscaling): take it out again.
-        now_sq = _column_sq_norms(self.weight.grad)
+        # The optimizer sees W.grad scaled by one factor (clipping, unscaling): take it out again, after checking
+        # row by row that nothing else changed it.
+        grad = self.weight.grad
+        now_sq = _row_sq_norms(grad)
+        totals = torch.stack([backward_sq.double().sum(), now_sq.double().sum()])
         if is_sharded(self.weight):
-            both = torch.stack([backward_sq, now_sq])
-            dist.all_reduce(both, op=dist.ReduceOp.SUM)
-            backward_sq, now_sq = both[0], both[1]
-        scale_sq = now_sq.sum() / backward_sq.sum()
-        columns = backward_sq > 0
-        uniform = bool(
-            torch.isfinite(scale_sq)
-            and scale_sq > 0
-            and torch.allclose(now_sq[columns], scale_sq * backward_sq[columns], rtol=_SCALE_TOLERANCE, atol=0)
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+        backward_total, scale_sq = totals[0], totals[1] / totals[0]
+        tolerance = max(_SCALE_TOLERANCE, 2 * torch.finfo(grad.dtype).eps)
+        uniform = torch.tensor(
+            [float(torch.isfinite(scale_sq) and scale_sq > 0 and _scaled(backward_sq, now_sq, scale_sq, tolerance))],
+            device=self.weight.device,
         )
-        if not uniform:
+        if world_size() > 1:
+            dist.all_reduce(uniform, op=dist.ReduceOp.MIN)
+        if uniform.item() != 1.0:
             self._warn_not_scaled(scale_sq)
             nan = torch.full_like(input_grad, math.nan)
             return RoleGradients(all_ids, input_grad, nan, math.nan, gather_rows(self.weight, all_ids).float())
@@ -244,7 +275,7 @@ class RoleGradientProbe:
         output_grad = tied - input_grad
         tied_dot_in = (tied.double() * input_grad.double()).sum()
         sq_in = input_grad.double().square().sum()
-        output_sq = backward_sq.sum() - 2 * tied_dot_in + sq_in
+        output_sq = backward_total - 2 * tied_dot_in + sq_in
         return RoleGradients(
             rows=all_ids,
             input_grad=input_grad,
@@ -292,7 +323,7 @@ class RoleGradientProbe:
         if self._emulation is not None and self._read_gradient in self._emulation.after_fold:
             self._emulation.after_fold.remove(self._read_gradient)
         self.armed = False
-        self._input_parts, self._backward_column_sq, self._sums = [], None, None
+        self._input_parts, self._backward_row_sq, self._sums = [], None, None
 
     def _warn_not_scaled(self, scale_sq: torch.Tensor) -> None:
         if self._scale_warned:
@@ -321,36 +352,66 @@ def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.T
     return unique, merged
 
 
-def _column_sq_norms(grad: torch.Tensor | None) -> torch.Tensor | None:
-    """(d,) float64 squared norms of the columns of this rank's part of a (V, d) gradient, read a few rows at a time."""
+def _row_sq_norms(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """(V_local,) float32 squared norms of the rows of this rank's part of a (V, d) gradient: one fast pass over
+    contiguous rows (a float32 result, accumulated in float32; their sum is taken in float64)."""
     if grad is None:
         return None
-    local = grad.to_local() if is_sharded(grad) else grad
-    local = local.detach()
-    total = torch.zeros(local.shape[1], dtype=torch.float64, device=local.device)
-    for chunk in local.split(max(1, _GRAD_CHUNK // max(local.shape[1], 1))):
-        total += chunk.double().square().sum(dim=0)
-    return total
+    local = (grad.to_local() if is_sharded(grad) else grad).detach()
+    return torch.linalg.vector_norm(local, dim=1, dtype=torch.float32).square()
 
 
-def _pair_sums(logits: torch.Tensor, grad: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The pair sums of some rows of the logits (see `RoleGradientProbe._sums`), counting only rows whose logits
-    receive a gradient: `untie.metrics.pair_gap_sums`, `pair_evidence_sums` and `cross_entropy_sums` with a mask."""
-    carries = grad.ne(0).any(dim=1).double()
-    targets = grad.argmin(dim=1)  # `untie.metrics.targets_from_gradient`
-    log_norm = logits.float().logsumexp(dim=1, keepdim=True)
-    log_a = logits[:, index[:, 0]].float() - log_norm
-    log_b = logits[:, index[:, 1]].float() - log_norm
-    plausible = (log_a.exp() + log_b.exp()).double() * carries.unsqueeze(1)
+def _scaled(before: torch.Tensor, after: torch.Tensor, scale: torch.Tensor, tolerance: float) -> bool:
+    """Whether every row's squared norm went from `before` to `scale` times it (a row that was zero stays zero)."""
+    expected = before.double() * scale
+    return bool(((after.double() - expected).abs() <= tolerance * expected).all())
+
+
+def _row_summaries(logits: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log-normaliser (N,) and the pairs' log-probabilities (N, P, 2), in float32, a few rows at a time."""
+    norms, log_probs = [], []
+    for chunk in logits.split(max(1, _LOGIT_CHUNK // logits.shape[-1])):
+        norm = chunk.float().logsumexp(dim=1, keepdim=True)
+        norms.append(norm.squeeze(1))
+        log_probs.append(chunk[:, index.reshape(-1)].float().sub_(norm).reshape(len(chunk), -1, 2))
+    return torch.cat(norms), torch.cat(log_probs)
+
+
+def _linear_rows(module: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(N,) float32: the linear head's output at each row's target, h_r . W[t_r] (+ b[t_r]), in the input's dtype
+    rounding and float32 accumulation, a few thousand rows at a time."""
+    out = []
+    for rows, ids in zip(hidden.split(4096), targets.split(4096), strict=True):
+        weight = module.weight.detach()[ids].to(rows.dtype).float()
+        value = (rows.float() * weight).sum(dim=1)
+        if module.bias is not None:
+            value += module.bias.detach()[ids].float()
+        out.append(value)
+    return torch.cat(out)
+
+
+def _pair_sums(
+    log_norm: torch.Tensor,
+    pair_log_probs: torch.Tensor,
+    target_logit: torch.Tensor,
+    targets: torch.Tensor,
+    carries: torch.Tensor,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """The pair sums of a micro-batch (see `RoleGradientProbe._sums`) over the rows that carry a loss:
+    `untie.metrics.pair_gap_sums`, `pair_evidence_sums` and `cross_entropy_sums` with a mask."""
+    mask = carries.double()
+    log_a, log_b = pair_log_probs[..., 0], pair_log_probs[..., 1]
+    plausible = (log_a.exp() + log_b.exp()).double() * mask.unsqueeze(1)
     gap_total = (plausible * (log_a - log_b).abs().double()).sum(dim=0)
     is_a = targets.unsqueeze(1) == index[:, 0]
     is_b = targets.unsqueeze(1) == index[:, 1]
     signed = torch.where(is_a, log_a - log_b, log_b - log_a)
     evidence = math.log(2.0) + torch.nn.functional.logsigmoid(signed)
-    counted = (is_a | is_b) & carries.bool().unsqueeze(1)
+    counted = (is_a | is_b) & carries.unsqueeze(1)
     evidence_total = torch.where(counted, evidence, 0).double().sum(dim=0)
-    losses = (log_norm.squeeze(1) - logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()).double() * carries
-    loss_sums = torch.stack([losses.sum(), (losses.square() * carries).sum(), carries.sum()])
+    losses = (log_norm - target_logit).double() * mask
+    loss_sums = torch.stack([losses.sum(), losses.square().sum(), mask.sum()])
     return torch.cat([gap_total, plausible.sum(dim=0), evidence_total, loss_sums])
 
 
