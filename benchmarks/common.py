@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -64,3 +65,26 @@ def run_arms_alternating(script: str, arms: Sequence[str], repeats: int, describ
             runs.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
             print(f"{arm} #{repeat}: {describe(runs[-1])}")
     return runs
+
+
+def machine() -> str:
+    """The machine a figure was measured on, as the tables name it."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    return f"{os.cpu_count()} cores, CPU, torch {torch.__version__}"
+
+
+def write_results(output_dir: str, results: object, table: str) -> None:
+    """Write `results.json` and the Markdown `results.md` into `output_dir`, and print the table."""
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "results.json"), "w") as handle:
+        json.dump(results, handle, indent=2)
+    with open(os.path.join(output_dir, "results.md"), "w") as handle:
+        handle.write(table + "\n")
+    print(table)
+
+
+def run_worker(command: list[str]) -> dict:
+    """Run a benchmark's worker process and return the JSON of its ``RESULT`` line."""
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])

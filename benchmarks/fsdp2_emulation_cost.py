@@ -24,7 +24,6 @@ import os
 import resource
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import transformers as tf
+from common import machine, run_worker, write_results
 
 import untie
 
@@ -139,12 +139,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"{os.cpu_count()} cores, CPU, torch {torch.__version__}"
-
-
 def main() -> None:
     (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
     if args.arm is not None:
@@ -166,8 +160,7 @@ def main() -> None:
                 "--arm",
                 arm,
             ]
-            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-            result = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
+            result = run_worker(command)
             print(json.dumps(result), flush=True)
             runs[arm].append(result)
     tied_s = statistics.median(r["median_step_s"] for r in runs["tied"])
@@ -186,12 +179,7 @@ def main() -> None:
         f"\n\nPer rank (rank 0), {args.ranks} ranks. Machine: {machine()}; "
         f"`python benchmarks/fsdp2_emulation_cost.py {' '.join(sys.argv[1:])}`."
     )
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
-        json.dump(runs, handle, indent=2)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as handle:
-        handle.write(table + "\n")
-    print(table)
+    write_results(args.output_dir, runs, table)
 
 
 if __name__ == "__main__":

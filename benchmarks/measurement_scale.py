@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 import transformers as tf
+from common import machine, run_worker, write_results
 
 import untie
 
@@ -125,12 +124,6 @@ def run_vocabulary(args: BenchmarkArguments) -> dict:
     }
 
 
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"{os.cpu_count()} cores, CPU, torch {torch.__version__}"
-
-
 def main() -> None:
     (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
     if args.vocab is not None:
@@ -139,8 +132,7 @@ def main() -> None:
     results = []
     for vocab in args.vocabs:
         command = [sys.executable, __file__, *sys.argv[1:], "--vocab", str(vocab)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        result = json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:])
+        result = run_worker(command)
         print(json.dumps(result), flush=True)
         results.append(result)
     rows = [
@@ -159,12 +151,7 @@ def main() -> None:
         + " ".join(sys.argv[1:])
         + "`."
     )
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
-        json.dump(results, handle, indent=2)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as handle:
-        handle.write(table + "\n")
-    print(table)
+    write_results(args.output_dir, results, table)
 
 
 if __name__ == "__main__":

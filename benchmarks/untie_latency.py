@@ -16,15 +16,14 @@ Reports the ratio untie / copy per repeat and their median (the goal of issue 25
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 import transformers as tf
+from common import machine, run_worker, write_results
 
 import untie
 
@@ -90,12 +89,6 @@ def measure(args: BenchmarkArguments) -> dict:
     }
 
 
-def machine() -> str:
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"{os.cpu_count()} cores, CPU, torch {torch.__version__}"
-
-
 def main() -> None:
     (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
     if args.worker:
@@ -104,8 +97,7 @@ def main() -> None:
     runs = []
     for _ in range(args.repeats):
         command = [sys.executable, __file__, *sys.argv[1:], "--worker", "true"]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-        runs.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
+        runs.append(run_worker(command))
         print(json.dumps(runs[-1]), flush=True)
     first = runs[0]
     ratios = ", ".join(f"x{run['ratio']:.2f}" for run in runs)
@@ -121,12 +113,7 @@ def main() -> None:
             f"Machine: {machine()}; `python benchmarks/untie_latency.py {' '.join(sys.argv[1:])}`.",
         ]
     )
-    os.makedirs(args.output_dir, exist_ok=True)
-    with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
-        json.dump(runs, handle, indent=2)
-    with open(os.path.join(args.output_dir, "results.md"), "w") as handle:
-        handle.write(table + "\n")
-    print(table)
+    write_results(args.output_dir, runs, table)
 
 
 if __name__ == "__main__":
