@@ -39,7 +39,7 @@ from torch.func import functional_call
 
 from untie import _compat
 from untie.distributed import gather_rows, is_sharded, union_rows, world_size
-from untie.metrics import Pairs, RoleGradients, learned_z, pair_key
+from untie.metrics import Pairs, RoleGradients, learned_z, pair_key, targets_from_gradient
 from untie.surgery import _embedding_modules
 
 logger = logging.getLogger("untie")
@@ -100,6 +100,8 @@ class RoleGradientProbe:
                 f"[0, {vocab})."
             )
         self._vocab = vocab
+        #: (P, 2) token ids of the pairs, moved to the logits' device where they are read.
+        self._pair_ids = torch.as_tensor(self.pairs, dtype=torch.long).reshape(-1, 2)
         self._emulation = emulation
         #: The step's input role so far: (ids, rows) per micro-batch, merged by `collect`.
         self._input_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -139,16 +141,14 @@ class RoleGradientProbe:
         if _module_type(module) is nn.Linear and not isinstance(module, FSDPModule) and len(args) == 1:
             # Keep (N, 2P + 1) numbers per position, not the (N, V) logits: the target's logit is recomputed in
             # backward from the head's input (which autograd keeps for the head's weight gradient anyway).
-            log_norm, pair_log_probs = _row_summaries(logits.reshape(-1, logits.shape[-1]), self._pair_index())
+            index = self._pair_ids.to(logits.device)
+            log_norm, pair_log_probs = _row_summaries(logits.reshape(-1, logits.shape[-1]), index)
             hidden = args[0].detach()
             output.register_hook(
                 lambda grad: self._accumulate_pair_sums(grad, log_norm, pair_log_probs, target_logits=(module, hidden))
             )
         else:  # another head module (or FSDP2 managing it): the logits stay until backward
             output.register_hook(lambda grad: self._accumulate_pair_sums(grad, logits=logits))
-
-    def _pair_index(self) -> torch.Tensor:
-        return torch.as_tensor(self.pairs, device=self.weight.device if not is_sharded(self.weight) else None)
 
     def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This micro-batch's input-role gradient as (sorted ids, (len(ids), d) float32 rows)."""
@@ -211,18 +211,20 @@ class RoleGradientProbe:
         the target's logit is h . W[target] (+ bias) from the head's input h, or read off ``logits``.
         """
         vocab = grad.shape[-1]
-        flat_grad = grad.reshape(-1, vocab)
-        step = max(1, _LOGIT_CHUNK // vocab)
-        carries = torch.cat([chunk.ne(0).any(dim=1) for chunk in flat_grad.split(step)])
-        targets = torch.cat([chunk.argmin(dim=1) for chunk in flat_grad.split(step)])  # `targets_from_gradient`
+        index = self._pair_ids.to(grad.device)
+        carries, targets = [], []
+        for chunk in grad.reshape(-1, vocab).split(max(1, _LOGIT_CHUNK // vocab)):
+            carries.append(chunk.ne(0).any(dim=1))
+            targets.append(targets_from_gradient(chunk))
+        carries, targets = torch.cat(carries), torch.cat(targets)
         if logits is not None:
             flat_logits = logits.reshape(-1, vocab)
-            log_norm, pair_log_probs = _row_summaries(flat_logits, self._pair_index().to(grad.device))
+            log_norm, pair_log_probs = _row_summaries(flat_logits, index)
             target_logit = flat_logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
         else:
             module, hidden = target_logits
             target_logit = _linear_rows(module, hidden.reshape(-1, hidden.shape[-1]), targets)
-        sums = _pair_sums(log_norm, pair_log_probs, target_logit, targets, carries, self._pair_index().to(grad.device))
+        sums = _pair_sums(log_norm, pair_log_probs, target_logit, targets, carries, index)
         self._sums = sums if self._sums is None else self._sums.add_(sums)
 
     # -- API --------------------------------------------------------------------------------------------------------
@@ -247,7 +249,7 @@ class RoleGradientProbe:
             summed[torch.searchsorted(union, ids)] = rows
             dist.all_reduce(summed, op=dist.ReduceOp.SUM)
             ids, rows = union, summed / dist.get_world_size()
-        pair_ids = torch.as_tensor(self.pairs, dtype=ids.dtype, device=ids.device).reshape(-1)
+        pair_ids = self._pair_ids.to(ids.device).reshape(-1)
         all_ids = torch.unique(torch.cat([ids, pair_ids]))  # sorted
         input_grad = torch.zeros(len(all_ids), rows.shape[1], dtype=rows.dtype, device=rows.device)
         input_grad[torch.searchsorted(all_ids, ids)] = rows
@@ -306,7 +308,7 @@ class RoleGradientProbe:
         if world_size() > 1:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
         total, weight, evidence, loss_sums = sums.split([len(self.pairs)] * 3 + [3])
-        looked_up = grads.looked_up(torch.as_tensor(self.pairs).reshape(-1)).reshape(-1, 2)
+        looked_up = grads.looked_up(self._pair_ids.reshape(-1)).reshape(-1, 2)
         self._seen |= looked_up.cpu()
         seen = self._seen.all(dim=1).to(weight.device)
         gaps = torch.where(seen & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
