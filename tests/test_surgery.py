@@ -190,7 +190,7 @@ def test_optimizer_gets_head_in_same_group_and_scheduler_keeps_working(state):
     assert head.grad is None and int(opt.state[head]["step"]) == (2 if state == "copy" else 1)
 
 
-def test_copy_takes_adafactors_factored_moments_and_refuses_quantised_state(caplog):
+def test_copy_takes_adafactors_factored_moments_and_quantised_state():
     model = tiny_model("gpt2")
     opt = tf.optimization.Adafactor(model.parameters(), lr=1e-3, relative_step=False, scale_parameter=False)
     _step(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
@@ -205,11 +205,14 @@ def test_copy_takes_adafactors_factored_moments_and_refuses_quantised_state(capl
     model = tiny_model("gpt2")
     opt = torch.optim.AdamW(model.parameters())
     shared = model.get_input_embeddings().weight
-    opt.state[shared] = {"step": torch.tensor(3.0), "state1": torch.zeros(shared.shape, dtype=torch.uint8)}  # 8-bit
-    with caplog.at_level("WARNING", logger="untie.surgery"):
-        untie.untie_embeddings(model, opt, optimizer_state="copy")
-    assert model.get_output_embeddings().weight not in opt.state
-    assert "quantised optimizer state" in caplog.text and "fresh optimizer state" in caplog.text
+    codes = torch.randint(0, 256, shared.shape, dtype=torch.uint8)  # quantised state: copied bit for bit too
+    opt.state[shared] = {"step": torch.tensor(3.0), "state1": codes, "absmax1": torch.rand(3), "bits": [8]}
+    untie.untie_embeddings(model, opt, optimizer_state="copy")
+    copied = opt.state[model.get_output_embeddings().weight]
+    assert copied.keys() == opt.state[shared].keys() and copied["bits"] == [8]
+    assert copied["bits"] is not opt.state[shared]["bits"]
+    for key in ("step", "state1", "absmax1"):
+        assert torch.equal(copied[key], opt.state[shared][key]) and copied[key] is not opt.state[shared][key]
 
 
 def _step(model, opt, sched):

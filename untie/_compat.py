@@ -117,3 +117,60 @@ def queue_autograd_callback(callback: Callable[[], None]) -> None:
     FSDP2 finalise their gradients the same way, and there is no public equivalent). Must be called during
     backward. Checked: torch 2.13.0."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# -- bitsandbytes: state buffers and per-parameter overrides ---------------------------------------------------------
+# bitsandbytes' optimizers (subclasses of `bitsandbytes.optim.optimizer.Optimizer8bit`) allocate state through
+# `get_state_buffer(p, dtype)` (paged memory for the paged optimizers on CUDA) and read per-parameter overrides
+# (`optim_bits`, ...) from the process-wide `GlobalOptimManager`: `pid2config` keyed by id(param), `index2config`
+# keyed by (group index, param index), and `module_weight_config_triple` from `register_module_override` (Trainer
+# registers {"optim_bits": 32} for every nn.Embedding when it builds an 8-bit bitsandbytes optimizer). No public API
+# gives a new parameter another's override or re-indexes the overrides after the groups are reordered.
+# Checked: bitsandbytes 0.50.2 (CI).
+def is_bitsandbytes_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` is one of bitsandbytes' (they keep per-parameter overrides and allocate their own state)."""
+    return type(optimizer).__module__.startswith("bitsandbytes.") and hasattr(optimizer, "mng")
+
+
+def state_buffer_copy(optimizer: torch.optim.Optimizer, param: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
+    """A copy of `value`, one of a parameter's state tensors, for `param`: allocated the way `optimizer` allocates
+    `param`'s state when it is shaped like it (bitsandbytes' paged buffers stay paged), else a plain clone."""
+    if is_bitsandbytes_optimizer(optimizer) and value.shape == param.shape:
+        return optimizer.get_state_buffer(param, dtype=value.dtype).copy_(value)
+    return value.clone()
+
+
+def bitsandbytes_override(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict | None:
+    """The per-parameter config bitsandbytes applies to `param` (by parameter, else by module), None if none."""
+    manager = optimizer.mng
+    config = manager.pid2config.get(id(param))
+    if config is None:
+        for module, attr, module_config in getattr(manager, "module_weight_config_triple", ()):
+            if getattr(module, attr, None) is param:
+                config = module_config
+    return config
+
+
+def share_bitsandbytes_override(optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter) -> None:
+    """Give `new` its own copy of `like`'s bitsandbytes override (e.g. the 32-bit state Trainer asks for embeddings),
+    so a head forked from a shared matrix is optimised with the same precision; nothing for other optimizers."""
+    if not is_bitsandbytes_optimizer(optimizer):
+        return
+    config = bitsandbytes_override(optimizer, like)
+    if config is not None:
+        optimizer.mng.pid2config[id(new)] = dict(config)
+
+
+def reindex_bitsandbytes_overrides(optimizer: torch.optim.Optimizer) -> None:
+    """Rebuild bitsandbytes' position-keyed overrides from its parameter-keyed ones after the groups' order changed
+    (a stale position entry would give a moved parameter another's config); nothing for other optimizers."""
+    if not is_bitsandbytes_optimizer(optimizer):
+        return
+    manager = optimizer.mng
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param_index, param in enumerate(group["params"]):
+            config = manager.pid2config.get(id(param))
+            if config is None:
+                manager.index2config.pop((group_index, param_index), None)
+            else:
+                manager.index2config[(group_index, param_index)] = config

@@ -131,7 +131,10 @@ class EmulatedTying:
         """
         self.active = False
         self.remove()
-        if optimizer is not None and optimizer_state == "copy":
+        if optimizer is None:
+            return
+        _compat.share_bitsandbytes_override(_inner(optimizer), new=self.head.weight, like=self.embedding.weight)
+        if optimizer_state == "copy":
             copy_optimizer_state(optimizer, new=self.head.weight, like=self.embedding.weight)
 
     def remove(self) -> None:

@@ -6,7 +6,7 @@ checkpoints, to prepare a model for fine-tuning, or from a training callback.
 
 from __future__ import annotations
 
-import logging
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -16,8 +16,6 @@ from torch import nn
 
 from untie import _compat
 from untie.adapters import refuse_peft_surgery
-
-logger = logging.getLogger(__name__)
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
 #: where the `tie_word_embeddings` flag cannot record it (T5 and BART share that flag with encoder/decoder ties).
@@ -406,35 +404,27 @@ def add_param_like(
     if any(p is new for g in opt.param_groups for p in g["params"]):
         return
     group["params"].append(new)
+    _compat.share_bitsandbytes_override(opt, new=new, like=like)
     if state == "copy":
         copy_optimizer_state(optimizer, new=new, like=like)
 
 
 def copy_optimizer_state(optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter) -> None:
-    """Give `new` a copy of `like`'s optimizer state (Adam moments, Adafactor's factored moments, step); nothing if
-    `like` has none yet. Quantised state (8-bit optimizers) is not copied: the head starts fresh, with a warning."""
+    """Give `new` an exact copy of `like`'s optimizer state; nothing if `like` has none yet.
+
+    Every entry is copied, whatever it holds: Adam's moments, Adafactor's factored row and column moments, the step,
+    and an 8-bit optimizer's quantised moments (bitsandbytes: uint8 codes, per-block scales, quantisation maps).
+    `new` has `like`'s shape, dtype and device, so the state is valid for it as it is, block layout included. State
+    tensors shaped like the parameter are allocated as the optimizer allocates them (paged buffers stay paged).
+    """
     opt = _inner(optimizer)
     old_state = opt.state.get(like)
     if not old_state:
         return
-    if _copyable(old_state):
-        opt.state[new] = {k: v.clone() if torch.is_tensor(v) else v for k, v in old_state.items()}
-    else:
-        logger.warning(
-            "untie: %s keeps quantised optimizer state (keys %s) that cannot be copied; the untied head starts with "
-            "fresh optimizer state instead of a copy.",
-            type(opt).__name__,
-            sorted(old_state),
-        )
-
-
-def _copyable(state: dict) -> bool:
-    """Copy state made of floating-point statistics of the matrix (Adam's per-element moments, Adafactor's row and
-    column moments) and scalars (step); not quantised state (integer codes of an 8-bit optimizer)."""
-    for value in state.values():
-        if torch.is_tensor(value) and value.numel() > 1 and not (value.is_floating_point() and value.itemsize >= 2):
-            return False
-    return True
+    opt.state[new] = {
+        key: _compat.state_buffer_copy(opt, new, value) if torch.is_tensor(value) else copy.deepcopy(value)
+        for key, value in old_state.items()
+    }
 
 
 def sort_param_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -445,5 +435,7 @@ def sort_param_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> Non
     State is keyed by parameter, so reordering changes nothing else.
     """
     rank = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
-    for group in _inner(optimizer).param_groups:
+    opt = _inner(optimizer)
+    for group in opt.param_groups:
         group["params"].sort(key=lambda p: rank.get(id(p), len(rank)))
+    _compat.reindex_bitsandbytes_overrides(opt)
