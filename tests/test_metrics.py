@@ -299,11 +299,14 @@ def test_probe_takes_a_common_factor_out_of_the_gradient_and_refuses_other_chang
 
 def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     model = tiny_model("gpt2").eval()
-    pairs = [(3, 4), (5, 6), (3, 47)]
+    # (0, 9): a position without a loss has a zero logit gradient, whose argmin reads as target 0: the mask must
+    # keep such positions out of the evidence.
+    pairs = [(3, 4), (5, 6), (3, 47), (0, 9)]
     probe = RoleGradientProbe(model, pairs=pairs)
     probe.armed = True
     ids = ToyLMDataset(8).ids[:4].clone()
     ids[ids == 47] = 46  # token 47 never occurs as input
+    ids[0, 0] = 0  # token 0 does (without a loss)
     labels = ids.clone()
     labels[:, :5] = -100  # no loss on the first positions
     logits = model(input_ids=ids, labels=labels).logits
@@ -317,6 +320,14 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     assert gaps["gap/3-4"] == pytest.approx(expected["3-4"], rel=1e-6)
     assert gaps["gap/5-6"] == pytest.approx(expected["5-6"], rel=1e-6)
     assert expected["3-4"] != pytest.approx(conditional_gaps(logits, pairs[:1])["3-4"], rel=1e-3)  # the mask matters
+    # The evidence and learned_z: the dense functions on the loss positions' logits and their (shifted) targets.
+    flat, targets = logits.detach()[:, :-1][carries_loss[:, :-1]], labels[:, 1:][carries_loss[:, :-1]]
+    measured = [(3, 4), (5, 6), (0, 9)]
+    evidence, counted = pair_evidence_sums(flat, targets, measured)
+    assert (counted > 0).all() and (evidence != 0).all()  # every pair occurs as a target: the check bites
+    for pair, value in zip(measured, evidence.tolist(), strict=True):
+        assert gaps[f"evidence/{pair[0]}-{pair[1]}"] == pytest.approx(value, rel=1e-6, abs=1e-6), pair
+    assert gaps["learned_z"] == pytest.approx(learned_z(cross_entropy_sums(flat, targets), vocab=48), rel=1e-6)
     assert math.isnan(gaps["gap/3-47"])  # 47 was never looked up: no evidence about it
     assert math.isnan(probe.conditional_gaps(grads)["gap/3-4"])  # reset after reading
     # A later step that looks 47 up measures the pair from then on, also in steps where 47 does not occur.

@@ -234,7 +234,17 @@ def pair_gap_sums(
         log_norm = log_normalizers(flat)
     log_a = flat[:, index[:, 0]].float() - log_norm
     log_b = flat[:, index[:, 1]].float() - log_norm
+    return pair_gap_sums_from_log_probs(log_a, log_b)
+
+
+def pair_gap_sums_from_log_probs(
+    log_a: torch.Tensor, log_b: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pair_gap_sums` from the (N, P) log-probabilities of each pair's two symbols, so that a caller that keeps
+    only these (not the (N, V) logits) computes the same sums; ``mask``, (N,) bool, keeps the rows that carry a loss."""
     weight = (log_a.exp() + log_b.exp()).double()
+    if mask is not None:
+        weight = weight * mask.double().unsqueeze(1)
     return (weight * (log_a - log_b).abs().double()).sum(dim=0), weight.sum(dim=0)
 
 
@@ -262,14 +272,23 @@ def pair_evidence_sums(logits: torch.Tensor, targets: torch.Tensor, pairs: Pairs
     evidence drifts down. Returns the (P,) float64 evidence sums and the (P,) counts of such positions.
     """
     flat = logits.detach().reshape(-1, logits.shape[-1])
-    targets = targets.reshape(-1)
     index = torch.as_tensor(pairs, device=flat.device).reshape(-1, 2)
+    log_odds = flat[:, index[:, 0]].float() - flat[:, index[:, 1]].float()  # log p(a|r) - log p(b|r)
+    return pair_evidence_sums_from_log_odds(log_odds, targets.reshape(-1), index)
+
+
+def pair_evidence_sums_from_log_odds(
+    log_odds: torch.Tensor, targets: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pair_evidence_sums` from the (N, P) log-odds log p(a|r) - log p(b|r) of each pair (a, b), the (N,) targets
+    and the (P, 2) pair ids; ``mask``, (N,) bool, keeps the rows that carry a loss."""
     is_a = targets.unsqueeze(1) == index[:, 0]
     is_b = targets.unsqueeze(1) == index[:, 1]
-    log_odds = flat[:, index[:, 0]].float() - flat[:, index[:, 1]].float()  # log p(a|r) - log p(b|r)
     signed = torch.where(is_a, log_odds, -log_odds)
     evidence = math.log(2.0) + torch.nn.functional.logsigmoid(signed)
     counted = is_a | is_b
+    if mask is not None:
+        counted = counted & mask.unsqueeze(1)
     return torch.where(counted, evidence, 0).double().sum(dim=0), counted.double().sum(dim=0)
 
 
@@ -281,8 +300,21 @@ def cross_entropy_sums(
     flat = logits.detach().reshape(-1, logits.shape[-1])
     if log_norm is None:
         log_norm = log_normalizers(flat)
-    losses = (log_norm.squeeze(1) - flat.gather(1, targets.reshape(-1, 1)).squeeze(1).float()).double()
-    count = torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)
+    target_logit = flat.gather(1, targets.reshape(-1, 1)).squeeze(1).float()
+    return cross_entropy_sums_from_target_logits(log_norm.reshape(-1), target_logit)
+
+
+def cross_entropy_sums_from_target_logits(
+    log_norm: torch.Tensor, target_logit: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`cross_entropy_sums` from each row's log-normaliser (N,) and its target's logit (N,): the (V,) rows are not
+    needed; ``mask``, (N,) bool, keeps the rows that carry a loss."""
+    losses = (log_norm - target_logit).double()
+    if mask is None:
+        count = torch.tensor(float(len(losses)), dtype=torch.float64, device=losses.device)
+    else:
+        losses = losses * mask.double()
+        count = mask.double().sum()
     return torch.stack([losses.sum(), losses.square().sum(), count])
 
 

@@ -39,7 +39,16 @@ from torch.func import functional_call
 
 from untie import _compat
 from untie.distributed import gather_rows, is_sharded, union_rows, world_size
-from untie.metrics import Pairs, RoleGradients, learned_z, pair_key, targets_from_gradient
+from untie.metrics import (
+    Pairs,
+    RoleGradients,
+    cross_entropy_sums_from_target_logits,
+    learned_z,
+    pair_evidence_sums_from_log_odds,
+    pair_gap_sums_from_log_probs,
+    pair_key,
+    targets_from_gradient,
+)
 from untie.surgery import _embedding_modules
 
 logger = logging.getLogger("untie")
@@ -400,21 +409,13 @@ def _pair_sums(
     carries: torch.Tensor,
     index: torch.Tensor,
 ) -> torch.Tensor:
-    """The pair sums of a micro-batch (see `RoleGradientProbe._sums`) over the rows that carry a loss:
-    `untie.metrics.pair_gap_sums`, `pair_evidence_sums` and `cross_entropy_sums` with a mask."""
-    mask = carries.double()
+    """The pair sums of a micro-batch (see `RoleGradientProbe._sums`) over the rows that carry a loss, from the
+    rows' summaries: `untie.metrics`' gap, evidence and cross-entropy sums, concatenated."""
     log_a, log_b = pair_log_probs[..., 0], pair_log_probs[..., 1]
-    plausible = (log_a.exp() + log_b.exp()).double() * mask.unsqueeze(1)
-    gap_total = (plausible * (log_a - log_b).abs().double()).sum(dim=0)
-    is_a = targets.unsqueeze(1) == index[:, 0]
-    is_b = targets.unsqueeze(1) == index[:, 1]
-    signed = torch.where(is_a, log_a - log_b, log_b - log_a)
-    evidence = math.log(2.0) + torch.nn.functional.logsigmoid(signed)
-    counted = (is_a | is_b) & carries.unsqueeze(1)
-    evidence_total = torch.where(counted, evidence, 0).double().sum(dim=0)
-    losses = (log_norm - target_logit).double() * mask
-    loss_sums = torch.stack([losses.sum(), losses.square().sum(), mask.sum()])
-    return torch.cat([gap_total, plausible.sum(dim=0), evidence_total, loss_sums])
+    gap_total, gap_weight = pair_gap_sums_from_log_probs(log_a, log_b, carries)
+    evidence_total, _ = pair_evidence_sums_from_log_odds(log_a - log_b, targets, index, carries)
+    loss_sums = cross_entropy_sums_from_target_logits(log_norm, target_logit, carries)
+    return torch.cat([gap_total, gap_weight, evidence_total, loss_sums])
 
 
 def _module_type(module: nn.Module) -> type:
