@@ -189,3 +189,25 @@ def test_accelerate_load_state_without_the_untie_state_names_the_fix(tmp_path):
         accelerator.load_state(str(tmp_path / "plain"))
     untier.close()
     accelerator.free_memory()
+
+
+@pytest.mark.parametrize("per_node", [False, True], ids=["once", "save_on_each_node"])
+def test_accelerate_save_state_writes_the_untie_state_where_the_model_goes(per_node, tmp_path, monkeypatch):
+    """On a node's first process that is not the global main one (multi-node), the untie state is written only if
+    accelerate writes the model there too (save_on_each_node): each node's checkpoint folder resumes on its own."""
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=per_node))
+    model = tiny_model("gpt2")
+    untier = untie.Untier(model, max_steps=10, untie_when=None, accelerator=accelerator)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = accelerator.prepare(model, optimizer)
+    untier.start(optimizer)
+    monkeypatch.setattr(PartialState, "is_main_process", property(lambda self: False))  # node 1, local rank 0
+    assert accelerator.is_local_main_process and not accelerator.is_main_process
+    accelerator.save_state(str(tmp_path / "node1"))
+    assert (tmp_path / "node1" / "untie_state.json").exists() == per_node
+    assert any((tmp_path / "node1").glob("model*")) == per_node  # accelerate's own rule for the weights
+    untier.close()
+    accelerator.free_memory()
