@@ -1,8 +1,8 @@
 """8-bit optimizers (bitsandbytes, CPU): the untied head gets an exact copy of the shared matrix's quantised state
 and its per-parameter precision override, and Trainer runs with bitsandbytes untie, resume and reload.
 
-bitsandbytes is in the `test` extra on Linux x86-64; elsewhere these tests are skipped, except where
-UNTIE_REQUIRE_BITSANDBYTES is set (CI), where a missing bitsandbytes fails them.
+They need bitsandbytes >= 0.50 (`pip install -e ".[bitsandbytes]"`, Linux x86-64) and are skipped without it,
+except where UNTIE_REQUIRE_BITSANDBYTES is set (CI's bitsandbytes step), where a missing bitsandbytes fails them.
 """
 
 from __future__ import annotations
