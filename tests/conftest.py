@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import transformers as tf
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -34,3 +35,20 @@ def training_args(default_dir, **overrides) -> tf.TrainingArguments:
 @pytest.fixture
 def make_args(tmp_path):
     return lambda **overrides: training_args(tmp_path / "run", **overrides)
+
+
+def assert_resumed_equals(model, final: dict, checkpoint: str, tolerance: float = 1e-6) -> None:
+    """A resumed run's parameters equal the uninterrupted run's `final` ones (name -> tensor) within `tolerance`."""
+    params = dict(model.named_parameters())
+    assert params.keys() == final.keys()
+    worst = max((params[name].detach() - final[name]).abs().max().item() for name in final)
+    assert worst <= tolerance, (checkpoint, worst)
+
+
+def assert_reloads_untied(folder, final: dict) -> None:
+    """Plain transformers reloads the GPT-2 checkpoint in `folder` untied, with the trained head of `final`."""
+    import untie
+
+    reloaded = tf.GPT2LMHeadModel.from_pretrained(folder)
+    assert not untie.is_tied(reloaded)
+    assert torch.equal(reloaded.lm_head.weight, final["lm_head.weight"])
