@@ -122,3 +122,15 @@ def test_scheduled_arm_under_two_process_ddp(tmp_path):
     assert rank0["params"].keys() == rank1["params"].keys()
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
+
+
+def test_the_quick_preset_sizes_a_causal_lm_as_the_documented_run_and_flags_still_win():
+    mlm = recipe.BookCorpusArguments().resolved()
+    assert (mlm.max_steps, mlm.batch_size, mlm.cosine_steps, mlm.metrics_every) == (1_800, 64, 600, 50)
+    clm = recipe.BookCorpusArguments(objective="clm").resolved()
+    assert (clm.max_steps, clm.batch_size, clm.cosine_steps, clm.metrics_every) == (400, 16, 400, 25)
+    assert (clm.learning_rate, clm.eval_steps, clm.twins) == (mlm.learning_rate, mlm.eval_steps, mlm.twins)
+    flags = recipe.BookCorpusArguments(objective="clm", max_steps=1_000, metrics_every=10).resolved()
+    assert (flags.max_steps, flags.metrics_every, flags.batch_size) == (1_000, 10, 16)
+    paper = recipe.BookCorpusArguments(preset="paper", objective="clm").resolved()
+    assert (paper.max_steps, paper.batch_size, paper.metrics_every) == (-1, 128, 50)
