@@ -61,8 +61,7 @@ def run_arms_alternating(script: str, arms: Sequence[str], repeats: int, describ
     for repeat in range(repeats):
         for arm in arms:
             command = [sys.executable, script, *sys.argv[1:], "--arm", arm]
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            runs.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
+            runs.append(run_worker(command))
             print(f"{arm} #{repeat}: {describe(runs[-1])}")
     return runs
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.surgery import _embedding_modules, _inner, copy_optimizer_state
+from untie.surgery import _embedding_modules, _inner, start_state_like
 
 
 class EmulatedTying:
@@ -131,11 +131,8 @@ class EmulatedTying:
         """
         self.active = False
         self.remove()
-        if optimizer is None:
-            return
-        _compat.share_bitsandbytes_override(_inner(optimizer), new=self.head.weight, like=self.embedding.weight)
-        if optimizer_state == "copy":
-            copy_optimizer_state(optimizer, new=self.head.weight, like=self.embedding.weight)
+        if optimizer is not None:
+            start_state_like(optimizer, new=self.head.weight, like=self.embedding.weight, state=optimizer_state)
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -404,7 +404,15 @@ def add_param_like(
     if any(p is new for g in opt.param_groups for p in g["params"]):
         return
     group["params"].append(new)
-    _compat.share_bitsandbytes_override(opt, new=new, like=like)
+    start_state_like(optimizer, new=new, like=like, state=state)
+
+
+def start_state_like(
+    optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter, state: StateInit = "copy"
+) -> None:
+    """Start `new`, a parameter forked from `like` and already in the optimizer, as `like` is optimised: with
+    `like`'s per-parameter optimizer settings (bitsandbytes' precision override) and, for ``"copy"``, its state."""
+    _compat.share_bitsandbytes_override(_inner(optimizer), new=new, like=like)
     if state == "copy":
         copy_optimizer_state(optimizer, new=new, like=like)
 

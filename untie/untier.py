@@ -286,8 +286,11 @@ class Untier:
         """Write the untie state where accelerate writes the model: once, or once per node with
         `ProjectConfiguration(save_on_each_node=True)` (each node's folder must resume on its own)."""
         accelerator = self.accelerator
-        per_node = getattr(accelerator.project_configuration, "save_on_each_node", False)
-        if accelerator.is_local_main_process if per_node else accelerator.is_main_process:
+        if accelerator.project_configuration.save_on_each_node:
+            writes = accelerator.is_local_main_process
+        else:
+            writes = accelerator.is_main_process
+        if writes:
             with open(os.path.join(output_dir, STATE_FILE), "w") as f:
                 json.dump(self.state_dict(), f, indent=1)
 
