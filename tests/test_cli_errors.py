@@ -61,6 +61,75 @@ def test_convert_refuses_an_output_inside_the_source(tmp_path, capsys):
     assert not (tmp_path / "m" / "tied").exists()
 
 
+def _snapshot(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("overwrite", [True, False], ids=["overwrite", "no-overwrite"])
+@pytest.mark.parametrize("spelling", ["parent", "symlink", "relative", "dotdot", "grandparent"])
+def test_convert_refuses_an_output_that_contains_the_source_and_leaves_it_byte_identical(
+    spelling, overwrite, tmp_path, capsys, monkeypatch
+):
+    """`convert parent/src parent --overwrite` used to replace the parent, deleting the source, and exit 0."""
+    parent = tmp_path / "parent"
+    _untied_checkpoint(parent / "src")
+    (parent / "notes.txt").write_text("the user's other work")
+    monkeypatch.chdir(parent / "src")
+    (tmp_path / "link").symlink_to(parent, target_is_directory=True)
+    output = {
+        "parent": str(parent),
+        "symlink": str(tmp_path / "link"),
+        "relative": "..",
+        "dotdot": str(parent / "src" / ".." / "."),
+        "grandparent": str(tmp_path),
+    }[spelling]
+    before = _snapshot(tmp_path / "parent")
+    code = main(["convert", ".", output, "--tie", *(["--overwrite"] if overwrite else [])])
+    assert code == 2
+    assert "contains the source" in capsys.readouterr().err
+    assert _snapshot(tmp_path / "parent") == before
+    assert not any(name.startswith(".") for name in os.listdir(tmp_path))
+
+
+def _dead_pid() -> int:
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(finished.stdout)
+
+
+def test_a_killed_converts_staging_folders_are_named_and_removed_by_the_next_convert(tmp_path, capsys):
+    """A convert killed while writing leaves `.OUT.partial-*` (and, while replacing, `.OUT.old-*`); the next convert
+    into that OUT removes them and says so; a folder of a convert still running here is kept."""
+    import socket
+
+    _untied_checkpoint(tmp_path / "m")
+    host = socket.gethostname().replace("-", "_")
+    dead = [tmp_path / f".out.partial-{host}-{_dead_pid()}-abc", tmp_path / f".out.old-{host}-{_dead_pid()}-def"]
+    alive = tmp_path / f".out.partial-{host}-{os.getpid()}-ghi"
+    other = tmp_path / f".other.partial-{host}-{_dead_pid()}-jkl"  # another OUT's: not this convert's business
+    for folder in (*dead, alive, other):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half written")
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--tie"]) == 0
+    out = capsys.readouterr().out
+    assert not any(folder.exists() for folder in dead) and alive.exists() and other.exists()
+    for folder in dead:
+        assert f"removed {folder}" in out
+    assert untie.is_tied(tf.GPT2LMHeadModel.from_pretrained(tmp_path / "out"))
+
+
+def test_convert_writes_out_readable_by_others_under_the_usual_umask(tmp_path):
+    """The staging folder comes from mkdtemp (0700); OUT must get the permissions any new folder gets."""
+    _untied_checkpoint(tmp_path / "m")
+    previous = os.umask(0o022)
+    try:
+        assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--tie"]) == 0
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    for path in (tmp_path / "out").iterdir():
+        assert path.stat().st_mode & 0o077 == 0o044, path.name
+
+
 def test_convert_tie_does_not_carry_the_source_runs_untied_state(tmp_path):
     _untied_checkpoint(tmp_path / "ckpt")
     state = {"stateful_callbacks": {"UntieCallback": {"args": {}, "attributes": {"untied": True, "untie_step": 4}}}}

@@ -7,7 +7,9 @@ The written folder is a normal Hugging Face checkpoint (safetensors, config, tok
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
 import warnings
 from typing import Any
@@ -72,7 +74,8 @@ def convert_checkpoint(
     if was_tied != untie:
         summary["notes"].append(f"the model was already {summary['after']}; its config was updated to say so.")
     # Everything is written into a hidden sibling of OUT and renamed to OUT only once the reload checks pass: a kill,
-    # a full disk or a failed check never leaves an OUT that looks finished.
+    # a full disk or a failed check never leaves an OUT that looks finished; the next convert removes what it left.
+    summary["notes"] += _remove_leftovers(output_dir)
     staging = _staging_dir(output_dir)
     try:
         try:
@@ -83,6 +86,7 @@ def convert_checkpoint(
         if verify:
             summary["checks"], notes = verify_conversion(checkpoint.model_class, staging, model, untied=untie)
             summary["notes"] += notes
+        _share_like_new_files(staging)
         _replace(staging, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -90,13 +94,21 @@ def convert_checkpoint(
 
 
 def _check_output_dir(source: str, output_dir: str, *, overwrite: bool) -> None:
-    """Refuse an OUT that is the source (also through a symlink, either way) or inside it, or non-empty."""
+    """Refuse, before anything is written: an OUT that is the source, inside it or holds it (also through symlinks,
+    `..` and relative paths: replacing OUT would delete the source), a non-empty OUT without `--overwrite`, a file."""
     if os.path.exists(source):
         real_source, real_output = os.path.realpath(source), os.path.realpath(output_dir)
-        if real_output == real_source or real_output.startswith(real_source.rstrip(os.sep) + os.sep):
+        if _within(real_output, real_source) or _within(real_source, real_output):
+            if real_output == real_source:
+                where = "is the source"
+            elif _within(real_output, real_source):
+                where = "lies inside the source"
+            else:
+                where = "contains the source"
             raise ValueError(
-                f"convert writes a new folder: OUT ({output_dir}) is the source ({source}) or inside it once links are "
-                f"resolved (both lead to {real_source}). Choose another OUT."
+                f"convert writes a new folder: OUT ({output_dir}) {where} ({source}) once links are resolved "
+                f"({real_output}, {real_source}), and writing it would replace the source. Choose an OUT outside "
+                "the source folder that does not contain it."
             )
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
         raise FileExistsError(f"{output_dir} exists and is not empty; choose a new folder or pass --overwrite.")
@@ -110,13 +122,79 @@ def _check_output_dir(source: str, output_dir: str, *, overwrite: bool) -> None:
         raise OutputNotWritable(f"cannot create {output_dir}: {blocker} is a file, not a folder.")
 
 
+def _within(path: str, folder: str) -> bool:
+    """Whether real path `path` is `folder` or inside it."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+#: Staging and replaced-folder names carry the host and the process that made them, so that a later convert can tell
+#: a leftover of a killed convert from the working folder of one still running.
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<host>[^/]+)-(?P<pid>\d+)-[^-]+$")
+
+
+def _owner_tag() -> str:
+    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-"
+
+
+def _remove_leftovers(output_dir: str) -> list[str]:
+    """Remove the staging (`.OUT.partial-*`) and replaced (`.OUT.old-*`) folders that a killed convert into OUT left
+    beside it; a convert still running on this host keeps its own. Returns a note per folder found."""
+    parent, name = os.path.split(os.path.abspath(output_dir))
+    notes = []
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return notes
+    for entry in sorted(entries):
+        match = _LEFTOVER.match(entry)
+        if match is None or match["name"] != name:
+            continue
+        path = os.path.join(parent, entry)
+        if match["host"] != socket.gethostname().replace("-", "_"):
+            notes.append(f"{path} was left by a convert on host {match['host']}; delete it if none is running there.")
+        elif not _process_alive(int(match["pid"])):
+            shutil.rmtree(path, ignore_errors=True)
+            what = "staging folder" if match["kind"] == "partial" else "replaced OUT"
+            notes.append(f"removed {path}, the {what} of a convert into {output_dir} that did not finish.")
+    return notes
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _staging_dir(output_dir: str) -> str:
     parent = os.path.dirname(os.path.abspath(output_dir))
+    name = os.path.basename(os.path.abspath(output_dir))
     try:
         os.makedirs(parent, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(output_dir))}.partial-", dir=parent)
+        staging = tempfile.mkdtemp(prefix=f".{name}.partial-{_owner_tag()}", dir=parent)
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; OUT gets a normal folder's permissions
+        return staging
     except OSError as error:
         raise OutputNotWritable(f"could not create {output_dir}: {error}.") from error
+
+
+def _share_like_new_files(folder: str) -> None:
+    """Give OUT's files the permissions a new file gets under the user's umask: save_pretrained (transformers 5.23)
+    writes model.safetensors through a private temporary file (0600), which colleagues could not read."""
+    mode = 0o666 & ~_umask()
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, mode)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _replace(staging: str, output_dir: str) -> None:
@@ -126,7 +204,7 @@ def _replace(staging: str, output_dir: str) -> None:
             os.rename(staging, output_dir)
             return
         parent, name = os.path.split(os.path.abspath(output_dir))
-        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+        old = tempfile.mkdtemp(prefix=f".{name}.old-{_owner_tag()}", dir=parent)
         os.rmdir(old)  # a unique free name for the folder being replaced
         os.rename(output_dir, old)
         os.rename(staging, output_dir)
