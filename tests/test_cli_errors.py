@@ -313,3 +313,24 @@ def test_convert_output_is_exactly_what_plain_transformers_loads(tmp_path):
     assert main(["convert", str(tmp_path / "m"), str(tmp_path / "out"), "--tie"]) == 0
     assert untie.is_tied(tf.GPT2LMHeadModel.from_pretrained(tmp_path / "out"))
     assert not any(name.startswith(".") for name in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["vocab-rows", "int32"])
+def test_inspect_refuses_with_exit_6_what_from_pretrained_would_not_load_as_trained(damage, tmp_path, capsys):
+    """A header whose embedding disagrees with config.json (from_pretrained raises), or an integer embedding
+    (from_pretrained casts it to float): inspect used to report on either as if it were a trained model."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("gpt2").save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    if damage == "vocab-rows":
+        weights["transformer.wte.weight"] = torch.zeros(weights["transformer.wte.weight"].shape[0] + 5, 16)
+        with pytest.raises(RuntimeError):
+            save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+            tf.GPT2LMHeadModel.from_pretrained(tmp_path)
+    else:
+        weights["transformer.wte.weight"] = (weights["transformer.wte.weight"] * 100).to(torch.int32)
+        save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert main(["inspect", str(tmp_path)]) == 6
+    error = capsys.readouterr().err
+    assert "transformer.wte.weight" in error and ("config.json builds" in error or "I32 integers" in error)

@@ -4,6 +4,7 @@ from untie.callback import UntieCallback
 from untie.checkpoint import checkpoint_is_untied, install_resume_guard, prepare_for_resume
 from untie.config import UntieConfig
 from untie.pairs import tokenizer_pairs
+from untie.saved_state import UntieStateError
 from untie.surgery import (
     EmbeddingLayout,
     embedding_layout,
@@ -20,6 +21,7 @@ __all__ = [
     "EmbeddingLayout",
     "UntieCallback",
     "UntieConfig",
+    "UntieStateError",
     "UntieWhen",
     "Untier",
     "checkpoint_is_untied",

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 
-from untie.loading import Checkpoint, open_checkpoint, read_tensor, stored_keys, stored_name
+from untie.loading import Checkpoint, check_stored_shapes, open_checkpoint, read_tensor, stored_keys, stored_name
 from untie.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances, pair_key
 from untie.pairs import tokenizer_pairs
 from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied
@@ -47,6 +47,7 @@ def describe(
     checkpoint = open_checkpoint(source, head=head, revision=revision)
     model = checkpoint.empty_model
     layout = embedding_layout(model)
+    check_stored_shapes(checkpoint, {layout.input_weight, layout.output_weight})
     declared_tied = is_tied(model)
     tensors = _read_embeddings(checkpoint, model, layout, declared_tied)
     loaded = "embeddings only"

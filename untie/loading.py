@@ -290,6 +290,44 @@ def stored_name(model: nn.Module, name: str, keys: Collection[str]) -> str | Non
     return next((key for key in candidates if key in keys), None)
 
 
+#: safetensors dtype codes of floating-point tensors (an embedding or a head stored otherwise is not a trained one).
+_FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4")
+
+
+def check_stored_shapes(checkpoint: Checkpoint, embedding_names: Collection[str]) -> None:
+    """Refuse, as `from_pretrained` does, a checkpoint whose stored tensors disagree in shape with the model its config
+    builds; refuse an embedding or LM head stored as integers (`from_pretrained` would cast them to float silently).
+
+    Reads only the safetensors headers. Raises `CheckpointUnreadable` naming the tensor, both shapes and the fix."""
+    keys = checkpoint.stored_keys
+    if keys is None:
+        return
+    model = checkpoint.empty_model
+    expected = model.state_dict()
+    by_file: dict[str, list[tuple[str, str]]] = {}
+    for name in expected:
+        key = stored_name(model, name, keys)
+        if key is not None:
+            by_file.setdefault(keys[key], []).append((name, key))
+    for file, entries in by_file.items():
+        with safe_open(checkpoint.file(file), framework="pt") as f:
+            for name, key in entries:
+                stored = f.get_slice(key)
+                shape, dtype = tuple(stored.get_shape()), stored.get_dtype()
+                if shape != tuple(expected[name].shape):
+                    raise CheckpointUnreadable(
+                        f"{checkpoint.source}: {file} stores {key} with shape {shape}, but config.json builds "
+                        f"{tuple(expected[name].shape)} (vocab_size, hidden_size, ...): from_pretrained refuses this "
+                        "checkpoint. Restore the config.json saved with these weights, or save the model again."
+                    )
+                if name in embedding_names and dtype not in _FLOAT_CODES:
+                    raise CheckpointUnreadable(
+                        f"{checkpoint.source}: {file} stores {key} as {dtype} integers; an embedding or LM head is "
+                        "floating point (from_pretrained would cast these integers to float, which is not a trained "
+                        "matrix). Save the model again from its floating-point weights."
+                    )
+
+
 def read_tensor(checkpoint: Checkpoint, key: str, keys: dict[str, str]) -> torch.Tensor:
     """One tensor of the checkpoint, read without loading anything else."""
     with safe_open(checkpoint.file(keys[key]), framework="pt") as f:

@@ -19,7 +19,7 @@ both calls at once.
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import os
 from typing import Any, Literal
@@ -32,14 +32,22 @@ from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit
 from untie.distributed import is_sharded, training_engine
 from untie.pairs import is_tokenizer
 from untie.run import UntieRun
+from untie.saved_state import (
+    STATE_FILE,
+    STATE_FORMAT,
+    UntieStateError,
+    check_state,
+    fingerprint_difference,
+    has_weights,
+    read_state_file,
+    remove_state_file,
+    stored_fingerprint,
+    weights_fingerprint,
+    write_state_file,
+)
 from untie.surgery import _inner, add_param_like, is_tied, untie_embeddings
 
 logger = logging.getLogger(__name__)
-
-#: The file `accelerator.save_state` folders get the untie state in (next to the model and optimizer files).
-STATE_FILE = "untie_state.json"
-#: Version of `Untier.state_dict()`'s layout.
-_STATE_FORMAT = 1
 
 
 class Untier:
@@ -116,6 +124,9 @@ class Untier:
             self.run.read_pairs(tokenizer, self.model, asked=config.pairs == "auto")
         self.run.match_rule_to_pairs()
         self._hooks: list = []
+        self._expected_weights: tuple[dict, str] | None = None  # (fingerprint, where) to check before the next step
+        #: Folders this process writes the untie state into once `accelerator.save_state` ends (None outside a save).
+        self._saving_to: list[str] | None = None
         before = _structure(self.model)
         if is_sharded(self.model.get_input_embeddings().weight) and self.run.tying_mode == "emulated" and before[0]:
             raise RuntimeError(
@@ -136,6 +147,7 @@ class Untier:
         if accelerator is not None:
             self._hooks.append(accelerator.register_save_state_pre_hook(self._save_with_accelerator))
             self._hooks.append(accelerator.register_load_state_pre_hook(self._load_with_accelerator))
+            self._wrap_save_state(accelerator)
 
     # -- state read by users ------------------------------------------------------------------------------------------
     @property
@@ -192,6 +204,7 @@ class Untier:
         self.run.arm(self.global_step + 1)
 
     def _before_optimizer_step(self, *_args) -> None:
+        self._check_loaded_weights()
         self.run.measure(self.global_step + 1)
 
     def step(self) -> dict[str, float]:
@@ -208,6 +221,7 @@ class Untier:
             raise RuntimeError("Untier.step() before untier.start(optimizer): pass the optimizer first.")
         if self.accelerator is not None and not self.accelerator.sync_gradients:
             return {}
+        self._check_loaded_weights()
         self.global_step += 1
         step = self.global_step
         self.run.measure(step)  # a no-op unless the optimizer skipped this step (GradScaler overflow) unmeasured
@@ -221,35 +235,64 @@ class Untier:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.accelerator is not None and getattr(self.accelerator.save_state, "_untie_owner", None) is self:
+            del self.accelerator.save_state  # back to Accelerator.save_state
 
     # -- checkpoints --------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The run state, JSON-able: save it with the model and the optimizer."""
+        """The run state, JSON-able: save it with the model and the optimizer.
+
+        It records the weights it belongs to (`untie.saved_state.weights_fingerprint`: whether the head is its own
+        tensor, the embedding's and the head's shapes, dtypes and digests), so that a resume can prove that the
+        weights it loads are the ones saved with it."""
         return {
-            "format": _STATE_FORMAT,
+            "format": STATE_FORMAT,
             "global_step": self.global_step,
             "tying_mode": self.run.tying_mode,
             "config": self.config.to_json_dict(),
             "attributes": self.run.state_attributes(),
+            "weights": weights_fingerprint(self.model),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the run saved by `state_dict`: call it after `start`, and before loading the model's and the
         optimizer's state dicts, so that they load into the checkpoint's structure (an untied checkpoint gets an
-        untied model, with the head in the optimizer). Every rank must call it."""
+        untied model, with the head in the optimizer). Every rank must call it.
+
+        A damaged state raises `UntieStateError`. Before the next optimizer step, the model's embedding and head are
+        compared with the weights this state was saved with: weights from another step or run raise
+        `UntieStateError` instead of resuming into a different run."""
+        self._restore(state, "the state given to Untier.load_state_dict")
+
+    def _restore(self, state: Any, where: str, *, weights_checked: bool = False) -> None:
         if self.optimizer is None:
             raise RuntimeError(
                 "Untier.load_state_dict() before untier.start(optimizer): the untied head must join the optimizer "
                 "before the optimizer's state loads."
             )
-        if state.get("format") != _STATE_FORMAT:
-            raise ValueError(f"Untier.load_state_dict: unknown state format {state.get('format')!r}.")
-        attributes, step = state["attributes"], int(state["global_step"])
-        self._match_structure(bool(attributes.get("untied")), state.get("tying_mode"))
+        state = check_state(state, where)
+        attributes, step = state["attributes"], state["global_step"]
+        self._match_structure(attributes["untied"], state.get("tying_mode"))
         self.global_step = step
         self.run.restore(attributes, step)
-        self.run.warn_changed_settings(state.get("config", {}), step)
+        self.run.warn_changed_settings(state["config"], step)
         self._begin()
+        self._expected_weights = None if weights_checked else (state["weights"], where)
+
+    def _check_loaded_weights(self) -> None:
+        """Refuse weights that were not saved with the untie state `load_state_dict` restored (once, before the first
+        optimizer step after it: the weights are then exactly the ones loaded)."""
+        if self._expected_weights is None:
+            return
+        (expected, where), self._expected_weights = self._expected_weights, None
+        difference = fingerprint_difference(expected, weights_fingerprint(self.model))
+        if difference is not None:
+            raise UntieStateError(
+                f"Untier: {difference}: the model's weights and {where} come from different checkpoints (other "
+                "steps, or another run), and resuming would continue a run that never happened. Load the model's "
+                "and the optimizer's state dicts saved together with this untie state, after "
+                "untier.load_state_dict()."
+            )
 
     def _match_structure(self, untied: bool, saved_mode: str | None) -> None:
         """Give the model and the optimizer the structure of the saved run, before their states load."""
@@ -282,28 +325,76 @@ class Untier:
             )
         run.match_saved_tying(model, "the checkpoint", head_stored=saved_mode == "emulated")
 
-    def _save_with_accelerator(self, models, weights, output_dir: str) -> None:
-        """Write the untie state where accelerate writes the model: once, or once per node with
+    def _wrap_save_state(self, accelerator: Any) -> None:
+        """Make `accelerator.save_state` write the untie state last, once every rank has written its files.
+
+        accelerate has no post-save hook, and its pre-save hook runs before the weights are written (except under
+        FSDP). A state written there would sit next to the old weights of a folder being overwritten in place if the
+        save were killed; written last, and removed first, a folder either has a complete save or no untie state,
+        which `load_state` refuses by name."""
+        save_state = accelerator.save_state
+
+        @functools.wraps(save_state)
+        def save_state_then_untie_state(output_dir: str | None = None, *args, **kwargs):
+            if output_dir is not None and self._writes_state() and os.path.isdir(output_dir):
+                remove_state_file(output_dir)  # before accelerate overwrites anything (FSDP writes before the hook)
+            self._saving_to = []
+            try:
+                location = save_state(output_dir, *args, **kwargs)
+                accelerator.wait_for_everyone()  # every rank's files (its RNG state) are on disk
+                for folder in self._saving_to:
+                    write_state_file(folder, self.state_dict())
+            finally:
+                self._saving_to = None
+            return location
+
+        save_state_then_untie_state._untie_owner = self  # marks the wrapper, so that close() can take it off
+        accelerator.save_state = save_state_then_untie_state
+
+    def _writes_state(self) -> bool:
+        """Whether this process writes the untie state: where accelerate writes the model, once, or once per node with
         `ProjectConfiguration(save_on_each_node=True)` (each node's folder must resume on its own)."""
         accelerator = self.accelerator
         if accelerator.project_configuration.save_on_each_node:
-            writes = accelerator.is_local_main_process
-        else:
-            writes = accelerator.is_main_process
-        if writes:
-            with open(os.path.join(output_dir, STATE_FILE), "w") as f:
-                json.dump(self.state_dict(), f, indent=1)
+            return accelerator.is_local_main_process
+        return accelerator.is_main_process
+
+    def _save_with_accelerator(self, models, weights, output_dir: str) -> None:
+        """The folder accelerate writes into (named by then, also with automatic checkpoint naming): its old untie
+        state goes now, the new one once `save_state` has written everything else."""
+        if not self._writes_state():
+            return
+        if self._saving_to is None:  # a save_state bound before this Untier wrapped it: write now, as a fallback
+            write_state_file(output_dir, self.state_dict())
+            return
+        remove_state_file(output_dir)
+        self._saving_to.append(output_dir)
 
     def _load_with_accelerator(self, models, input_dir: str) -> None:
-        path = os.path.join(input_dir, STATE_FILE)
-        if not os.path.isfile(path):
+        """Check the folder's untie state and that the weights beside it are the ones it was saved with, then give the
+        model the saved structure before accelerate loads the weights and the optimizer into it."""
+        state = read_state_file(input_dir)
+        if not has_weights(input_dir):
             raise FileNotFoundError(
-                f"Untier: {input_dir} has no {STATE_FILE}, so its model's tied/untied structure is unknown. Resume "
-                "from a folder written by accelerator.save_state with this Untier created with "
-                "accelerator=accelerator, or load the folder without the Untier."
+                f"Untier: the checkpoint {input_dir} is incomplete: it has {STATE_FILE} but no model weights "
+                "(model.safetensors, pytorch_model.bin or FSDP's pytorch_model_fsdp_* folder): a copy or a save that "
+                "stopped part way. Resume from the previous complete folder."
             )
-        with open(path) as f:
-            self.load_state_dict(json.load(f))
+        where = os.path.join(input_dir, STATE_FILE)
+        stored = stored_fingerprint(input_dir, self.model, self._model_index(models))
+        if stored is not None:
+            difference = fingerprint_difference(state["weights"], stored)
+            if difference is not None:
+                raise UntieStateError(
+                    f"Untier: {difference}: {where} and the weights in {input_dir} were not saved together (a save "
+                    "killed while overwriting this folder, or files copied from another step or run). Resume from "
+                    "another complete folder, or copy the whole folder of one save."
+                )
+        self._restore(state, where, weights_checked=stored is not None)
+
+    def _model_index(self, models) -> int:
+        """The index accelerate saves this Untier's model under (its `model_{i}` files)."""
+        return next((i for i, model in enumerate(models) if _unwrap(model) is self.model), 0)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
