@@ -58,7 +58,7 @@ def main() -> None:
     # trigger, with a deadline at 30% of max_steps.
     untier = untie.Untier(model, max_steps=args.max_steps, accelerator=accelerator, tokenizer=tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.max_steps)
+    scheduler = linear_decay(optimizer, args.max_steps, accelerator.num_processes)
     loader = torch.utils.data.DataLoader(shakespeare_blocks(tokenizer), batch_size=args.batch_size, shuffle=True)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     untier.start(optimizer)
@@ -100,6 +100,16 @@ def main() -> None:
         f"{accelerator.distributed_type.name} on {accelerator.num_processes} process(es): untie step "
         f"{untier.untie_step} ({untier.untie_reason}); saved {args.output_dir}/final"
     )
+
+
+def linear_decay(optimizer: torch.optim.Optimizer, max_steps: int, num_processes: int):
+    """The learning rate from its value to 0 over `max_steps` optimizer steps, as accelerate steps it.
+
+    A scheduler passed to `accelerator.prepare` is stepped `num_processes` times per optimizer step (accelerate
+    assumes the global batch grew with the processes), so the schedule counts `max_steps * num_processes` steps;
+    counting `max_steps` reached 0 at half the run on 2 ranks and went negative after it."""
+    total = max_steps * num_processes
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / total))
 
 
 if __name__ == "__main__":

@@ -288,3 +288,36 @@ def test_inspect_reads_sharded_checkpoints(tmp_path):
     assert sharded["loaded"] == "embeddings only"
     for key in ("tied", "status", "input_embedding", "output_embedding", "drift"):
         assert single[key] == sharded[key], key
+
+
+def test_help_and_usage_errors_answer_without_importing_torch():
+    """`untie --help` took 8.7 s and 407 MB (torch, transformers and peft imported first); now only argparse runs."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from untie.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit as done:\n    assert done.code == 0\n"
+        "assert main(['inspect', 'some/model', '--k', '-1']) == 2\n"
+        "assert main(['inspect', 'some/model', '--queries', '0']) == 2\n"
+        "assert main(['convert', 'a', 'b', '--untie', '--init', 'mean']) == 2\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'peft', 'accelerate') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+    )
+    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stderr
+    assert "must be at least 1" in finished.stderr and "--init only applies with --tie" in finished.stderr
+
+
+def test_the_cli_head_choices_and_the_lazy_exports_match_the_library():
+    import importlib
+
+    import untie
+    from untie.cli import HEAD_CHOICES
+    from untie.loading import HEADS
+
+    assert tuple(HEADS) == HEAD_CHOICES
+    assert sorted(untie.__all__) == sorted(untie._EXPORTS)
+    for name in untie.__all__:
+        assert getattr(untie, name) is getattr(importlib.import_module(untie._EXPORTS[name]), name)

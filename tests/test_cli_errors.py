@@ -176,6 +176,23 @@ def test_a_full_disk_exits_7_without_a_traceback_and_writes_no_out(tmp_path, mon
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
+def test_a_real_file_size_limit_exits_7_and_writes_no_out(tmp_path):
+    """EFBIG from the kernel (RLIMIT_FSIZE) reaches convert through safetensors' writer as a SafetensorError, as a
+    full disk's ENOSPC does; it exited 1 with "unexpected error: SafetensorError"."""
+    _untied_checkpoint(tmp_path / "m")
+    script = (
+        "import resource, signal, sys\n"
+        "from untie.cli import main\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing us\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        f"sys.exit(main(['convert', {str(tmp_path / 'm')!r}, {str(tmp_path / 'out')!r}, '--tie']))\n"
+    )
+    finished = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert finished.returncode == 7, finished.stderr
+    assert "could not write" in finished.stderr and "Traceback" not in finished.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
 def test_an_out_under_a_file_exits_7(tmp_path, capsys):
     _untied_checkpoint(tmp_path / "m")
     (tmp_path / "file").write_text("x")
@@ -334,3 +351,24 @@ def test_inspect_refuses_with_exit_6_what_from_pretrained_would_not_load_as_trai
     assert main(["inspect", str(tmp_path)]) == 6
     error = capsys.readouterr().err
     assert "transformer.wte.weight" in error and ("config.json builds" in error or "I32 integers" in error)
+
+
+def test_inspect_pairs_auto_without_a_tokenizer_exits_2_naming_the_fix(tmp_path, capsys):
+    """transformers 5 builds an empty tokenizer of the model type for a folder without tokenizer files; inspect read
+    "0 most frequent pairs" off it and exited 0 (silent on an untied model)."""
+    _untied_checkpoint(tmp_path / "m")
+    report = _json_error(capsys, "inspect", tmp_path / "m", "--pairs", "auto")
+    assert report["exit_code"] == 2 and "has no tokenizer to read the pairs" in report["error"]
+
+
+def test_surgery_on_a_dynamically_quantized_model_is_refused_with_the_reason():
+    """quantize_dynamic packs the head's weight behind a method: untie_embeddings returned without untying."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notices
+        model = torch.ao.quantization.quantize_dynamic(tiny_model("gpt2"), {torch.nn.Linear}, dtype=torch.qint8)
+    with pytest.raises(TypeError, match="quantize_dynamic.*floating-point model first"):
+        untie.untie_embeddings(model)
+    with pytest.raises(TypeError, match="cannot be tied"):
+        untie.tie_embeddings(model)

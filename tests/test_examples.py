@@ -92,3 +92,35 @@ def test_accelerate_loop_resumes_from_save_state_to_the_same_weights(tmp_path):
     assert not untie.is_tied(whole) and not untie.is_tied(resumed)
     for (name, value), (_, other) in zip(whole.state_dict().items(), resumed.state_dict().items(), strict=True):
         assert torch.equal(value, other), name
+
+
+@pytest.mark.parametrize("num_processes", [1, 2, 4])
+def test_accelerate_loop_lr_reaches_zero_at_the_last_step_on_any_number_of_processes(num_processes, monkeypatch):
+    """accelerate steps a prepared scheduler once per process per optimizer step: the example's LR schedule must
+    reach 0 at max_steps, not at max_steps / num_processes (and never go negative)."""
+    import importlib.util
+    import types
+
+    import accelerate.scheduler
+
+    spec = importlib.util.spec_from_file_location("accelerate_loop", EXAMPLES / "accelerate_loop.py")
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "accelerate_loop", example)  # its dataclasses look their module up
+    spec.loader.exec_module(example)
+    state = types.SimpleNamespace(num_processes=num_processes)
+    monkeypatch.setattr(accelerate.scheduler, "AcceleratorState", lambda: state)
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    max_steps = 10
+    scheduler = accelerate.scheduler.AcceleratedScheduler(
+        example.linear_decay(optimizer, max_steps, num_processes),
+        [types.SimpleNamespace(step_was_skipped=False)],
+        step_with_optimizer=True,
+        split_batches=False,
+    )
+    rates = []
+    for _ in range(max_steps):
+        scheduler.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates[max_steps // 2 - 1] == pytest.approx(0.5) and rates[-1] == 0.0
+    assert all(a > b for a, b in zip(rates, rates[1:], strict=False)) and min(rates) >= 0.0

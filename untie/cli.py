@@ -1,4 +1,8 @@
-"""The `untie` command line: `untie inspect` a checkpoint's tying and drift, `untie convert` it tied <-> untied."""
+"""The `untie` command line: `untie inspect` a checkpoint's tying and drift, `untie convert` it tied <-> untied.
+
+Parsing needs nothing but the standard library: torch and transformers are imported only once a command runs, so
+`--help` and usage errors answer at once.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from untie.loading import HEADS, CheckpointError
+#: The `--head` choices (`untie.loading.HEADS` maps each to its Auto class; a test keeps the two in step).
+HEAD_CHOICES = ("causal-lm", "masked-lm", "seq2seq-lm")
 
 EXIT_CODES = {
     0: "success",
@@ -69,10 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="token pairs to measure in both spaces: ids (464:262) or single tokens of the checkpoint's tokenizer "
         "(king:queen); `auto`: its most frequent case and word-start variants (the:The, Ġthe:the, ...)",
     )
-    inspect.add_argument("--queries", type=int, default=512, help="tokens whose neighbours are compared (default 512)")
-    inspect.add_argument("--pool", type=int, default=8192, help="tokens the neighbours are searched among (8192)")
-    inspect.add_argument("--rows", type=int, default=2048, help="tokens linear CKA is computed on (default 2048)")
-    inspect.add_argument("--k", type=int, default=10, help="neighbours per token (default 10)")
+    inspect.add_argument("--queries", type=_positive, default=512, help="tokens whose neighbours are compared (512)")
+    inspect.add_argument("--pool", type=_positive, default=8192, help="tokens the neighbours are searched among (8192)")
+    inspect.add_argument("--rows", type=_positive, default=2048, help="tokens linear CKA is computed on (default 2048)")
+    inspect.add_argument("--k", type=_positive, default=10, help="neighbours per token (default 10)")
     inspect.add_argument("--seed", type=int, default=0, help="seed of the token samples (default 0)")
 
     convert = commands.add_parser(
@@ -100,11 +105,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1 (a sample size or a neighbour count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def _source(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SOURCE", help="checkpoint folder or hub id")
     parser.add_argument(
         "--head",
-        choices=["auto", *HEADS],
+        choices=["auto", *HEAD_CHOICES],
         default="auto",
         help="class to load SOURCE with: auto (the config's architecture) or an LM head, needed for checkpoints "
         "saved without one (a sentence-transformers BertModel: --head masked-lm)",
@@ -133,11 +149,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = argv[0] if argv and not argv[0].startswith("-") else None
     try:
         args = parser.parse_args(argv)
-        command = args.command
-        if args.command == "inspect":
-            return _inspect(args, parser)
         if args.command == "convert" and args.init != "input" and not args.tie:
             parser.error("--init only applies with --tie")
+    except _CommandLineError as error:
+        return _fail(str(error), 2, as_json, usage=parser.format_usage())
+    command = args.command
+    from untie.loading import CheckpointError  # torch and transformers: only once a command runs
+
+    try:
+        if command == "inspect":
+            return _inspect(args, parser)
         return _convert(args)
     except _CommandLineError as error:
         return _fail(str(error), 2, as_json, usage=parser.format_usage())

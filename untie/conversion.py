@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from untie.loading import CheckpointError, OutputNotWritable, open_checkpoint
 from untie.surgery import TieInit, is_tied, other_ties, tie_embeddings, untie_embeddings
@@ -81,7 +82,7 @@ def convert_checkpoint(
         try:
             model.save_pretrained(staging)
             summary["copied_files"] = _copy_side_files(checkpoint, staging)
-        except OSError as error:
+        except (OSError, SafetensorError) as error:  # safetensors reports ENOSPC / EFBIG as its own error
             raise OutputNotWritable(f"could not write {output_dir}: {error}.") from error
         if verify:
             summary["checks"], notes = verify_conversion(checkpoint.model_class, staging, model, untied=untie)

@@ -250,13 +250,37 @@ def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | st
     return ids
 
 
+#: Files a saved tokenizer has at least one of; without any, transformers 5 builds an empty tokenizer of the model type.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
+
+
 def _tokenizer(checkpoint: Checkpoint, purpose: str):
     from transformers import AutoTokenizer
 
+    missing = ValueError(
+        f"{checkpoint.source} has no tokenizer to {purpose} (none of {', '.join(_TOKENIZER_FILES)}); pass token ids "
+        "instead (--pairs 464:262), or save the tokenizer into the folder."
+    )
+    if checkpoint.is_local and not any(checkpoint.file(name) for name in _TOKENIZER_FILES):
+        raise missing
     try:
-        return AutoTokenizer.from_pretrained(checkpoint.source, revision=checkpoint.revision, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(
+            checkpoint.source, revision=checkpoint.revision, trust_remote_code=False
+        )
     except (OSError, ValueError) as error:
-        raise ValueError(f"{checkpoint.source} has no tokenizer to {purpose}; pass token ids instead.") from error
+        raise missing from error
+    if len(tokenizer) < 2:  # an empty tokenizer built from the model type alone
+        raise missing
+    return tokenizer
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -285,6 +309,8 @@ def format_report(report: dict[str, Any]) -> str:
             f"    linear CKA:        {drift['cka']:.4f}  (rows shuffled {drift['cka_shuffled']:.4f}, identical 1)",
         ]
     pairs = report.get("pairs", {})
+    if "pairs_from" in report and not pairs:
+        lines.append(f"  pairs from the {report['pairs_from']}: none (no case or word-start variants of one token)")
     if "pairs_from" in report and pairs:
         mean_in = sum(d["input"] for d in pairs.values()) / len(pairs)
         mean_out = sum(d["output"] for d in pairs.values()) / len(pairs)

@@ -298,6 +298,7 @@ def untie_embeddings(
     if optimizer_state not in _STATE_INITS:
         raise ValueError(f"optimizer_state={optimizer_state!r} is not one of {_STATE_INITS}.")
     refuse_peft_surgery(model, "untie")
+    _refuse_packed_weights(model, "untie")
     layout = embedding_layout(model)
     if not is_tied(model):
         if not was_untied(model):
@@ -332,6 +333,21 @@ def untie_embeddings(
     return model
 
 
+def _refuse_packed_weights(model: nn.Module, action: str) -> None:
+    """Refuse an embedding or head whose weight is not a tensor: a dynamically quantized module
+    (`torch.ao.quantization.quantize_dynamic`) packs it as int8 behind a `weight()` method, which no one can tie,
+    untie or train (is_tied() would call such a model untied, and surgery would return without a word)."""
+    roles = (("LM head", model.get_output_embeddings()), ("input embedding", model.get_input_embeddings()))
+    for role, module in roles:
+        if module is not None and not isinstance(getattr(module, "weight", None), torch.Tensor):
+            kind = f"{type(module).__module__}.{type(module).__qualname__}"
+            raise TypeError(
+                f"{action}_embeddings: the {role} is a {kind}, whose weight is not a tensor but packed (a dynamically "
+                f"quantized module, torch.ao.quantization.quantize_dynamic): it cannot be {action}d or trained. "
+                f"{action.capitalize()} the floating-point model first, then quantize it."
+            )
+
+
 def _freeze_bias_aliases(model: nn.Module, layout: EmbeddingLayout) -> None:
     """After a reload, bias aliases are trainable again; freeze them so optimizers are built as before the save."""
     for alias in layout.bias_aliases:
@@ -348,6 +364,7 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
     if init not in _TIE_INITS:
         raise ValueError(f"init={init!r} is not one of {_TIE_INITS}: choose which matrix the tied weight starts from.")
     refuse_peft_surgery(model, "tie")
+    _refuse_packed_weights(model, "tie")
     layout = embedding_layout(model)
     if is_tied(model):
         warnings.warn(f"{type(model).__name__} is already tied; tie_embeddings() did nothing.", stacklevel=2)
