@@ -227,3 +227,28 @@ def test_plain_loop_damaged_states_are_refused_with_the_librarys_message(state, 
     with pytest.raises(UntieStateError, match=says) as refused:
         untier.load_state_dict(state)
     assert "Untier.load_state_dict" in str(refused.value)
+
+
+def test_plain_loop_resume_that_unties_at_once_under_a_new_deadline_still_accepts_its_own_weights():
+    """A tied checkpoint resumed with an earlier untie_at unties at the resume step: the head is then a copy of the
+    checkpoint's matrix, which the weights check must accept (and it must still refuse other weights)."""
+    import warnings
+
+    saved = _plain_run(4)
+    for weights, refused in ((saved[4]["model"], False), (saved[3]["model"], True)):
+        model = tiny_model("llama")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+        untier = untie.Untier(model, max_steps=12, untie_when=None, untie_at=2)
+        untier.start(optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "resumed with changed settings"
+            untier.load_state_dict(saved[4]["untie"])
+        assert untier.untied and untier.untie_step == 4
+        model.load_state_dict(weights)
+        model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
+        if refused:
+            with pytest.raises(UntieStateError, match="values differ"):
+                optimizer.step()
+        else:
+            optimizer.step()
+            untier.step()

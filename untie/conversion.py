@@ -133,8 +133,12 @@ def _within(path: str, folder: str) -> bool:
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>partial|old)-(?P<host>[^/]+)-(?P<pid>\d+)-[^-]+$")
 
 
+def _host() -> str:
+    return socket.gethostname().replace("-", "_")  # no "-" inside the name's fields
+
+
 def _owner_tag() -> str:
-    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-"
+    return f"{_host()}-{os.getpid()}-"
 
 
 def _remove_leftovers(output_dir: str) -> list[str]:
@@ -151,7 +155,7 @@ def _remove_leftovers(output_dir: str) -> list[str]:
         if match is None or match["name"] != name:
             continue
         path = os.path.join(parent, entry)
-        if match["host"] != socket.gethostname().replace("-", "_"):
+        if match["host"] != _host():
             notes.append(f"{path} was left by a convert on host {match['host']}; delete it if none is running there.")
         elif not _process_alive(int(match["pid"])):
             shutil.rmtree(path, ignore_errors=True)

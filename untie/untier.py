@@ -277,7 +277,12 @@ class Untier:
         self.run.restore(attributes, step)
         self.run.warn_changed_settings(state["config"], step)
         self._begin()
-        self._expected_weights = None if weights_checked else (state["weights"], where)
+        expected = state["weights"]
+        if self.run.untied and not attributes["untied"]:
+            # A deadline already passed (settings changed on resume) untied the model at this step: the head is a
+            # copy of the checkpoint's shared matrix once the weights load.
+            expected = {**expected, "separate_head": True, "head": expected["embedding"]}
+        self._expected_weights = None if weights_checked else (expected, where)
 
     def _check_loaded_weights(self) -> None:
         """Refuse weights that were not saved with the untie state `load_state_dict` restored (once, before the first
