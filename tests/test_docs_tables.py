@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def docs_tables(tmp_path, monkeypatch):
     writer = f"import sys; open(sys.argv[1] + '/out.md', 'w').write('{table}')"
     command = ("python", "-c", writer.replace("VALUE", "2"), "{out}")
     monkeypatch.setattr(module, "ROOT", tmp_path)
-    monkeypatch.setattr(module, "TABLES", {"toy": module.Table(page="page.md", command=command, output="out.md")})
+    monkeypatch.setattr(module, "TABLES", {"toy": module.Table(page="page.md", commands=(command,), output="out.md")})
     return module, page, writer
 
 
@@ -36,8 +37,8 @@ def test_check_passes_when_the_page_holds_what_the_command_writes(docs_tables):
 
 def test_check_fails_naming_the_stale_table_and_write_replaces_only_it(docs_tables, capsys):
     module, page, writer = docs_tables
-    module.TABLES["toy"] = module.Table(page="page.md", command=("python", "-c", writer.replace("VALUE", "3"), "{out}"),
-                                        output="out.md")  # fmt: skip
+    command = ("python", "-c", writer.replace("VALUE", "3"), "{out}")
+    module.TABLES["toy"] = module.Table(page="page.md", commands=(command,), output="out.md")
     assert module.main(["--check"]) == 1
     assert "Stale tables: toy" in capsys.readouterr().err
     assert module.main(["--write"]) == 0
@@ -47,11 +48,71 @@ def test_check_fails_naming_the_stale_table_and_write_replaces_only_it(docs_tabl
     assert module.main(["--check"]) == 0
 
 
-def test_every_registered_table_has_its_markers_and_its_command_next_to_it():
+@pytest.fixture(scope="module")
+def real_tables():
     spec = importlib.util.spec_from_file_location("docs_tables_real", ROOT / "scripts" / "docs_tables.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["docs_tables_real"] = module
     spec.loader.exec_module(module)
-    for name, table in module.TABLES.items():
-        assert module.committed(name).startswith("|"), name
-        assert table.shell() in (ROOT / table.page).read_text(), (name, table.shell())
+    return module
+
+
+def test_every_registered_table_has_its_markers_and_its_commands_next_to_it(real_tables):
+    for name, table in real_tables.TABLES.items():
+        assert real_tables.committed(name).startswith("|"), name
+        for line in table.shell():
+            assert line in (ROOT / table.page).read_text(), (name, line)
+
+
+#: Tables of the docs that report no results: settings, codes, behaviours, presets (compared by their header row).
+REFERENCE_TABLES = {
+    "| code | meaning |",
+    "| script | what it does |",
+    "| case | behaviour |",
+    "| setting | default | meaning |",
+    "| signal | definition | reads |",
+    "| name | rule | use |",
+    "| preset | data | tokenizer | twins | model init | batch | optimizer and schedule | length |",
+    "| preset | variants | models | arms | seeds | steps | optimizer and schedule |",
+    "| source | what | where it comes from | size |",
+}
+
+
+def _tables(text: str) -> list[tuple[int, str]]:
+    """(line index, header row) of every Markdown table in a page."""
+    lines = text.splitlines()
+    return [
+        (i, line.strip())
+        for i, line in enumerate(lines)
+        if line.startswith("|") and (i == 0 or not lines[i - 1].startswith("|"))
+    ]
+
+
+def test_every_results_table_is_registered_with_its_commands_and_its_commit(real_tables):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    unregistered = []
+    for page in pages:
+        lines = page.read_text().splitlines()
+        for i, header in _tables(page.read_text()):
+            registered = i > 0 and lines[i - 1].startswith("<!-- table: ")
+            if not registered and header not in REFERENCE_TABLES:
+                unregistered.append(f"{page.relative_to(ROOT)}:{i + 1} {header}")
+    assert not unregistered, f"results tables without a command in scripts/docs_tables.py: {unregistered}"
+    for name, table in real_tables.TABLES.items():
+        if table.cost == "cheap":
+            continue
+        text = (ROOT / table.page).read_text()
+        start = text.index(f"<!-- table: {name} -->")
+        end = text.index(f"<!-- end table: {name} -->")
+        around = text[max(0, start - 1500) : end + 600]
+        commits = re.findall(r"commit ([0-9a-f]{7,40})\b", around)
+        assert commits, f"{table.page}: the {table.cost} table {name} names no commit it was made on"
+
+
+def test_the_generated_table_of_several_commands_reads_the_last_ones_standard_output(docs_tables):
+    module, page, writer = docs_tables
+    first = ("python", "-c", "import sys, pathlib; pathlib.Path(sys.argv[1], 'n').write_text('2')", "{out}")
+    second = ("python", "-c", "import sys, pathlib; print('| a | b |\\n|---|---|\\n| 1 |', pathlib.Path("
+              "sys.argv[1], 'n').read_text(), '|')", "{out}")  # fmt: skip
+    module.TABLES["toy"] = module.Table(page="page.md", commands=(first, second), output=None)
+    assert module.main(["--check"]) == 0

