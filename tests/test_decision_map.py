@@ -250,3 +250,14 @@ def test_the_cell_statistics_name_the_winner_the_oracle_and_the_auto_regret():
     assert cell["auto_regret_sd"] == pytest.approx((auto_mean - 4.9) / sd, rel=1e-5)
     assert cell["winner"] == "auto" and cell["tie_then_untie_beats_both"]
     assert cell["margin_over_best_plain"] == pytest.approx(5.1 - 4.875)
+
+
+def test_the_corpus_is_built_once_and_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_module, "documents", lambda sources, cache_dir: _texts(300, seed=3))
+    built = corpus_module.load_corpus(("shakespeare",), tmp_path)
+    provenance = json.loads(next(tmp_path.rglob("provenance.json")).read_text())
+    assert provenance["train_blocks"] == len(built.train) and provenance["kjv_wheel"] is None
+    monkeypatch.setattr(corpus_module, "documents", lambda *a: pytest.fail("the cache was not used"))
+    cached = corpus_module.load_corpus(("shakespeare",), tmp_path)
+    assert torch.equal(cached.train, built.train) and torch.equal(cached.validation, built.validation)
+    assert cached.tokenizer.get_vocab() == built.tokenizer.get_vocab()

@@ -187,6 +187,7 @@ def load_corpus(sources: tuple[str, ...] = SOURCES, cache_dir: Path | None = Non
     docs = documents(tuple(sources), cache_dir)
     corpus = build_corpus(docs, tuple(sources))
     folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = corpus.tokenizer
     tokenizer.save_pretrained(folder)
     torch.save({"train": corpus.train, "validation": corpus.validation}, folder / "blocks.partial")
     (folder / "blocks.partial").replace(folder / "blocks.pt")
