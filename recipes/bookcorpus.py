@@ -409,22 +409,9 @@ def sampling_arguments(strategy: str) -> dict:
     return {"group_by_length": strategy == "group_by_length"}
 
 
-def train_arm(
-    arm: str, args: BookCorpusArguments, data: PreparedData, progress: JobProgress | None = None
-) -> tuple[dict, tf.Trainer]:
-    """Train one arm; return its record (summary + histories) and the trainer. `progress` is the job's progress line
-    (None keeps Trainer's own bar, or its log printer with --disable_tqdm)."""
-    tied, callbacks = arm_callbacks(arm, args, data.twins)
-    tf.set_seed(args.seed)  # every arm starts from the same input table and sees the same data draws
-    model = build_model(args, data.vocab_size, data.tokenizer.pad_token_id, tied)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, eps=args.adam_epsilon
-    )
-    scheduler = periodic_cosine(optimizer, args.learning_rate, args.lr_min, args.cosine_steps)
-    recorder, meter = TwinDistanceRecorder(data.twins), ThroughputMeter()
-    use_cpu = not torch.cuda.is_available()
-    bf16 = args.bf16 if args.bf16 is not None else (not use_cpu and torch.cuda.is_bf16_supported())
-    training = tf.TrainingArguments(
+def _training_arguments(arm: str, args: BookCorpusArguments, use_cpu: bool, bf16: bool) -> tf.TrainingArguments:
+    """One arm's Trainer arguments (no checkpoints; evaluations every `eval_steps`, from step 0)."""
+    return tf.TrainingArguments(
         output_dir=os.path.join(args.output_dir, "checkpoints", arm),
         per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.batch_size,
@@ -447,6 +434,57 @@ def train_arm(
         use_cpu=use_cpu,
         dataloader_num_workers=0,
     )
+
+
+def _arm_record(arm: str, args: BookCorpusArguments, data: PreparedData, trainer: tf.Trainer, callback,
+                recorder: TwinDistanceRecorder, meter: ThroughputMeter, runtime: float) -> dict:  # fmt: skip
+    """The arm's record: its summary, its untie, its throughput and its histories."""
+    final = recorder.history[-1]
+    trigger = callback.divergence if callback else None
+    return {
+        "arm": arm,
+        "objective": args.objective,
+        "twins": args.twins,
+        "dataset": args.dataset,
+        "steps": trainer.state.global_step,
+        "untie_step": callback.untie_step if callback else None,
+        "untie_reason": callback.untie_reason if callback else None,
+        "trigger_step": trigger.fired_step if trigger else None,
+        "trigger_pairs": _named_pairs(trigger.fired_pairs, data.tokenizer, data.twins) if trigger else [],
+        "eval_loss": final["loss"],
+        "perplexity": final["perplexity"],
+        "accuracy": final["accuracy"],
+        "distances": final["distances"],
+        "tokens_per_second": meter.tokens_per_second,
+        "train_tokens": trainer.state.num_input_tokens_seen,
+        "runtime_s": round(runtime, 1),
+        "world_size": trainer.args.world_size,
+        "bf16": trainer.args.bf16,
+        "history": {
+            "eval": recorder.history,
+            "train": [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history if "loss" in e],
+            "signals": callback.history if callback else [],
+        },
+        "settings": {k: v for k, v in asdict(args).items() if k != "arm"},
+    }
+
+
+def train_arm(
+    arm: str, args: BookCorpusArguments, data: PreparedData, progress: JobProgress | None = None
+) -> tuple[dict, tf.Trainer]:
+    """Train one arm; return its record (summary + histories) and the trainer. `progress` is the job's progress line
+    (None keeps Trainer's own bar, or its log printer with --disable_tqdm)."""
+    tied, callbacks = arm_callbacks(arm, args, data.twins)
+    tf.set_seed(args.seed)  # every arm starts from the same input table and sees the same data draws
+    model = build_model(args, data.vocab_size, data.tokenizer.pad_token_id, tied)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, eps=args.adam_epsilon
+    )
+    scheduler = periodic_cosine(optimizer, args.learning_rate, args.lr_min, args.cosine_steps)
+    recorder, meter = TwinDistanceRecorder(data.twins), ThroughputMeter()
+    use_cpu = not torch.cuda.is_available()
+    bf16 = args.bf16 if args.bf16 is not None else (not use_cpu and torch.cuda.is_bf16_supported())
+    training = _training_arguments(arm, args, use_cpu, bf16)
     trainer = tf.Trainer(
         model=model,
         args=training,
@@ -468,35 +506,7 @@ def train_arm(
         trainer.evaluate()
     runtime = time.perf_counter() - started
     callback = callbacks[0] if callbacks else None
-    final = recorder.history[-1]
-    record = {
-        "arm": arm,
-        "objective": args.objective,
-        "twins": args.twins,
-        "dataset": args.dataset,
-        "steps": trainer.state.global_step,
-        "untie_step": callback.untie_step if callback else None,
-        "untie_reason": callback.untie_reason if callback else None,
-        "trigger_step": callback.divergence.fired_step if callback and callback.divergence else None,
-        "trigger_pairs": _named_pairs(callback.divergence.fired_pairs, data.tokenizer, data.twins)
-        if callback and callback.divergence
-        else [],
-        "eval_loss": final["loss"],
-        "perplexity": final["perplexity"],
-        "accuracy": final["accuracy"],
-        "distances": final["distances"],
-        "tokens_per_second": meter.tokens_per_second,
-        "train_tokens": trainer.state.num_input_tokens_seen,
-        "runtime_s": round(runtime, 1),
-        "world_size": training.world_size,
-        "bf16": bf16,
-        "history": {
-            "eval": recorder.history,
-            "train": [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history if "loss" in e],
-            "signals": callback.history if callback else [],
-        },
-        "settings": {k: v for k, v in asdict(args).items() if k != "arm"},
-    }
+    record = _arm_record(arm, args, data, trainer, callback, recorder, meter, runtime)
     if trainer.is_world_process_zero():
         path = Path(args.output_dir, "arms", f"{arm}.json")
         path.parent.mkdir(parents=True, exist_ok=True)

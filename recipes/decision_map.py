@@ -22,7 +22,7 @@ import transformers as tf
 from tqdm.auto import tqdm
 
 from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, default_cache_dir, load_corpus
-from untie_recipes.tasks.decision_map.report import write_report
+from untie_recipes.tasks.decision_map.report import unit_complete, write_report
 from untie_recipes.tasks.decision_map.runs import MapContext, run_unit, steps_of_unit
 from untie_recipes.tasks.decision_map.training import RunRecord, TrainingSetup
 
@@ -107,8 +107,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             setup = setup_for(args, width, seed)
             paths = sorted((output_dir / "records").glob(f"{setup.name}-*.json"))
             records = {p.stem[len(setup.name) + 1 :]: RunRecord.load(p) for p in paths}
-            if {"tied", "untied", "auto"} <= set(records):
+            if unit_complete(records, tuple(args.budgets)):
                 units[(width, seed)] = records
+            else:
+                print(f"d{width} seed {seed}: not finished ({len(records)} runs recorded), left out", file=sys.stderr)
         if not units:
             raise SystemExit(f"No finished (width, seed) in {output_dir}/records: run the map first.")
     settings = {**asdict(args), "train_blocks": len(corpus.train), "validation_blocks": len(corpus.validation),

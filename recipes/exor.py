@@ -273,6 +273,74 @@ def _step_or_fraction(value: float) -> int | float:
     return int(value) if value >= 1 or value == 0 else value
 
 
+def _training_arguments(spec: RunSpec, args: ExorArguments, runs_dir: str, train_size: int) -> tf.TrainingArguments:
+    """One run's Trainer arguments: one full batch of the training strings per step, as in the paper."""
+    return tf.TrainingArguments(
+        output_dir=os.path.join(runs_dir, spec.name),
+        max_steps=args.max_steps,
+        per_device_train_batch_size=math.ceil(train_size / launch_world_size()),
+        per_device_eval_batch_size=1024,
+        max_grad_norm=args.max_grad_norm,
+        logging_steps=args.eval_every // 5 or 1,
+        eval_strategy="steps",
+        eval_steps=args.eval_every,
+        eval_on_start=True,
+        save_strategy="no",
+        report_to=args.report_to,
+        run_name=spec.name,
+        disable_tqdm=args.disable_tqdm,
+        seed=spec.seed,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+    )
+
+
+def _eval_history(log: list[dict], splits: list[str]) -> list[dict]:
+    """Per evaluation step, each split's accuracy and loss, from Trainer's log history."""
+    evals: dict[int, dict] = {}
+    for entry in log:
+        for split in splits:
+            if f"eval_{split}_accuracy" in entry:
+                row = evals.setdefault(entry["step"], {"step": entry["step"]})
+                row[f"{split}_accuracy"] = entry[f"eval_{split}_accuracy"]
+                row[f"{split}_loss"] = entry[f"eval_{split}_loss"]
+    return list(evals.values())
+
+
+def _run_record(spec: RunSpec, args: ExorArguments, trainer: tf.Trainer, callback, recorder: GeometryRecorder,
+                final: dict, splits: list[str], started: float) -> dict:  # fmt: skip
+    """The run's record: its summary, its untie, and its histories (geometry, training loss, evaluations, signals)."""
+    log = trainer.state.log_history
+    last = recorder.history[-1]
+    trigger = callback.divergence if callback else None
+    return {
+        "variant": spec.variant,
+        "model": spec.model,
+        "arm": spec.arm,
+        "seed": spec.seed,
+        "steps": trainer.state.global_step,
+        "untie_step": callback.untie_step if callback else None,
+        "untie_reason": callback.untie_reason if callback else None,
+        "trigger_step": trigger.fired_step if trigger else None,
+        "trigger_pairs": trigger.fired_pairs if trigger else [],
+        "final_loss": final["final_train_loss"],
+        "heldout_loss": final["final_heldout_loss"],
+        "train_accuracy": final["final_train_accuracy"],
+        "heldout_accuracy": final["final_heldout_accuracy"],
+        "input_distance": last["input"],
+        "output_distance": last["output"],
+        "bayes_accuracy": vocabulary(spec.variant).bayes_accuracy(),
+        "runtime_s": round(time.perf_counter() - started, 1),
+        "history": {
+            "geometry": recorder.history,
+            "train": [{"step": e["step"], "loss": e["loss"], "lr": e["learning_rate"]} for e in log if "loss" in e],
+            "eval": _eval_history(log, splits),
+            "signals": callback.history if callback else [],
+        },
+        "settings": {k: v for k, v in asdict(args).items() if k not in ("variants", "models", "arms", "seeds")},
+    }
+
+
 def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str, progress: JobProgress | Any | None = None) -> dict:
     """Train one run and write its record (summary + histories) to runs_dir/<name>.json. `progress` is the job's
     progress line (same process) or its queue (a worker process); None keeps Trainer's own bar or log printer."""
@@ -294,26 +362,7 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str, progress: JobPr
     )
     scheduler = periodic_cosine(optimizer, args.learning_rate, args.lr_min, args.cosine_steps)
     recorder = GeometryRecorder(args.record_every)
-    training = tf.TrainingArguments(
-        output_dir=os.path.join(runs_dir, spec.name),
-        max_steps=args.max_steps,
-        per_device_train_batch_size=math.ceil(
-            len(train_set) / launch_world_size()
-        ),  # one full batch per step, as in the paper
-        per_device_eval_batch_size=1024,
-        max_grad_norm=args.max_grad_norm,
-        logging_steps=args.eval_every // 5 or 1,
-        eval_strategy="steps",
-        eval_steps=args.eval_every,
-        eval_on_start=True,
-        save_strategy="no",
-        report_to=args.report_to,
-        run_name=spec.name,
-        disable_tqdm=args.disable_tqdm,
-        seed=spec.seed,
-        dataloader_num_workers=0,
-        use_cpu=not torch.cuda.is_available(),
-    )
+    training = _training_arguments(spec, args, runs_dir, len(train_set))
     trainer = tf.Trainer(
         model=model,
         args=training,
@@ -337,41 +386,7 @@ def train_run(spec: RunSpec, args: ExorArguments, runs_dir: str, progress: JobPr
     for split, dataset in final_sets.items():
         final.update(trainer.evaluate(dataset, metric_key_prefix=f"final_{split}"))
     callback = next((cb for cb in callbacks if isinstance(cb, untie.UntieCallback)), None)
-    log = trainer.state.log_history
-    evals = {}
-    for entry in log:
-        for split in eval_sets:
-            if f"eval_{split}_accuracy" in entry:
-                row = evals.setdefault(entry["step"], {"step": entry["step"]})
-                row[f"{split}_accuracy"] = entry[f"eval_{split}_accuracy"]
-                row[f"{split}_loss"] = entry[f"eval_{split}_loss"]
-    last = recorder.history[-1]
-    record = {
-        "variant": spec.variant,
-        "model": spec.model,
-        "arm": spec.arm,
-        "seed": spec.seed,
-        "steps": trainer.state.global_step,
-        "untie_step": callback.untie_step if callback else None,
-        "untie_reason": callback.untie_reason if callback else None,
-        "trigger_step": callback.divergence.fired_step if callback and callback.divergence else None,
-        "trigger_pairs": callback.divergence.fired_pairs if callback and callback.divergence else [],
-        "final_loss": final["final_train_loss"],
-        "heldout_loss": final["final_heldout_loss"],
-        "train_accuracy": final["final_train_accuracy"],
-        "heldout_accuracy": final["final_heldout_accuracy"],
-        "input_distance": last["input"],
-        "output_distance": last["output"],
-        "bayes_accuracy": vocabulary(spec.variant).bayes_accuracy(),
-        "runtime_s": round(time.perf_counter() - started, 1),
-        "history": {
-            "geometry": recorder.history,
-            "train": [{"step": e["step"], "loss": e["loss"], "lr": e["learning_rate"]} for e in log if "loss" in e],
-            "eval": list(evals.values()),
-            "signals": callback.history if callback else [],
-        },
-        "settings": {k: v for k, v in asdict(args).items() if k not in ("variants", "models", "arms", "seeds")},
-    }
+    record = _run_record(spec, args, trainer, callback, recorder, final, list(eval_sets), started)
     if trainer.is_world_process_zero():  # write then rename: a reader never sees half a record
         path = Path(runs_dir, f"{spec.name}.json")
         path.with_suffix(".tmp").write_text(json.dumps(record))

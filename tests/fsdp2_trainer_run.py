@@ -85,7 +85,7 @@ class LiveSignals(tf.TrainerCallback):
             self.probe.armed = False
             grads = self.probe.collect()
             signals = role_signals_on_rows(grads, pairs=PAIRS)
-            self.history.append({"step": state.global_step + 1, **signals, **self.probe.conditional_gaps(grads)})
+            self.history.append({"step": state.global_step + 1, **signals, **self.probe.pair_measurements(grads)})
 
 
 def _matrices(model) -> dict[str, torch.Tensor]:

@@ -261,3 +261,11 @@ def test_the_corpus_is_built_once_and_then_read_from_the_cache(tmp_path, monkeyp
     cached = corpus_module.load_corpus(("shakespeare",), tmp_path)
     assert torch.equal(cached.train, built.train) and torch.equal(cached.validation, built.validation)
     assert cached.tokenizer.get_vocab() == built.tokenizer.get_vocab()
+
+
+def test_the_report_of_an_unfinished_map_covers_the_finished_seeds_only(recipe, tmp_path, capsys):
+    recipe.main(_map_args(tmp_path))
+    (tmp_path / "map" / "records" / "d32-s2-untie@8.json").unlink()
+    cells = recipe.main(_map_args(tmp_path, "--report_only"))
+    assert {tuple(c["seeds"]) for c in cells} == {(1,)}
+    assert "d32 seed 2: not finished" in capsys.readouterr().err

@@ -282,7 +282,7 @@ def test_probe_takes_a_common_factor_out_of_the_gradient_and_refuses_other_chang
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)  # scales every gradient by one factor
     grads = probe.collect()
     _assert_signals_equal(role_signals_on_rows(grads, pairs=PAIRS), dense, tolerance=1e-5)
-    probe.conditional_gaps(grads)
+    probe.pair_measurements(grads)
     model.zero_grad()
     probe.armed = True
     model(**batch).loss.backward()
@@ -294,7 +294,7 @@ def test_probe_takes_a_common_factor_out_of_the_gradient_and_refuses_other_chang
     signals = role_signals_on_rows(grads, pairs=PAIRS)
     assert math.isnan(signals["cancellation"]) and math.isnan(signals["tension/3-4"])
     assert "more than one common factor" in caplog.text
-    assert math.isfinite(probe.conditional_gaps(grads)["gap/3-4"])
+    assert math.isfinite(probe.pair_measurements(grads)["gap/3-4"])
 
 
 def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
@@ -312,7 +312,7 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
     logits = model(input_ids=ids, labels=labels).logits
     logits.sum().mul(0).add(model(input_ids=ids, labels=labels).loss).backward()
     grads = probe.collect()
-    gaps = probe.conditional_gaps(grads)
+    gaps = probe.pair_measurements(grads)
     # A causal LM's logits at position t predict token t + 1: the loss positions are those with a label at t + 1.
     carries_loss = torch.zeros(labels.shape, dtype=torch.bool)
     carries_loss[:, :-1] = labels[:, 1:] != -100
@@ -329,12 +329,12 @@ def test_probe_measures_conditional_gaps_over_the_positions_that_carry_a_loss():
         assert gaps[f"evidence/{pair[0]}-{pair[1]}"] == pytest.approx(value, rel=1e-6, abs=1e-6), pair
     assert gaps["learned_z"] == pytest.approx(learned_z(cross_entropy_sums(flat, targets), vocab=48), rel=1e-6)
     assert math.isnan(gaps["gap/3-47"])  # 47 was never looked up: no evidence about it
-    assert math.isnan(probe.conditional_gaps(grads)["gap/3-4"])  # reset after reading
+    assert math.isnan(probe.pair_measurements(grads)["gap/3-4"])  # reset after reading
     # A later step that looks 47 up measures the pair from then on, also in steps where 47 does not occur.
     for step_ids in (torch.full_like(ids, 47), ids):
         probe.armed = True
         model(input_ids=step_ids, labels=labels).loss.backward()
-        last = probe.conditional_gaps(probe.collect())
+        last = probe.pair_measurements(probe.collect())
     assert math.isfinite(last["gap/3-47"])
 
 
@@ -420,7 +420,7 @@ def test_probe_reports_evidence_and_learning_with_the_gaps():
     ids[0, -1] = 6
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    measured = probe.conditional_gaps(probe.collect())
+    measured = probe.pair_measurements(probe.collect())
     assert set(measured) == {"gap/3-4", "gap/5-6", "evidence/3-4", "evidence/5-6", "learned_z"}
     # the causal LM's targets are the next tokens: recompute the evidence from the logits and the shifted labels
     logits = out.logits.detach()[:, :-1].reshape(-1, out.logits.shape[-1])
@@ -447,7 +447,7 @@ def test_probe_holds_no_logits_until_backward_and_a_kept_logits_head_measures_th
         held = [c.cell_contents for c in hook.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
         assert any(t.numel() == out.logits.numel() for t in held) is keep_logits
         out.loss.backward()
-        measured.append(probe.conditional_gaps(probe.collect()))
+        measured.append(probe.pair_measurements(probe.collect()))
         probe.remove()
         model.zero_grad()
     _assert_signals_equal(measured[0], measured[1], tolerance=1e-5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -90,6 +91,15 @@ def find_caller(accept: Callable[[Any], bool], skip: int = 2, depth: int = 8) ->
     return None
 
 
+def holds_callback(handler: Any, callback: Any) -> bool:
+    """Whether `handler` is Trainer's `CallbackHandler` (`transformers.trainer_callback.CallbackHandler`, not part of
+    the documented API: Trainer builds it and keeps it private) and its callback list holds `callback`. Checked:
+    transformers 5.12.1 and 5.23.0 (CI)."""
+    from transformers.trainer_callback import CallbackHandler
+
+    return isinstance(handler, CallbackHandler) and callback in handler.callbacks
+
+
 def move_callback_first(handler: Any, callback: Any) -> None:
     """Put `callback` first in `CallbackHandler.callbacks` (a plain list; the public `add_callback` appends):
     Trainer adds the reporting integrations before user callbacks, and `untie/*` keys added in `on_log` must reach
@@ -109,6 +119,30 @@ def partial_state_exists() -> bool:
     from accelerate.state import PartialState
 
     return bool(PartialState._shared_state)
+
+
+# -- DeepSpeed: partitioned parameters -------------------------------------------------------------------------------
+def is_deepspeed_partitioned(param: torch.Tensor) -> bool:
+    """Whether `param` is a parameter DeepSpeed ZeRO-3 has partitioned: ZeRO-3 gives each one an `ds_id` attribute
+    (deepspeed.runtime.zero.partition_parameters; there is no public predicate). Checked: deepspeed 0.19.8."""
+    return hasattr(param, "ds_id")
+
+
+# -- torch: an embedding's gradient layout -----------------------------------------------------------------------------
+@contextmanager
+def sparse_embedding_gradient(module: nn.Module):
+    """Within the block, an `nn.Embedding` returns a sparse weight gradient (its `sparse` flag, read by
+    `F.embedding` at each forward; the module has no public way to ask for one call's gradient layout), so that a
+    re-run of its forward builds only the looked-up rows. Restores the flag. Checked: torch 2.13.0."""
+    if not isinstance(module, nn.Embedding):
+        yield
+        return
+    sparse = module.sparse
+    module.sparse = True
+    try:
+        yield
+    finally:
+        module.sparse = sparse
 
 
 # -- torch: autograd engine ------------------------------------------------------------------------------------------

@@ -9,16 +9,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from transformers import TrainerCallback
-from transformers.trainer_callback import CallbackHandler, ExportableState
+from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import get_last_checkpoint
 
 from untie import _compat
-from untie.adapters import is_peft_model
 from untie.checkpoint import STATE_FORMAT, STATE_MARKER, SavedRun, read_saved_run, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
 from untie.distributed import training_engine
 from untie.emulation import EmulatedTying
 from untie.pairs import is_tokenizer
+from untie.peft_support import is_peft_model
 from untie.run import UntieRun
 
 logger = logging.getLogger(__name__)
@@ -264,8 +264,7 @@ def _calling(callback: TrainerCallback, handler_of=lambda caller: caller):
     """
 
     def holds_callback(caller) -> bool:
-        handler = handler_of(caller)
-        return isinstance(handler, CallbackHandler) and callback in handler.callbacks
+        return _compat.holds_callback(handler_of(caller), callback)
 
     return _compat.find_caller(holds_callback, skip=3)
 

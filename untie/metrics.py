@@ -21,12 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from untie.metric_keys import metric_key, pair_key, split_metric_key  # noqa: F401 (re-exported)
+
 Pairs = Sequence[tuple[int, int]]
-
-
-def pair_key(pair: tuple[int, int]) -> str:
-    """The name a pair gets in logs and results: ``"0-1"``."""
-    return f"{pair[0]}-{pair[1]}"
 
 
 def pair_distances(matrix: torch.Tensor, pairs: Pairs) -> dict[str, float]:
@@ -165,7 +162,7 @@ def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: i
         nan = math.nan
         signals = {"cosine": nan, "conflict": nan, "norm_ratio": nan, "cancellation": nan, "agreement": nan}
         for pair in pairs:
-            signals.update({f"{name}/{pair_key(pair)}": nan for name in ("push_in", "push_out", "tension")})
+            signals.update({metric_key(name, pair): nan for name in ("push_in", "push_out", "tension")})
         return signals
     signals = {
         "cosine": _ratio(dot_touched, norm_a * norm_b),
@@ -192,10 +189,9 @@ def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: i
         tension = (-share_in * share_out).nan_to_num(0.0).clamp_min(0)
         values = zip(push_in.tolist(), push_out.tolist(), tension.tolist(), strict=True)  # one copy each
         for pair, (push_in_value, push_out_value, tension_value) in zip(pairs, values, strict=True):
-            key = pair_key(pair)
-            signals[f"push_in/{key}"] = push_in_value
-            signals[f"push_out/{key}"] = push_out_value
-            signals[f"tension/{key}"] = tension_value
+            signals[metric_key("push_in", pair)] = push_in_value
+            signals[metric_key("push_out", pair)] = push_out_value
+            signals[metric_key("tension", pair)] = tension_value
     return signals
 
 
@@ -520,12 +516,12 @@ def summarize_pair_metrics(metrics: dict[str, float], keep: int = 8) -> dict[str
     ("name/max", "name/mean") when there are more than `keep` pairs, so that logs stay readable with many pairs."""
     per_pair: dict[str, list[float]] = {}
     for key, value in metrics.items():
-        name, _, pair = key.rpartition("/")
-        if name and pair.replace("-", "").isdigit():
+        name, pair = split_metric_key(key)
+        if pair:
             per_pair.setdefault(name, []).append(value)
     if not per_pair or max(len(values) for values in per_pair.values()) <= keep:
         return dict(metrics)
-    summary = {key: value for key, value in metrics.items() if key.rpartition("/")[0] not in per_pair}
+    summary = {key: value for key, value in metrics.items() if split_metric_key(key)[0] not in per_pair}
     for name, values in per_pair.items():
         finite = [v for v in values if math.isfinite(v)]
         summary[f"{name}/max"] = max(finite) if finite else math.nan

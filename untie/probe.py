@@ -44,9 +44,9 @@ from untie.metrics import (
     RoleGradients,
     cross_entropy_sums_from_target_logits,
     learned_z,
+    metric_key,
     pair_evidence_sums_from_log_odds,
     pair_gap_sums_from_log_probs,
-    pair_key,
     targets_from_gradient,
 )
 from untie.surgery import _embedding_modules
@@ -181,17 +181,12 @@ class RoleGradientProbe:
         weight = self.weight.detach().requires_grad_(True)
         detached_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
         armed, self.armed = self.armed, False  # the re-run must not hook itself again
-        sparse = getattr(module, "sparse", None)
         try:
-            if isinstance(module, nn.Embedding):
-                module.sparse = True
-            with torch.enable_grad():
+            with _compat.sparse_embedding_gradient(module), torch.enable_grad():
                 output = functional_call(module, {"weight": weight}, detached_args, kwargs)
                 (role,) = torch.autograd.grad(output, weight, grad)
         finally:
             self.armed = armed
-            if isinstance(module, nn.Embedding):
-                module.sparse = sparse
         if role.is_sparse:
             role = role.coalesce()
             return role.indices()[0], role.values().float()
@@ -295,7 +290,7 @@ class RoleGradientProbe:
             weight=gather_rows(self.weight, all_ids).float(),
         )
 
-    def conditional_gaps(self, grads: RoleGradients) -> dict[str, float]:
+    def pair_measurements(self, grads: RoleGradients) -> dict[str, float]:
         """The pair measurements of the step's loss positions (all ranks); resets the sums.
 
         * ``gap/<a-b>``: the pair's conditional gap (`untie.metrics.conditional_gaps`), in nats;
@@ -310,7 +305,7 @@ class RoleGradientProbe:
         steps (it all-reduces).
         """
         if self._sums is None:  # nothing measured since the last read (or no pairs)
-            nan = {f"{name}/{pair_key(p)}": math.nan for name in ("gap", "evidence") for p in self.pairs}
+            nan = {metric_key(name, p): math.nan for name in ("gap", "evidence") for p in self.pairs}
             return {**nan, "learned_z": math.nan} if self.pairs else nan
         # Set by the backward hook that also yields the output role: every rank that collect() vouched for has them.
         sums, self._sums = self._sums, None
@@ -322,8 +317,8 @@ class RoleGradientProbe:
         seen = self._seen.all(dim=1).to(weight.device)
         gaps = torch.where(seen & (weight > 0), total / weight.clamp_min(1e-300), torch.nan)
         evidence = torch.where(seen, evidence, torch.nan)
-        measured = {f"gap/{pair_key(p)}": g for p, g in zip(self.pairs, gaps.tolist(), strict=True)}
-        measured.update({f"evidence/{pair_key(p)}": e for p, e in zip(self.pairs, evidence.tolist(), strict=True)})
+        measured = {metric_key("gap", p): g for p, g in zip(self.pairs, gaps.tolist(), strict=True)}
+        measured.update({metric_key("evidence", p): e for p, e in zip(self.pairs, evidence.tolist(), strict=True)})
         measured["learned_z"] = learned_z(loss_sums.cpu(), self._vocab)
         return measured
 

@@ -22,7 +22,6 @@ import warnings
 
 from torch import nn
 
-from untie.adapters import check_peft_run, is_peft_model
 from untie.checkpoint import install_resume_guard
 from untie.config import UntieConfig
 from untie.distributed import (
@@ -35,6 +34,7 @@ from untie.distributed import (
 from untie.emulation import EmulatedTying
 from untie.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
 from untie.pairs import tokenizer_pairs
+from untie.peft_support import check_peft_run, is_peft_model
 from untie.probe import RoleGradientProbe
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
 from untie.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
@@ -259,7 +259,7 @@ class UntieRun:
         if not is_tied(model):
             # Untied before training: at step 0, or by the resume guard while loading an untied checkpoint.
             reason = self.untie_reason or ("checkpoint" if step else "start")
-            self._mark_untied(self.untie_step if self.untie_step is not None else step, reason)
+            self._record_untie(self.untie_step if self.untie_step is not None else step, reason)
         elif self.untied:
             raise RuntimeError(
                 f"{self.owner}: the checkpoint state says the model was untied, but the model is tied. Resume with "
@@ -300,7 +300,7 @@ class UntieRun:
             self._warn_unmeasured()
             return
         signals = role_signals_on_rows(grads, pairs=self.pairs)
-        signals.update(self.probe.conditional_gaps(grads))
+        signals.update(self.probe.pair_measurements(grads))
         if self.divergence is not None:
             self.divergence.update(step, signals)
             signals["trigger"] = self.divergence.average if self.divergence.average is not None else math.nan
@@ -334,7 +334,7 @@ class UntieRun:
         else:
             untie_embeddings(model, optimizer, optimizer_state=self.config.optimizer_state)
             self.install_grad_sync(model)
-        self._mark_untied(step, reason)
+        self._record_untie(step, reason)
         logger.info("untie: untied the LM head from the input embedding at step %d (%s)", step, reason)
 
     def install_grad_sync(self, model: nn.Module) -> None:
@@ -386,7 +386,7 @@ class UntieRun:
             **_DRIFT_SAMPLE,
         )
 
-    def _mark_untied(self, step: int, reason: str) -> None:
+    def _record_untie(self, step: int, reason: str) -> None:
         self.untied = True
         if self.untie_step is None:
             self.untie_step = step

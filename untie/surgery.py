@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.adapters import refuse_peft_surgery
+from untie.peft_support import refuse_peft_surgery
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
 #: where the `tie_word_embeddings` flag cannot record it (T5 and BART share that flag with encoder/decoder ties).
@@ -128,7 +128,11 @@ def _check_shapes(model: nn.Module, layout: EmbeddingLayout) -> None:
 
 def _refuse_sharded(model: nn.Module) -> None:
     for name, param in model.named_parameters():
-        if type(param).__name__ == "DTensor" or type(param.data).__name__ == "DTensor" or hasattr(param, "ds_id"):
+        if (
+            type(param).__name__ == "DTensor"
+            or type(param.data).__name__ == "DTensor"
+            or _compat.is_deepspeed_partitioned(param)
+        ):
             raise RuntimeError(
                 f"{name} is sharded (FSDP2 DTensor or DeepSpeed ZeRO). untie cannot change the embedding structure "
                 "of a sharded model: a live untie under FSDP2 is silently reverted and DeepSpeed cannot take new "

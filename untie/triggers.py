@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from untie.metric_keys import metric_key, split_metric_key
+
 
 @dataclass
 class ScheduledTrigger:
@@ -61,7 +63,7 @@ PAIR_SIGNALS = ("tension", "gap")
 
 def pair_signal(signal: str) -> tuple[str, str] | None:
     """("tension", "0-1") for ``tension/0-1``, ("gap", "") for ``gap``; None for a signal that is not per pair."""
-    name, _, pair = signal.partition("/")
+    name, pair = split_metric_key(signal)
     return (name, pair) if name in PAIR_SIGNALS else None
 
 
@@ -246,13 +248,14 @@ class DivergenceTrigger:
             self.learned_step = step
         wanted = pair_signal(self.rule.signal)[1]
         gaps = {
-            key.partition("/")[2]: value
+            pair: value
             for key, value in signals.items()
-            if key.startswith("gap/") and (not wanted or key == f"gap/{wanted}")
+            for name, pair in [split_metric_key(key)]
+            if name == "gap" and pair and (not wanted or pair == wanted)
         }
         past = []
         for pair, gap in gaps.items():
-            evidence = signals.get(f"evidence/{pair}", math.nan)
+            evidence = signals.get(metric_key("evidence", pair), math.nan)
             if not (math.isfinite(gap) and math.isfinite(evidence)):
                 continue
             self.evidence[pair] = self.evidence.get(pair, 0.0) + evidence

@@ -30,6 +30,16 @@ def arm_losses(records: dict[str, RunRecord], budget: int, budgets: tuple[int, .
     return out
 
 
+def unit_complete(records: dict[str, RunRecord], budgets: tuple[int, ...]) -> bool:
+    """Whether a (width, seed) has every run its cells read (an interrupted map leaves some missing)."""
+    try:
+        for budget in budgets:
+            arm_losses(records, budget, budgets)
+    except KeyError:
+        return False
+    return True
+
+
 def _spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 

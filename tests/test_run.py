@@ -1,0 +1,169 @@
+"""`UntieRun`, the run object both adapters drive, on its own: a fake adapter (a plain loop calling the documented
+sequence: prepare, restore, begin, then arm / measure / end_of_step per optimizer step) with no Trainer and no
+accelerate. Covers prepare, arming and measuring, the trigger, the deadline, the untie, the saved state and its
+restore, and the structure a resumed model must have."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from untie import UntieConfig
+from untie.run import SAVED_ATTRIBUTES, UntieRun
+from untie.surgery import is_tied, untie_embeddings
+from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
+
+
+class FakeAdapter:
+    """The smallest adapter: one micro-batch per optimizer step, the calls in the order `untie.run` documents."""
+
+    def __init__(self, config: UntieConfig, model=None, tying_mode: str = "live") -> None:
+        self.model = model if model is not None else tiny_model("llama")
+        self.run = UntieRun(config, owner="FakeAdapter")
+        self.run.tying_mode = tying_mode
+        self.run.prepare(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.data = ToyLMDataset(n=8)
+        self.step = 0
+        self.reasons: dict[int, str] = {}
+
+    def begin(self, saved: dict | None = None, step: int = 0, max_steps: int = 20) -> None:
+        self.step = step
+        self.run.restore(saved or {}, step)
+        self.run.begin(self.model, self.optimizer, step, max_steps)
+
+    def train(self, steps: int) -> list[float]:
+        losses = []
+        for _ in range(steps):
+            step = self.step + 1
+            self.run.arm(step)
+            batch = self.data[step % len(self.data)]
+            loss = self.model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss
+            loss.backward()
+            self.run.measure(step)
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+            reason = self.run.end_of_step(self.model, self.optimizer, step)
+            if reason:
+                self.reasons[step] = reason
+            self.step = step
+            losses.append(loss.item())
+        return losses
+
+
+def _untied_from_its_config():
+    make_config, model_class = TINY_MODELS["llama"]
+    config = make_config()
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    return model_class(config)
+
+
+def test_prepare_ties_an_untied_model_and_keeps_it_untied_with_untie_at_zero():
+    untied = _untied_from_its_config()
+    assert not is_tied(untied)
+    with pytest.warns(UserWarning, match="arrived untied"):
+        FakeAdapter(UntieConfig(untie_when=None), model=untied)
+    assert is_tied(untied)
+    kept = _untied_from_its_config()
+    adapter = FakeAdapter(UntieConfig(untie_at=0, untie_when=None), model=kept)
+    adapter.begin()
+    assert not is_tied(kept) and adapter.run.untied and adapter.run.untie_reason == "start"
+
+
+def test_prepare_in_emulated_mode_gives_the_head_its_own_parameter():
+    adapter = FakeAdapter(UntieConfig(untie_at=4, untie_when=None, metrics_every=0), tying_mode="emulated")
+    head, embedding = adapter.model.get_output_embeddings().weight, adapter.model.get_input_embeddings().weight
+    assert head is not embedding and torch.equal(head, embedding) and adapter.run.emulation is not None
+    adapter.begin()
+    adapter.train(3)
+    assert torch.equal(head, embedding)  # trained as tied
+    adapter.train(1)
+    assert adapter.reasons == {4: "deadline"} and adapter.run.emulation is None
+
+
+def test_measurements_happen_on_metrics_steps_only_and_feed_the_history():
+    adapter = FakeAdapter(UntieConfig(untie_at=None, untie_when=None, metrics_every=3))
+    adapter.begin()
+    adapter.train(7)
+    assert [h["step"] for h in adapter.run.history] == [3, 6]
+    assert {"cosine", "cancellation", "norm_ratio"} <= set(adapter.run.history[0])
+    assert adapter.run.take_latest()["untie/tied"] == 1.0
+
+
+def test_the_deadline_unties_at_its_step_with_the_optimizer_state_copied():
+    adapter = FakeAdapter(UntieConfig(untie_at=5, untie_when=None, metrics_every=0))
+    adapter.begin()
+    adapter.train(5)
+    assert adapter.reasons == {5: "deadline"} and not is_tied(adapter.model)
+    head = adapter.model.get_output_embeddings().weight
+    embedding = adapter.model.get_input_embeddings().weight
+    assert torch.equal(adapter.optimizer.state[head]["exp_avg"], adapter.optimizer.state[embedding]["exp_avg"])
+    assert adapter.run.untie_step == 5 and adapter.run.untie_reason == "deadline"
+
+
+def test_a_trigger_that_fires_unties_at_the_measurement_step_before_the_deadline():
+    rule = {"signal": "cancellation", "threshold": -10.0, "smoothing": 0.0, "warmup": 0, "patience": 2}
+    adapter = FakeAdapter(UntieConfig(untie_at=15, untie_when=rule, metrics_every=2))
+    adapter.begin()
+    adapter.train(6)
+    assert adapter.reasons == {4: "trigger"}  # measurements at 2 and 4: the second in a row fires
+    assert adapter.run.untie_reason == "trigger" and adapter.run.probe is None
+    assert math.isfinite(next(h for h in adapter.run.history if h["step"] == 4)["trigger"])
+    assert "knn_overlap" in adapter.run.history[-1]  # after the untie: the drift between the two spaces
+
+
+def test_the_saved_state_restores_the_trigger_and_the_history_up_to_the_step():
+    rule = {"signal": "cancellation", "threshold": -10.0, "smoothing": 0.0, "warmup": 0, "patience": 3}
+    adapter = FakeAdapter(UntieConfig(untie_at=None, untie_when=rule, metrics_every=2))
+    adapter.begin()
+    adapter.train(4)
+    saved = adapter.run.state_attributes()
+    assert set(saved) == set(SAVED_ATTRIBUTES) and saved["trigger_state"]["streak"] == 2
+    saved["history"].append({"step": 99})  # a later measurement (from a run that went on) is dropped on restore
+    resumed = FakeAdapter(UntieConfig(untie_at=None, untie_when=rule, metrics_every=2))
+    resumed.begin(saved, step=4)
+    assert [h["step"] for h in resumed.run.history] == [2, 4]
+    resumed.train(2)
+    assert resumed.reasons == {6: "trigger"}  # the streak carried over: the third measurement fires
+
+
+def test_a_resume_past_a_deadline_unties_at_the_resume_step():
+    adapter = FakeAdapter(UntieConfig(untie_at=3, untie_when=None, metrics_every=0))
+    adapter.begin({}, step=5)
+    assert adapter.run.untied and adapter.run.untie_step == 5 and adapter.run.untie_reason == "deadline"
+
+
+def test_a_state_that_says_untied_on_a_tied_model_is_refused():
+    adapter = FakeAdapter(UntieConfig(untie_at=10, untie_when=None, metrics_every=0))
+    with pytest.raises(RuntimeError, match="says the model was untied"):
+        adapter.begin({"untied": True, "untie_step": 3, "untie_reason": "deadline"}, step=5)
+
+
+def test_an_untied_model_at_resume_keeps_the_saved_untie_step_and_reason():
+    adapter = FakeAdapter(UntieConfig(untie_at=10, untie_when=None, metrics_every=0))
+    untie_embeddings(adapter.model)
+    adapter.begin({"untied": True, "untie_step": 3, "untie_reason": "trigger"}, step=5)
+    assert (adapter.run.untie_step, adapter.run.untie_reason) == (3, "trigger")
+
+
+@pytest.mark.parametrize(
+    ("config_mode", "run_mode", "head_stored", "outcome"),
+    [
+        ("live", "live", True, "refused: emulated checkpoint, live asked"),
+        ("auto", "live", True, "emulated"),
+        ("auto", "emulated", False, "refused: live checkpoint, emulating run"),
+        ("auto", "live", False, "live"),
+    ],
+)
+def test_the_saved_tying_implementation_decides_the_resumed_structure(config_mode, run_mode, head_stored, outcome):
+    adapter = FakeAdapter(UntieConfig(untie_at=10, untie_when=None, tying_mode=config_mode), tying_mode=run_mode)
+    if outcome.startswith("refused"):
+        with pytest.raises(ValueError, match="tied phase with"):
+            adapter.run.match_saved_tying(adapter.model, "checkpoint-5", head_stored)
+        return
+    adapter.run.match_saved_tying(adapter.model, "checkpoint-5", head_stored)
+    assert (adapter.run.emulation is not None) == (outcome == "emulated")
+    assert is_tied(adapter.model) == (outcome == "live")
