@@ -2,7 +2,7 @@
 default trigger, across widths, token budgets and seeds; write the per-cell table and a heatmap.
 
     python recipes/decision_map.py                     # the map: 2 widths x 3 budgets x 3 seeds (hours on 2 cores)
-    python recipes/decision_map.py --preset quick      # a minutes-long map on the shipped text (what the tests run)
+    python recipes/decision_map.py --preset quick      # a minutes-long map on the shipped text: a check that it runs
     python recipes/decision_map.py --report_only       # table and figure from the runs finished so far
     python recipes/decision_map.py --widths 64 --seeds 7 --budgets 500   # one cell, other seeds
 

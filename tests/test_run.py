@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from untie import UntieConfig
-from untie.run import SAVED_ATTRIBUTES, UntieRun
-from untie.surgery import is_tied, untie_embeddings
+from untie import UntieConfig, Untier
+from untie.run import SAVED_ATTRIBUTES, Adapter, UntieRun
+from untie.surgery import is_tied, tie_embeddings, untie_embeddings
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 
@@ -21,7 +21,7 @@ class FakeAdapter:
 
     def __init__(self, config: UntieConfig, model=None, tying_mode: str = "live") -> None:
         self.model = model if model is not None else tiny_model("llama")
-        self.run = UntieRun(config, owner="FakeAdapter")
+        self.run = UntieRun(config, Adapter("FakeAdapter", "FakeAdapter(tokenizer=...)"))
         self.run.tying_mode = tying_mode
         self.run.prepare(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
@@ -64,7 +64,7 @@ def _untied_from_its_config():
 def test_prepare_ties_an_untied_model_and_keeps_it_untied_with_untie_at_zero():
     untied = _untied_from_its_config()
     assert not is_tied(untied)
-    with pytest.warns(UserWarning, match="arrived untied"):
+    with pytest.warns(UserWarning, match="FakeAdapter: the model arrived untied"):
         FakeAdapter(UntieConfig(untie_when=None), model=untied)
     assert is_tied(untied)
     kept = _untied_from_its_config()
@@ -167,3 +167,30 @@ def test_the_saved_tying_implementation_decides_the_resumed_structure(config_mod
     adapter.run.match_saved_tying(adapter.model, "checkpoint-5", head_stored)
     assert (adapter.run.emulation is not None) == (outcome == "emulated")
     assert is_tied(adapter.model) == (outcome == "live")
+
+
+def test_warnings_point_at_the_line_the_user_wrote_from_either_adapter():
+    untied = _untied_from_its_config()
+    with pytest.warns(UserWarning, match="arrived untied") as through_run:
+        FakeAdapter(UntieConfig(untie_when=None), model=untied)  # UntieRun.prepare, two frames down
+    assert through_run[0].filename == __file__
+    model = tiny_model("llama")
+    untier = Untier(model, max_steps=4, metrics_every=50, untie_when="cancellation")
+    with pytest.warns(UserWarning, match="metrics_every=50 leaves the divergence trigger") as through_untier:
+        untier.start(torch.optim.AdamW(model.parameters()))  # Untier.start -> UntieRun.begin -> _warn_short_run
+    assert through_untier[0].filename == __file__
+    with pytest.warns(UserWarning, match="already tied") as direct:
+        tie_embeddings(model)
+    assert direct[0].filename == __file__
+
+
+def test_a_warning_under_trainer_points_at_the_trainer_the_user_built(tmp_path):
+    import transformers as tf
+
+    from untie import UntieCallback
+
+    args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=2, report_to=[], use_cpu=True)
+    with pytest.warns(UserWarning, match="UntieCallback: the model arrived untied") as caught:
+        tf.Trainer(model=_untied_from_its_config(), args=args, train_dataset=ToyLMDataset(n=4),
+                   callbacks=[UntieCallback(untie_when=None)])  # fmt: skip
+    assert caught[0].filename == __file__

@@ -19,7 +19,7 @@ from untie.distributed import training_engine
 from untie.emulation import EmulatedTying
 from untie.pairs import is_tokenizer
 from untie.peft_support import is_peft_model
-from untie.run import UntieRun
+from untie.run import TRAINER_CALLBACK, UntieRun
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             tying_mode=tying_mode,
             save_at_untie=save_at_untie,
         )
-        self.run = UntieRun(config, owner="UntieCallback")
+        self.run = UntieRun(config, TRAINER_CALLBACK)
         """The run logic and state (`untie.run.UntieRun`)."""
         self._resuming: SavedRun | None = None
 

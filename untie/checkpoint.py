@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -188,10 +187,9 @@ def _match_structure_to_state_dict(module: nn.Module, state_dict: dict, prefix: 
     expected = set(module.state_dict()) - head_keys - tie_targets
     if not expected <= set(state_dict):
         return  # one shard of a sharded checkpoint: the head may be in another shard
-    warnings.warn(
+    _compat.warn_in_user_code(
         "untie: loading a tied checkpoint into an untied model; the LM head gets a copy of the checkpoint's shared "
-        "matrix (the model stays untied).",
-        stacklevel=2,
+        "matrix (the model stays untied)."
     )
     state_dict[layout.output_weight] = state_dict[layout.input_weight].clone()
     if layout.output_bias is not None and layout.output_bias not in state_dict:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
+from dataclasses import dataclass
 
 from torch import nn
 
+from untie import _compat
 from untie.checkpoint import install_resume_guard
 from untie.config import UntieConfig
 from untie.distributed import (
@@ -43,6 +44,21 @@ logger = logging.getLogger(__name__)
 
 #: Sample sizes of the drift metrics measured during training: about 0.1 s on CPU for GPT-2 small.
 _DRIFT_SAMPLE = {"queries": 256, "pool": 4096, "rows": 2048}
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What an adapter tells the run about itself: the name users wrote (warnings and errors name it) and how a
+    tokenizer reaches it (for ``pairs="auto"``). The run's behaviour does not depend on it."""
+
+    name: str
+    tokenizer_hint: str
+
+
+#: The Trainer callback (`untie.UntieCallback`) and the custom-loop adapter (`untie.Untier`).
+TRAINER_CALLBACK = Adapter("UntieCallback", "Trainer(processing_class=tokenizer)")
+CUSTOM_LOOP = Adapter("Untier", "tokenizer=tokenizer")
+
 #: The run state a checkpoint keeps (`state_attributes` / `restore`); the callback saves them under these names.
 SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history")
 
@@ -52,12 +68,13 @@ class UntieRun:
 
     Args:
         config: the run's settings (`untie.UntieConfig`).
-        owner: the name used in warnings, so they name what the user wrote ("UntieCallback", "Untier").
+        adapter: who drives the run (`TRAINER_CALLBACK`, `CUSTOM_LOOP`): messages name it.
     """
 
-    def __init__(self, config: UntieConfig, owner: str = "UntieCallback") -> None:
+    def __init__(self, config: UntieConfig, adapter: Adapter = TRAINER_CALLBACK) -> None:
         self.config = config
-        self.owner = owner
+        self.adapter = adapter
+        self.owner = adapter.name
         self.deadline = ScheduledTrigger(config.untie_at)
         """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
         self.rule = config.rule(with_pairs=config.pairs != [])
@@ -98,10 +115,9 @@ class UntieRun:
             shown = ", ".join("/".join(p.tokens) for p in pairs[:6])
             logger.info("untie: pairs='auto' measures %d pairs from the tokenizer (%s, ...)", len(pairs), shown)
         elif asked:
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"{self.owner}(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants, so no "
-                "pair is measured. Pass pairs=[(id_a, id_b), ...].",
-                stacklevel=4,
+                "pair is measured. Pass pairs=[(id_a, id_b), ...]."
             )
         else:
             logger.info("untie: the tokenizer's vocabulary has no case or word-start variants: no pairs are measured.")
@@ -109,7 +125,7 @@ class UntieRun:
 
     @property
     def _tokenizer_hint(self) -> str:
-        return "Trainer(processing_class=tokenizer)" if self.owner == "UntieCallback" else "tokenizer=tokenizer"
+        return self.adapter.tokenizer_hint
 
     def match_rule_to_pairs(self) -> None:
         """With pairs=None, "divergence" is the evidence rule only if the tokenizer gave pairs: else the pair-free
@@ -147,10 +163,9 @@ class UntieRun:
             untie_embeddings(model)
             return
         if not is_tied(model):
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"{self.owner}: the model arrived untied; tying it with tie_init={self.config.tie_init!r} (the other "
-                "matrix is dropped). To keep it untied, pass untie_at=0.",
-                stacklevel=4,
+                "matrix is dropped). To keep it untied, pass untie_at=0."
             )
             tie_embeddings(model, init=self.config.tie_init)
         if self.tying_mode == "emulated":
@@ -223,16 +238,14 @@ class UntieRun:
             return
         what = ", ".join(f"{k}: {saved_config[k]!r} -> {now[k]!r}" for k in changed)
         if self.untied:
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"{self.owner}: resumed with changed settings ({what}), which have no effect: the checkpoint's run "
-                f"untied at step {self.untie_step} ({self.untie_reason}) and a resumed run does not re-tie.",
-                stacklevel=4,
+                f"untied at step {self.untie_step} ({self.untie_reason}) and a resumed run does not re-tie."
             )
         else:
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"{self.owner}: resumed at step {step} with changed settings ({what}); the tied run continues under "
-                "the new ones (a deadline already passed unties at the resume step).",
-                stacklevel=4,
+                "the new ones (a deadline already passed unties at the resume step)."
             )
 
     def _same(self, key: str, saved, now) -> bool:
@@ -405,12 +418,11 @@ class UntieRun:
                 return
             fit = max(1, (last - max(self.divergence.warmup_step, 1) + 1) // needed)
             what = f"the model unties at the deadline, step {last}" if self.deadline.step else "the model stays tied"
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"{self.owner}: metrics_every={every} leaves the divergence trigger {chances} measurement(s) after "
                 f"its warm-up (step {self.divergence.warmup_step}) and by step {last}; it needs {needed} in a row to "
                 f"fire, so it cannot fire and {what}. Pass metrics_every <= {fit} to give it a chance, or "
-                "untie_when=None for a plain schedule at untie_at.",
-                stacklevel=5,
+                "untie_when=None for a plain schedule at untie_at."
             )
         elif every > last - step:  # no trigger reads them: a note, not a warning
             logger.info(
@@ -424,11 +436,10 @@ class UntieRun:
     def _warn_unmeasured(self) -> None:
         if not self._unmeasured_warned:
             self._unmeasured_warned = True
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"{self.owner}: a measurement step ran no backward through the tied matrix's two roles, so the role "
                 "signals (and the divergence trigger, which then waits for the deadline) are missing. Is the matrix "
                 "frozen? Under torch.compile, module hooks added after a model of the same class was compiled in "
                 "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
-                "torch._dynamo.reset() before building the Trainer.",
-                stacklevel=3,
+                "torch._dynamo.reset() before building the Trainer."
             )

@@ -7,7 +7,6 @@ checkpoints, to prepare a model for fine-tuning, or from a training callback.
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -244,10 +243,9 @@ def _reshare_other_ties(model: nn.Module) -> None:
         if loaded.shape == kept.shape and torch.equal(loaded.detach(), kept.detach()):
             _set(model, target, kept)
         else:
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"untie: {target} differs from {source}, which its architecture ties it to (trained apart with "
-                "plain transformers?); both are kept as they are.",
-                stacklevel=3,
+                "plain transformers?); both are kept as they are."
             )
 
 
@@ -306,10 +304,9 @@ def untie_embeddings(
     layout = embedding_layout(model)
     if not is_tied(model):
         if not was_untied(model):
-            warnings.warn(
+            _compat.warn_in_user_code(
                 f"{type(model).__name__} is already untied; untie_embeddings() only updated its config so that it "
-                "saves, reloads and resizes untied. Nothing was copied.",
-                stacklevel=2,
+                "saves, reloads and resizes untied. Nothing was copied."
             )
         _freeze_bias_aliases(model, layout)
         _reshare_other_ties(model)
@@ -371,7 +368,7 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
     _refuse_packed_weights(model, "tie")
     layout = embedding_layout(model)
     if is_tied(model):
-        warnings.warn(f"{type(model).__name__} is already tied; tie_embeddings() did nothing.", stacklevel=2)
+        _compat.warn_in_user_code(f"{type(model).__name__} is already tied; tie_embeddings() did nothing.")
         return model
     _refuse_sharded(model)
     _check_shapes(model, layout)

@@ -31,7 +31,7 @@ from torch import nn
 from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
 from untie.distributed import is_sharded, training_engine
 from untie.pairs import is_tokenizer
-from untie.run import UntieRun
+from untie.run import CUSTOM_LOOP, UntieRun
 from untie.saved_state import (
     STATE_FILE,
     STATE_FORMAT,
@@ -117,7 +117,7 @@ class Untier:
                 f"Untier: untie_at={config.untie_at} is a fraction of the run: pass max_steps=<the run's optimizer "
                 "steps>, or an int step (untie_at=N), or untie_at=None."
             )
-        self.run = UntieRun(config, owner="Untier")
+        self.run = UntieRun(config, CUSTOM_LOOP)
         """The run logic and state (`untie.run.UntieRun`)."""
         self.run.use_tying_mode(training_engine())
         if config.pairs == "auto" or (config.pairs is None and is_tokenizer(tokenizer)):
