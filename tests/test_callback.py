@@ -154,8 +154,10 @@ def test_checkpoint_at_untie_and_state_in_trainer_state(make_args):
     ckpt = os.path.join(args.output_dir, "checkpoint-5")
     assert os.path.isdir(ckpt)
     state = json.load(open(os.path.join(ckpt, "trainer_state.json")))["stateful_callbacks"]["UntieCallback"]
-    attributes = state["attributes"]
+    run_state = state["attributes"]["untie_state"]  # the layout Untier.state_dict() has too
+    attributes = run_state["attributes"]
     assert (attributes["untied"], attributes["untie_step"], attributes["untie_reason"]) == (True, 5, "deadline")
+    assert (run_state["format"], run_state["adapter"], run_state["global_step"]) == (3, "UntieCallback", 5)
     assert untie.UntieConfig.from_dict(state["args"]) == untie.UntieConfig(untie_when=None, untie_at=5)
     assert untie.checkpoint_is_untied(ckpt) is True
     assert json.load(open(os.path.join(ckpt, "config.json")))["tie_word_embeddings"] is False

@@ -132,7 +132,8 @@ def test_convert_writes_out_readable_by_others_under_the_usual_umask(tmp_path):
 
 def test_convert_tie_does_not_carry_the_source_runs_untied_state(tmp_path):
     _untied_checkpoint(tmp_path / "ckpt")
-    state = {"stateful_callbacks": {"UntieCallback": {"args": {}, "attributes": {"untied": True, "untie_step": 4}}}}
+    run_state = {"format": 3, "attributes": {"untied": True, "untie_step": 4}}
+    state = {"stateful_callbacks": {"UntieCallback": {"args": {}, "attributes": {"untie_state": run_state}}}}
     (tmp_path / "ckpt" / "trainer_state.json").write_text(json.dumps(state))
     assert checkpoint_is_untied(tmp_path / "ckpt") is True
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "tied"), "--tie"]) == 0

@@ -160,9 +160,9 @@ def test_the_map_reuses_finished_runs_and_reruns_only_the_missing_one(recipe, tm
     trained = []
     original, plain_run = runs.branch_run, runs._plain_run
 
-    def counting_branch(ctx, setup, step, stop, progress):
+    def counting_branch(ctx, setup, step, stop, progress, tied):
         trained.append((setup.seed, step))
-        return original(ctx, setup, step, stop, progress)
+        return original(ctx, setup, step, stop, progress, tied)
 
     monkeypatch.setitem(recipe.run_unit.__globals__, "branch_run", counting_branch)
     monkeypatch.setitem(recipe.run_unit.__globals__, "_plain_run", lambda *a: pytest.fail("tied/untied rerun"))
@@ -269,3 +269,28 @@ def test_the_report_of_an_unfinished_map_covers_the_finished_seeds_only(recipe, 
     cells = recipe.main(_map_args(tmp_path, "--report_only"))
     assert {tuple(c["seeds"]) for c in cells} == {(1,)}
     assert "d32 seed 2: not finished" in capsys.readouterr().err
+
+
+def test_a_branch_refuses_a_checkpoint_the_tied_run_did_not_save(small_corpus, tmp_path):
+    """A checkpoint left by another run (other settings, other code) is refused by its digest, not branched from."""
+    ctx = runs.MapContext(corpus=small_corpus, budgets=(8,), output_dir=tmp_path)
+    setup = _setup()
+    tied = runs._plain_run(ctx, setup, "tied", lambda steps, loss: None)
+    assert set(tied.checkpoint_digests) == {str(s) for s in runs.branches_of(ctx, None)}
+    branch = runs.branch_run(ctx, setup, 4, 8, lambda steps, loss: None, tied)
+    assert branch.setup == tied.setup and branch.losses
+    ctx.checkpoint_path(setup, "tied", 6).replace(ctx.checkpoint_path(setup, "tied", 4))
+    with pytest.raises(RuntimeError, match="is not the checkpoint the tied run of d32-s1 saved at step 4"):
+        runs.branch_run(ctx, setup, 4, 8, lambda steps, loss: None, tied)
+
+
+def test_a_record_made_with_other_settings_is_run_again(recipe, tmp_path):
+    args = _map_args(tmp_path, "--seeds", "1")
+    first = recipe.main(args)
+    path = tmp_path / "map" / "records" / "d32-s1-untie@4.json"
+    stale = RunRecord.load(path)
+    stale.setup, stale.losses = {**stale.setup, "learning_rate": 1.0}, {key: 0.0 for key in stale.losses}
+    stale.save(path)
+    second = recipe.main(args)  # the tied run is redone for its lost checkpoint, then the branch
+    assert RunRecord.load(path).setup["learning_rate"] != 1.0
+    assert json.dumps(second, sort_keys=True) == json.dumps(first, sort_keys=True)

@@ -75,6 +75,7 @@ REFERENCE_TABLES = {
     "| preset | data | tokenizer | twins | model init | batch | optimizer and schedule | length |",
     "| preset | variants | models | arms | seeds | steps | optimizer and schedule |",
     "| source | what | where it comes from | size |",
+    "| adapter | module | its loop's events |",
 }
 
 

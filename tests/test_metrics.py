@@ -12,8 +12,6 @@ import transformers
 import untie
 import untie.probe
 from untie.metrics import (
-    conditional_gaps,
-    cross_entropy_sums,
     drift_metrics,
     knn_overlap,
     learned_z,
@@ -21,14 +19,13 @@ from untie.metrics import (
     pair_distances,
     pair_evidence_sums,
     pair_pushes,
-    role_signals,
     role_signals_on_rows,
     sampled_drift_metrics,
     summarize_pair_metrics,
     targets_from_gradient,
 )
 from untie.probe import RoleGradientProbe
-from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
+from untie.testing import TINY_MODELS, ToyLMDataset, conditional_gaps, cross_entropy_sums, role_signals, tiny_model
 
 
 def test_pair_distances_are_euclidean_row_distances():

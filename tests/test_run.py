@@ -5,13 +5,16 @@ restore, and the structure a resumed model must have."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 
 from untie import UntieConfig, Untier
+from untie.plan import SavedFacts
 from untie.run import SAVED_ATTRIBUTES, Adapter, UntieRun
+from untie.saved_state import UntieStateError
 from untie.surgery import is_tied, tie_embeddings, untie_embeddings
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
@@ -130,6 +133,24 @@ def test_the_saved_state_restores_the_trigger_and_the_history_up_to_the_step():
     assert resumed.reasons == {6: "trigger"}  # the streak carried over: the third measurement fires
 
 
+def test_the_one_state_format_round_trips_through_json_and_is_checked():
+    rule = {"signal": "cancellation", "threshold": -10.0, "smoothing": 0.0, "warmup": 0, "patience": 3}
+    adapter = FakeAdapter(UntieConfig(untie_at=None, untie_when=rule, metrics_every=2))
+    adapter.begin()
+    adapter.train(4)
+    state = json.loads(json.dumps(adapter.run.state_dict(4)))  # what either adapter writes to disk
+    assert (state["format"], state["adapter"], state["global_step"], state["weights"]) == (3, "FakeAdapter", 4, None)
+    state["adapter"] = "UntieCallback"  # the Trainer adapter's state: it may leave out the weights' fingerprint
+    resumed = FakeAdapter(UntieConfig(untie_at=None, untie_when=rule, metrics_every=2))
+    resumed.run.load_state_dict(state, "the saved state")
+    assert resumed.run.history == adapter.run.history and resumed.run.trigger_state == adapter.run.trigger_state
+    with pytest.raises(UntieStateError, match="the saved state has untie state format 2"):
+        resumed.run.load_state_dict({**state, "format": 2}, "the saved state")
+    # Only a Trainer state may leave out the weights' fingerprint (Trainer saves a checkpoint folder as a whole).
+    with pytest.raises(UntieStateError, match="'weights' is None"):
+        resumed.run.load_state_dict({**state, "adapter": "Untier"}, "the saved state")
+
+
 def test_a_resume_past_a_deadline_unties_at_the_resume_step():
     adapter = FakeAdapter(UntieConfig(untie_at=3, untie_when=None, metrics_every=0))
     adapter.begin({}, step=5)
@@ -162,9 +183,9 @@ def test_the_saved_tying_implementation_decides_the_resumed_structure(config_mod
     adapter = FakeAdapter(UntieConfig(untie_at=10, untie_when=None, tying_mode=config_mode), tying_mode=run_mode)
     if outcome.startswith("refused"):
         with pytest.raises(ValueError, match="tied phase with"):
-            adapter.run.match_saved_tying(adapter.model, "checkpoint-5", head_stored)
+            adapter.run.match_saved(adapter.model, SavedFacts("checkpoint-5", untied=False, head_stored=head_stored))
         return
-    adapter.run.match_saved_tying(adapter.model, "checkpoint-5", head_stored)
+    adapter.run.match_saved(adapter.model, SavedFacts("checkpoint-5", untied=False, head_stored=head_stored))
     assert (adapter.run.emulation is not None) == (outcome == "emulated")
     assert is_tied(adapter.model) == (outcome == "live")
 

@@ -212,7 +212,7 @@ def test_plain_loop_weights_of_another_step_than_the_untie_state_are_refused_bef
     ("state", "says"),
     [
         ([1, 2], "holds a JSON list"),
-        ({"format": 2}, "'global_step' is missing"),
+        ({"format": 3}, "'global_step' is missing"),
         ("format-1", "format 1"),
         ("string-step", "'global_step' is '7', not an int"),
     ],

@@ -2,38 +2,22 @@
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-from dataclasses import dataclass
 from typing import Literal
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import get_last_checkpoint
 
-from untie import _compat
-from untie.checkpoint import STATE_FORMAT, STATE_MARKER, SavedRun, read_saved_run, saved_callback_state
+from untie import trainer_glue as glue
+from untie.checkpoint import STATE_KEY, read_saved_run, saved_callback_state
 from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
 from untie.distributed import training_engine
-from untie.emulation import EmulatedTying
 from untie.pairs import is_tokenizer
 from untie.peft_support import is_peft_model
+from untie.plan import SavedFacts
 from untie.run import TRAINER_CALLBACK, UntieRun
 
 logger = logging.getLogger(__name__)
-
-#: The model attribute where `on_init_end` leaves what it prepared, for a callback that Trainer re-creates later.
-_SETUP_ATTR = "_untie_callback_setup"
-
-
-@dataclass
-class _Setup:
-    """What `UntieCallback.on_init_end` prepared on a model, for an instance that did not see that event."""
-
-    tying_mode: str
-    emulation: EmulatedTying | None
-    pairs: list[tuple[int, int]]
 
 
 def _run_attribute(name: str, doc: str) -> property:
@@ -116,7 +100,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         )
         self.run = UntieRun(config, TRAINER_CALLBACK)
         """The run logic and state (`untie.run.UntieRun`)."""
-        self._resuming: SavedRun | None = None
+        self._resuming: SavedFacts | None = None
+        self._global_step = 0
 
     @classmethod
     def from_config(cls, config: UntieConfig) -> UntieCallback:
@@ -129,14 +114,11 @@ class UntieCallback(TrainerCallback, ExportableState):
         return self.run.config
 
     # -- ExportableState ------------------------------------------------------------------------------------------
-    #: Marks this callback's state among Trainer's saved callback states (`untie.checkpoint.STATE_MARKER`).
-    untie_state_format = STATE_FORMAT
-
     def state(self) -> dict:
-        """What Trainer saves in `trainer_state.json`: the settings (`args`) and the run state (`attributes`), with
-        a marker that finds them under any class name (a subclass's state is filed under its own name)."""
-        attributes = {**self.run.state_attributes(), STATE_MARKER: STATE_FORMAT}
-        return {"args": self.config.to_dict(), "attributes": attributes}
+        """What Trainer saves in `trainer_state.json`: the settings (`args`, which Trainer can rebuild the callback
+        from) and the run state, in the layout `untie.Untier` saves too (`UntieRun.state_dict`), under
+        `untie.checkpoint.STATE_KEY`. `on_train_begin` restores it from the checkpoint's TrainerState."""
+        return {"args": self.config.to_dict(), "attributes": {STATE_KEY: self.run.state_dict(self._global_step)}}
 
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, processing_class=None, **kwargs):
@@ -145,59 +127,28 @@ class UntieCallback(TrainerCallback, ExportableState):
         if self.config.pairs == "auto" or (self.config.pairs is None and is_tokenizer(processing_class)):
             run.read_pairs(processing_class, model, asked=self.config.pairs == "auto")
         run.match_rule_to_pairs()
-        handler = _calling(self)
+        handler = glue.find_handler(self)
         others = [cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, UntieCallback) and cb is not self]
         if others:
             raise ValueError(
                 f"Trainer has {len(others) + 1} UntieCallbacks; one model has one untie. Pass a single "
                 "UntieCallback(...) with all its settings."
             )
-        _run_first(self)
+        glue.move_first(self)
         self._prepare(model)
-        trainer = _calling(self, lambda caller: getattr(caller, "callback_handler", None))
+        trainer = glue.find_trainer(self)
         if trainer is not None:
             if trainer.model_init is not None:
                 # Every train() call (each hyperparameter_search trial) builds a fresh model with model_init, after
                 # this event and before the optimizer and the checkpoint loader see it: prepare each one the same way.
-                trainer.model_init = _preparing(trainer.model_init, self._prepare)
+                trainer.model_init = glue.preparing(trainer.model_init, self._prepare)
             # train() loads a resumed checkpoint before any callback event: check it and match the model to it first.
-            trainer.train = _checking_resume(trainer, self._before_resume)
-
-    def _prepare(self, model) -> None:
-        """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
-        self.run.prepare(model)
-        self._leave_setup(model)
-        if self._resuming is not None:
-            self._match_checkpoint(model, self._resuming)
-
-    def _leave_setup(self, model) -> None:
-        """Record on the model what was prepared, for an instance Trainer creates later (`_adopt_setup`)."""
-        run = self.run
-        setattr(model, _SETUP_ATTR, _Setup(run.tying_mode, run.emulation, run.pairs))
-
-    def _before_resume(self, trainer, folder: str | None) -> None:
-        """Called by `trainer.train` before anything is loaded: refuse an incomplete checkpoint folder, and give the
-        model (built now, or by model_init right after) the structure of the checkpoint's run."""
-        self._resuming = None
-        if folder is None:
-            return
-        model = trainer.model  # with model_init, a model of the same class: the one trained is built next
-        # PEFT adapters hold no embedding to look up; _match_checkpoint leaves them alone.
-        self._resuming = read_saved_run(folder, None if model is None or is_peft_model(model) else model)
-        if trainer.model_init is None:
-            self._match_checkpoint(model, self._resuming)
-
-    def _match_checkpoint(self, model, saved: SavedRun) -> None:
-        """Make a tied-phase checkpoint's implementation the model's, before the optimizer is built."""
-        if is_peft_model(model) or saved.untied is not False or saved.head_stored is None:
-            return  # untied checkpoints are matched by the load guard; unknown formats (FSDP) are left to Trainer
-        self.run.match_saved_tying(model, saved.folder, saved.head_stored)
-        self._leave_setup(model)
+            trainer.train = glue.checking_resume(trainer, self._before_resume)
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.tying_mode is None:
             self._adopt_setup(model)
-        elif getattr(model, _SETUP_ATTR, None) is None:
+        elif glue.prepared_setup(model) is None:
             raise RuntimeError(
                 "UntieCallback: Trainer is about to train a model that UntieCallback did not prepare (was "
                 "trainer.model replaced after the Trainer was built?): its tied structure and checkpoint guard would "
@@ -205,27 +156,14 @@ class UntieCallback(TrainerCallback, ExportableState):
             )
         # This train() call's run state: the checkpoint's when resuming (Trainer does not restore it), else fresh, as
         # the callback may come from an earlier train() call (training again, a hyperparameter_search trial).
-        resumed = state.global_step > 0
-        saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if resumed else {}
-        self.run.restore(saved.get("attributes", {}), state.global_step)
-        if resumed:
-            self.run.warn_changed_settings(saved.get("args", {}), state.global_step)
+        self._global_step = state.global_step
+        saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if state.global_step else {}
+        if saved:
+            self.run.load_state_dict(saved, "the checkpoint's trainer_state.json", step=state.global_step)
+        else:
+            self.run.restore({}, state.global_step)
         self._resuming = None
         self.run.begin(model, optimizer, state.global_step, state.max_steps)
-
-    def _adopt_setup(self, model) -> None:
-        """Take over what `on_init_end` prepared. With `restore_callback_states_from_checkpoint=True`, Trainer replaces
-        this callback on resume with a new instance, built from the checkpoint's `args` after that event."""
-        setup = getattr(model, _SETUP_ATTR, None)
-        if setup is None:
-            raise RuntimeError(
-                "UntieCallback was added after the Trainer was built (trainer.add_callback): it must prepare the "
-                "model before the optimizer and the checkpoint loader see it. Pass it to the constructor: "
-                "Trainer(..., callbacks=[UntieCallback(...)])."
-            )
-        self.run.tying_mode, self.run.emulation, self.run.pairs = setup.tying_mode, setup.emulation, setup.pairs
-        self.run.match_rule_to_pairs()  # "divergence" follows the pairs found then
-        _run_first(self)  # Trainer appended the new instance after the logging integrations
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.run.arm(state.global_step + 1)
@@ -235,6 +173,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         self.run.measure(state.global_step + 1)
 
     def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._global_step = state.global_step
         if self.run.end_of_step(model, optimizer, state.global_step) is not None:
             control.should_log = True
             if self.config.save_at_untie and args.save_strategy != "no":
@@ -248,64 +187,53 @@ class UntieCallback(TrainerCallback, ExportableState):
             return
         values = self.run.take_latest()
         logs.update(values)  # what the reporting integrations (console, TensorBoard, W&B) send
-        # Trainer appended a copy of `logs` to log_history before this event: add the values there too, so that
-        # trainer.state.log_history and trainer_state.json hold them.
-        if state.log_history and state.log_history[-1].get("step") == state.global_step:
-            state.log_history[-1].update(values)
+        glue.add_to_log_history(state, values)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.run.close()
 
+    # -- what the events use ----------------------------------------------------------------------------------------
+    def _prepare(self, model) -> None:
+        """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
+        self.run.prepare(model)
+        self._leave_setup(model)
+        if self._resuming is not None:
+            self._match_checkpoint(model, self._resuming)
 
-def _calling(callback: TrainerCallback, handler_of=lambda caller: caller):
-    """The object calling `callback`'s event whose CallbackHandler (`handler_of(object)`) holds it, or None.
+    def _leave_setup(self, model) -> None:
+        """Record on the model what was prepared, for an instance Trainer creates later (`_adopt_setup`)."""
+        run = self.run
+        glue.leave_setup(model, glue.Setup(run.tying_mode, run.emulation, run.pairs))
 
-    Callbacks are handed neither the handler nor the trainer, so look for them among the callers' frames.
-    """
+    def _before_resume(self, trainer, folder: str | None) -> None:
+        """Called by `trainer.train` before anything is loaded: refuse an incomplete checkpoint folder, and give the
+        model (built now, or by model_init right after) the structure of the checkpoint's run."""
+        self._resuming = None
+        if folder is None:
+            return
+        model = trainer.model  # with model_init, a model of the same class: the one trained is built next
+        # PEFT adapters hold no embedding to look up; _match_checkpoint leaves them alone.
+        self._resuming = read_saved_run(folder, None if model is None or is_peft_model(model) else model)
+        if trainer.model_init is None:
+            self._match_checkpoint(model, self._resuming)
 
-    def holds_callback(caller) -> bool:
-        return _compat.holds_callback(handler_of(caller), callback)
+    def _match_checkpoint(self, model, saved: SavedFacts) -> None:
+        """Give the model the structure of the checkpoint's run (`untie.plan`), before the optimizer is built."""
+        if is_peft_model(model):
+            return  # PEFT adapters hold no embedding; `prepare` checked the model
+        self.run.match_saved(model, saved)
+        self._leave_setup(model)
 
-    return _compat.find_caller(holds_callback, skip=3)
-
-
-def _run_first(callback: TrainerCallback) -> None:
-    """Move `callback` to the front of the Trainer's callback list.
-
-    Trainer runs reporting integrations (TensorBoard, W&B) before user callbacks, so `untie/*` keys added in
-    `on_log` would miss them.
-    """
-    handler = _calling(callback)
-    if handler is None:
-        logger.warning("untie: could not move UntieCallback ahead of the logging integrations; untie/* may be late.")
-        return
-    _compat.move_callback_first(handler, callback)
-
-
-def _checking_resume(trainer, before_resume):
-    """`trainer.train`, calling `before_resume(trainer, folder)` with the checkpoint folder it will resume from (None
-    when it does not resume) before anything is built or loaded."""
-    train = trainer.train
-
-    @functools.wraps(train)
-    def train_checking_resume(resume_from_checkpoint=None, *args, **kwargs):
-        folder = resume_from_checkpoint
-        if folder is True:
-            output_dir = trainer.args.output_dir
-            folder = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
-        before_resume(trainer, os.fspath(folder) if folder else None)
-        return train(resume_from_checkpoint, *args, **kwargs)
-
-    return train_checking_resume
-
-
-def _preparing(model_init, prepare):
-    """`model_init` followed by `prepare` on the model it returns (keeping the signature Trainer inspects)."""
-
-    @functools.wraps(model_init)
-    def prepared_model_init(*trial):
-        model = model_init(*trial)
-        prepare(model)
-        return model
-
-    return prepared_model_init
+    def _adopt_setup(self, model) -> None:
+        """Take over what `on_init_end` prepared. With `restore_callback_states_from_checkpoint=True`, Trainer replaces
+        this callback on resume with a new instance, built from the checkpoint's `args` after that event."""
+        setup = glue.prepared_setup(model)
+        if setup is None:
+            raise RuntimeError(
+                "UntieCallback was added after the Trainer was built (trainer.add_callback): it must prepare the "
+                "model before the optimizer and the checkpoint loader see it. Pass it to the constructor: "
+                "Trainer(..., callbacks=[UntieCallback(...)])."
+            )
+        self.run.tying_mode, self.run.emulation, self.run.pairs = setup.tying_mode, setup.emulation, setup.pairs
+        self.run.match_rule_to_pairs()  # "divergence" follows the pairs found then
+        glue.move_first(self)  # Trainer appended the new instance after the logging integrations

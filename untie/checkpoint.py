@@ -5,41 +5,33 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from untie import _compat
 from untie.loading import CheckpointError, folder_weight_map, stored_name
+from untie.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
 from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
 
 logger = logging.getLogger(__name__)
 
-CALLBACK_STATE_KEY = "UntieCallback"
-#: The attribute that marks UntieCallback's state in `trainer_state.json`, whatever the class is called: Trainer files a
-#: callback's state under its class name, so a subclass's state sits under the subclass's name.
-STATE_MARKER = "untie_state_format"
-STATE_FORMAT = 1
+#: The attribute of UntieCallback's entry in `trainer_state.json` that holds the run state (`UntieRun.state_dict`).
+#: Trainer files a callback's state under its class name, so a subclass's state is found by this key, not the name.
+STATE_KEY = "untie_state"
 _GUARD_ATTR = "_untie_resume_guard"
 
 
 def saved_callback_state(stateful_callbacks: dict | None) -> dict:
-    """UntieCallback's saved `{"args", "attributes"}` among a TrainerState's `stateful_callbacks` ({} if absent).
-
-    Found by its marker attribute (`STATE_MARKER`), so a subclass of UntieCallback, filed under its own class name,
-    is found too; checkpoints written before the marker are found under "UntieCallback".
-    """
-    entries = stateful_callbacks or {}
-
-    def last(state):  # Trainer stores a list when several instances of a callback exist
-        return (state[-1] if state else None) if isinstance(state, list) else state
-
-    for state in entries.values():
-        state = last(state)
-        if isinstance(state, dict) and STATE_MARKER in state.get("attributes", {}):
-            return state
-    return last(entries.get(CALLBACK_STATE_KEY)) or {}
+    """UntieCallback's saved run state (`UntieRun.state_dict` layout) among a TrainerState's `stateful_callbacks`
+    ({} if absent), found under any class name (a subclass of UntieCallback is filed under its own)."""
+    for state in (stateful_callbacks or {}).values():
+        if isinstance(state, list):  # Trainer stores a list when several instances of a callback exist
+            state = state[-1] if state else None
+        run_state = state.get("attributes", {}).get(STATE_KEY) if isinstance(state, dict) else None
+        if isinstance(run_state, dict):
+            return run_state
+    return {}
 
 
 def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
@@ -51,8 +43,8 @@ def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
     state_file = os.path.join(checkpoint_dir, "trainer_state.json")
     if os.path.isfile(state_file):
         with open(state_file) as f:
-            attributes = saved_callback_state(json.load(f).get("stateful_callbacks")).get("attributes", {})
-        if "untied" in attributes:
+            attributes = saved_callback_state(json.load(f).get("stateful_callbacks")).get("attributes")
+        if isinstance(attributes, dict) and "untied" in attributes:
             return bool(attributes["untied"])
     config_file = os.path.join(checkpoint_dir, "config.json")
     if os.path.isfile(config_file):
@@ -70,18 +62,6 @@ def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
 
 #: Names a Trainer checkpoint's model weights start with (full model, PEFT adapter, FSDP's sharded folder).
 _WEIGHT_PREFIXES = ("model", "pytorch_model", "adapter_model")
-
-
-@dataclass
-class SavedRun:
-    """What a Trainer checkpoint folder says about the run that wrote it, read before anything is loaded."""
-
-    folder: str
-    untied: bool | None
-    """The model was untied when saved (None: the folder does not say)."""
-    head_stored: bool | None
-    """The LM head has its own tensor in the weights (None: no safetensors weights to read, e.g. FSDP's format, or
-    no model to look its name up for)."""
 
 
 def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
@@ -115,7 +95,7 @@ def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
     return keys
 
 
-def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedRun:
+def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedFacts:
     """Check that `folder` is complete (`check_complete`) and read the tying state of the run saved there; whether
     the LM head is stored is looked up with `model`'s head name (None without a model)."""
     folder = os.fspath(folder)
@@ -123,7 +103,7 @@ def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedR
     head_stored = None
     if keys is not None and model is not None:
         head_stored = stored_name(model, embedding_layout(model).output_weight, keys) is not None
-    return SavedRun(folder, checkpoint_is_untied(folder), head_stored)
+    return SavedFacts(folder, checkpoint_is_untied(folder), head_stored)
 
 
 def prepare_for_resume(model: nn.Module, checkpoint_dir: str | os.PathLike) -> nn.Module:
@@ -138,10 +118,13 @@ def prepare_for_resume(model: nn.Module, checkpoint_dir: str | os.PathLike) -> n
             f"{checkpoint_dir} does not say whether its model is tied (no trainer_state.json with UntieCallback state "
             "and no config.json). Pass the checkpoint folder written by Trainer or save_pretrained."
         )
-    if untied and is_tied(model):
+    tied = is_tied(model)
+    saved = SavedFacts(os.fspath(checkpoint_dir), untied, head_stored=False)
+    plan = plan_structure(ModelFacts("tied" if tied else "untied"), RunSettings("prepare_for_resume"), saved)
+    if plan.target == "untied" and tied:
         untie_embeddings(model)
-    elif not untied and not is_tied(model):
-        tie_embeddings(model, init="input")
+    elif plan.target == "tied" and not tied:
+        tie_embeddings(model, init=plan.tie_init)
     return model
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.surgery import _embedding_modules, _inner, start_state_like
+from untie.surgery import _embedding_modules, inner_optimizer, start_state_like
 
 
 class EmulatedTying:
@@ -101,7 +101,7 @@ class EmulatedTying:
         Call it after a resumed run loaded its checkpoint: the head's optimizer state saved with a tied-phase
         checkpoint (see `_add_head_state`) is dropped again, as the head has none while tied.
         """
-        inner = _inner(optimizer)
+        inner = inner_optimizer(optimizer)
         if self._step_handle is None:
             self._step_handle = inner.register_step_post_hook(self.mirror_weights)
             self._state_dict_handle = inner.register_state_dict_post_hook(self._add_head_state)

@@ -3,12 +3,14 @@
 Three families, matching the three moments of a tie-then-untie run:
 
 * `pair_distances`: the paper's measure, Euclidean distances between given symbol rows (input or output space).
-* `role_signals`: while tied, what the shared matrix's two roles ask of it. ``input_grad`` is the gradient the
-  matrix receives through the embedding lookup, ``output_grad`` the one through the LM head; they sum to the
-  tied parameter's gradient. See `role_signals` for the exact definitions.
-* `conditional_gaps`: while tied or not, how differently the model predicts each pair's two symbols, the paper's
-  conditional-equivalence measure; on a pair the user knows to be semantically equivalent, a large gap means the
-  distributional hypothesis fails there.
+* `role_signals_on_rows`: while tied, what the shared matrix's two roles ask of it. ``input_grad`` is the gradient
+  the matrix receives through the embedding lookup, ``output_grad`` the one through the LM head; they sum to the
+  tied parameter's gradient. See `role_signals_on_rows` for the exact definitions.
+
+The dense forms of these measurements, which the tests check the row-wise ones against, are in `untie.testing`.
+* `pair_gap_sums_from_log_probs`: while tied or not, how differently the model predicts each pair's two symbols (its
+  conditional gap), the paper's conditional-equivalence measure; on a pair the user knows to be semantically
+  equivalent, a large gap means the distributional hypothesis fails there.
 * `knn_overlap` and `linear_cka`: after the untie, how far the input and the output spaces have drifted apart,
   sampled and chunked so that they stay fast at a 256k x 4096 vocabulary.
 """
@@ -106,14 +108,9 @@ class RoleGradients:
         return present & (torch.linalg.vector_norm(self.input_grad[at], dim=1) > 0)
 
 
-def role_signals(
-    input_grad: torch.Tensor,
-    output_grad: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    pairs: Pairs = (),
-    sample_rows: int = 256,
-) -> dict[str, float]:
-    """Signals of disagreement between the two roles of a tied matrix, from its two dense (V, d) role gradients.
+def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: int = 256) -> dict[str, float]:
+    """Signals of disagreement between the two roles of a tied matrix, from the rows of its role gradients that they
+    read (`RoleGradients`), in O(len(rows) d).
 
     With G_in, G_out the (V, d) role gradients and T the rows the input role touched (tokens seen in the batch):
 
@@ -135,18 +132,11 @@ def role_signals(
       gradient scales cancel out). 1: one role moves the pair straight together and the other straight apart;
       0: they agree on the pair's distance. A semantically but not conditionally equivalent pair builds tension.
 
-    Every signal reads G_out only on T and the pairs' rows, and its norm: `role_signals_on_rows` computes the same
-    from those alone (what `untie.probe.RoleGradientProbe` keeps). Non-finite gradients give NaN signals (a trigger
-    ignores them).
+    Every signal reads G_out only on T and the pairs' rows, and its norm, so these rows are all it needs (what
+    `untie.probe.RoleGradientProbe` keeps); `untie.testing.role_signals` is the same from the two dense (V, d) role
+    gradients, the reference the tests check it against. Non-finite gradients give NaN signals (a trigger ignores
+    them).
     """
-    if pairs and weight is None:
-        raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
-    grads = RoleGradients.from_dense(input_grad, output_grad, weight, pairs)
-    return role_signals_on_rows(grads, pairs=pairs, sample_rows=sample_rows)
-
-
-def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: int = 256) -> dict[str, float]:
-    """`role_signals` from the rows of the role gradients that it reads (`RoleGradients`), in O(len(rows) d)."""
     g_in, g_out = grads.input_grad.float(), grads.output_grad.float()
     # A row of T is one where the input role is nonzero (a looked-up padding row gets no gradient, as densely).
     row_norms_in = torch.linalg.vector_norm(g_in, dim=1, dtype=torch.float64)
@@ -195,49 +185,18 @@ def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: i
     return signals
 
 
-def conditional_gaps(logits: torch.Tensor, pairs: Pairs, positions: torch.Tensor | None = None) -> dict[str, float]:
-    """The conditional gap of each pair (a, b): how differently the model predicts a and b, in nats.
-
-    gap(a, b) = sum_r w_r |log p(a|r) - log p(b|r)| / sum_r w_r over the contexts r (rows of ``logits``, or the
-    rows where ``positions`` is True: those that carry a loss), with w_r = p(a|r) + p(b|r). Zero when the model
-    predicts both symbols alike in every context that matters to them (conditionally equivalent, so the paper's
-    output theorem wants their output rows equal); log(9) = 2.2 for two spellings of one word drawn .1/.9.
-    Weighting by p(a|r) + p(b|r) keeps contexts where neither symbol is plausible from drowning the measure.
-    NaN for a pair that no context makes plausible.
-    """
-    total, weight = pair_gap_sums(logits, pairs, positions)
-    return {pair_key(p): _ratio(t, w) for p, t, w in zip(pairs, total, weight, strict=True)}
-
-
-def log_normalizers(logits: torch.Tensor) -> torch.Tensor:
-    """(N, 1) float32 log-sum-exp of each row of the (..., V) logits: the one O(N V) pass the sums below share."""
-    return logits.detach().reshape(-1, logits.shape[-1]).float().logsumexp(dim=-1, keepdim=True)
-
-
-def pair_gap_sums(
-    logits: torch.Tensor,
-    pairs: Pairs,
-    positions: torch.Tensor | None = None,
-    log_norm: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Numerator and denominator of `conditional_gaps`, as (P,) float64 tensors, to sum over batches and ranks.
-    ``log_norm``: the rows' `log_normalizers`, when the caller has them already (after ``positions``)."""
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    if positions is not None:
-        flat = flat[positions.reshape(-1)]
-    index = torch.as_tensor(pairs, device=flat.device).reshape(-1, 2)
-    if log_norm is None:
-        log_norm = log_normalizers(flat)
-    log_a = flat[:, index[:, 0]].float() - log_norm
-    log_b = flat[:, index[:, 1]].float() - log_norm
-    return pair_gap_sums_from_log_probs(log_a, log_b)
-
-
 def pair_gap_sums_from_log_probs(
     log_a: torch.Tensor, log_b: torch.Tensor, mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pair_gap_sums` from the (N, P) log-probabilities of each pair's two symbols, so that a caller that keeps
-    only these (not the (N, V) logits) computes the same sums; ``mask``, (N,) bool, keeps the rows that carry a loss."""
+    """Numerator and denominator, as (P,) float64 tensors to sum over batches and ranks, of each pair's conditional
+    gap, from the (N, P) log-probabilities of its two symbols; ``mask``, (N,) bool, keeps the rows that carry a loss.
+
+    The conditional gap of a pair (a, b) is how differently the model predicts a and b, in nats:
+    gap(a, b) = sum_r w_r |log p(a|r) - log p(b|r)| / sum_r w_r over the contexts r, with w_r = p(a|r) + p(b|r).
+    Zero when the model predicts both symbols alike in every context that matters to them (conditionally equivalent,
+    so the paper's output theorem wants their output rows equal); log(9) = 2.2 for two spellings of one word drawn
+    .1/.9. Weighting by p(a|r) + p(b|r) keeps contexts where neither symbol is plausible from drowning the measure.
+    `untie.testing.conditional_gaps` computes it from dense logits (the tests' reference)."""
     weight = (log_a.exp() + log_b.exp()).double()
     if mask is not None:
         weight = weight * mask.double().unsqueeze(1)
@@ -288,22 +247,11 @@ def pair_evidence_sums_from_log_odds(
     return torch.where(counted, evidence, 0).double().sum(dim=0), counted.double().sum(dim=0)
 
 
-def cross_entropy_sums(
-    logits: torch.Tensor, targets: torch.Tensor, log_norm: torch.Tensor | None = None
-) -> torch.Tensor:
-    """(3,) float64: the sum of the positions' cross-entropies, the sum of their squares and the positions' count.
-    ``log_norm``: the rows' `log_normalizers`, when the caller has them already."""
-    flat = logits.detach().reshape(-1, logits.shape[-1])
-    if log_norm is None:
-        log_norm = log_normalizers(flat)
-    target_logit = flat.gather(1, targets.reshape(-1, 1)).squeeze(1).float()
-    return cross_entropy_sums_from_target_logits(log_norm.reshape(-1), target_logit)
-
-
 def cross_entropy_sums_from_target_logits(
     log_norm: torch.Tensor, target_logit: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`cross_entropy_sums` from each row's log-normaliser (N,) and its target's logit (N,): the (V,) rows are not
+    """The sum of the positions' cross-entropies, the sum of their squares and their count, (3,) float64, from each
+    row's log-normaliser (N,) and its target's logit (N,): the (V,) rows are not
     needed; ``mask``, (N,) bool, keeps the rows that carry a loss."""
     losses = (log_norm - target_logit).double()
     if mask is None:

@@ -20,9 +20,9 @@ detached W with sparse gradients, so it stays O(|T| d) too. The extra memory of 
 plus the logits' rows processed a few at a time when pairs are measured.
 
 Given symbol ``pairs``, the probe also sums, over the positions that carry a loss (those whose logits receive a
-gradient), their conditional gaps (`untie.metrics.conditional_gaps`), the evidence the targets give against their
-conditional equivalence (`untie.metrics.pair_evidence_sums`), and the cross-entropy that tells a model that has
-learned from an untrained one (`untie.metrics.learned_z`). The targets are read off the logits' gradient
+gradient), their conditional gaps (`untie.metrics.pair_gap_sums_from_log_probs`), the evidence the targets give
+against their conditional equivalence (`untie.metrics.pair_evidence_sums`), and the cross-entropy that tells a model
+that has learned from an untrained one (`untie.metrics.learned_z`). The targets are read off the logits' gradient
 (`untie.metrics.targets_from_gradient`), so neither the batch nor the loss code is needed.
 """
 
@@ -293,7 +293,7 @@ class RoleGradientProbe:
     def pair_measurements(self, grads: RoleGradients) -> dict[str, float]:
         """The pair measurements of the step's loss positions (all ranks); resets the sums.
 
-        * ``gap/<a-b>``: the pair's conditional gap (`untie.metrics.conditional_gaps`), in nats;
+        * ``gap/<a-b>``: the pair's conditional gap (`untie.metrics.pair_gap_sums_from_log_probs`), in nats;
         * ``evidence/<a-b>``: the step's evidence against the pair's conditional equivalence
           (`untie.metrics.pair_evidence_sums`), in nats (0 when neither symbol was a target);
         * ``learned_z``: how far the step's cross-entropy lies below that of an uninformed prediction, in standard

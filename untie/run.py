@@ -36,8 +36,18 @@ from untie.emulation import EmulatedTying
 from untie.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
 from untie.pairs import tokenizer_pairs
 from untie.peft_support import check_peft_run, is_peft_model
+from untie.plan import ModelFacts, RunSettings, SavedFacts, Structure, StructurePlan, plan_structure
 from untie.probe import RoleGradientProbe
-from untie.surgery import is_tied, tie_embeddings, untie_embeddings, untie_recorded, was_untied
+from untie.saved_state import STATE_FORMAT, check_state
+from untie.surgery import (
+    add_param_like,
+    inner_optimizer,
+    is_tied,
+    tie_embeddings,
+    untie_embeddings,
+    untie_recorded,
+    was_untied,
+)
 from untie.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
 
 logger = logging.getLogger(__name__)
@@ -59,7 +69,7 @@ class Adapter:
 TRAINER_CALLBACK = Adapter("UntieCallback", "Trainer(processing_class=tokenizer)")
 CUSTOM_LOOP = Adapter("Untier", "tokenizer=tokenizer")
 
-#: The run state a checkpoint keeps (`state_attributes` / `restore`); the callback saves them under these names.
+#: The run state a checkpoint keeps (the "attributes" of `UntieRun.state_dict`, read back by `restore`).
 SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history")
 
 
@@ -94,6 +104,8 @@ class UntieRun:
         self.latest: dict[str, float] = {}
         """The last measurement, summarised for logging (`untie/<key>`); cleared by `take_latest`."""
         self.probe: RoleGradientProbe | None = None
+        self.planned_untie_reason: str | None = None
+        """Why the structure plan untied the model before training ("start", "checkpoint"), for `begin`."""
         self._grad_sync_handle = None
         self._unmeasured_warned = False
 
@@ -147,57 +159,70 @@ class UntieRun:
         """Resolve `config.tying_mode` for the engine that trains (`untie.distributed.training_engine`)."""
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, engine)
 
-    def prepare(self, model: nn.Module) -> None:
-        """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped."""
-        self.emulation = None
-        if is_peft_model(model):
-            # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
-            keep_untied = was_untied(model) or self.config.untie_at == 0
-            check_peft_run(model, tied=is_tied(model), untie_recorded=untie_recorded(model), keep_untied=keep_untied)
-            return
-        install_resume_guard(model)
-        if was_untied(model) or self.config.untie_at == 0:
-            # A checkpoint this library untied (re-tied on reload for T5/BART at equal values) or an untie at step 0:
-            # untie now, before the optimizer exists and the model is wrapped. On an already-untied model this only
-            # re-applies the bookkeeping that a reload loses.
-            untie_embeddings(model)
-            return
-        if not is_tied(model):
-            _compat.warn_in_user_code(
-                f"{self.owner}: the model arrived untied; tying it with tie_init={self.config.tie_init!r} (the other "
-                "matrix is dropped). To keep it untied, pass untie_at=0."
-            )
-            tie_embeddings(model, init=self.config.tie_init)
-        if self.tying_mode == "emulated":
-            # The head gets its own parameter now, before the model is wrapped, and trains as if tied.
-            untie_embeddings(model)
-            self.emulation = EmulatedTying(model)
+    def settings(self) -> RunSettings:
+        """The settings `plan_structure` decides from (the tying mode resolved by `use_tying_mode`)."""
+        config = self.config
+        mode = self.tying_mode or ("emulated" if config.tying_mode == "emulated" else "live")
+        return RunSettings(self.owner, config.untie_at, mode, config.tying_mode, config.tie_init)
 
-    def match_saved_tying(self, model: nn.Module, where: str, head_stored: bool) -> None:
-        """Make a tied-phase checkpoint's implementation (live: one matrix; emulated: a head kept equal) the model's,
-        before the optimizer state is loaded, so the weights and that state fit the same structure."""
-        if head_stored and self.emulation is None:
-            # Written with emulated tying (FSDP2's default, or asked for): its head and optimizer state are separate.
-            if self.config.tying_mode == "live":
-                raise ValueError(
-                    f"{where} was written in the tied phase with emulated tying (a head kept equal to the embedding, "
-                    f"FSDP2's mode), but this run asks for tying_mode='live'. Resume it with {self.owner}("
-                    "tying_mode='emulated') or tying_mode='auto' (which follows the checkpoint)."
-                )
-            logger.info("untie: %s was written with emulated tying; this run resumes it emulated.", where)
-            if is_tied(model):
-                untie_embeddings(model)
-            self.tying_mode, self.emulation = "emulated", EmulatedTying(model)
-        elif not head_stored and self.emulation is not None:
-            raise ValueError(
-                f"{where} was written in the tied phase with live tying (one shared matrix), but this run emulates "
-                "tying (FSDP2, or tying_mode='emulated'): its optimizer state does not fit. Resume it where live tying "
-                "runs (one device or DDP) with tying_mode='auto' or 'live'."
+    def prepare(self, model: nn.Module, optimizer=None) -> None:
+        """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped (with an
+        `optimizer` already built, refuse a structure it was built without)."""
+        self.emulation = None
+        if not is_peft_model(model):
+            install_resume_guard(model)
+        plan = plan_structure(model_facts(model, optimizer_built=optimizer is not None), self.settings())
+        self.apply_plan(model, plan)
+
+    def match_saved(self, model: nn.Module, saved: SavedFacts, optimizer=None) -> None:
+        """Give the model the structure of the checkpoint's run (`saved`), before its weights and the optimizer's
+        state load, so that they fit the same structure. With `optimizer` (a custom loop resuming after `start`),
+        a head the untie adds joins it."""
+        facts = model_facts(model, emulating=self.emulation is not None, optimizer_built=optimizer is not None)
+        self.apply_plan(model, plan_structure(facts, self.settings(), saved), optimizer)
+
+    def apply_plan(self, model: nn.Module, plan: StructurePlan, optimizer=None) -> None:
+        """Carry out `plan` (`untie.plan.plan_structure`) on the model, and on the optimizer if it exists."""
+        if plan.refusal is not None:
+            raise (RuntimeError if plan.call_order else ValueError)(plan.refusal)
+        if plan.check_peft:
+            # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
+            check_peft_run(
+                model, tied=is_tied(model), untie_recorded=untie_recorded(model), keep_untied=plan.keep_untied
             )
-        elif not head_stored and not is_tied(model):
-            # untie_at=0 untied the model before the run; the checkpoint's run is tied: tie again so that it loads,
-            # and the deadline unties it at the resume step (warned about by `warn_changed_settings`).
-            tie_embeddings(model, init="input")
+            return
+        if plan.warning is not None:
+            _compat.warn_in_user_code(plan.warning)
+        if plan.untie_reason is not None:
+            self.planned_untie_reason = plan.untie_reason
+        current = structure_of(model, emulating=self.emulation is not None)
+        if plan.target == "untied":
+            self._reach_untied(model, current, optimizer)
+        elif plan.target == "tied" and current == "untied":
+            tie_embeddings(model, init=plan.tie_init)
+        elif plan.target == "emulated" and current != "emulated":
+            if current == "untied":
+                tie_embeddings(model, init=plan.tie_init)  # the other matrix is dropped, as for a live tied phase
+            untie_embeddings(model)  # the head gets its own parameter now, before wrapping, and trains as if tied
+            if self.tying_mode == "live":
+                logger.info("untie: the checkpoint was written with emulated tying; this run resumes it emulated.")
+            self.tying_mode, self.emulation = "emulated", EmulatedTying(model)
+
+    def _reach_untied(self, model: nn.Module, current: str, optimizer) -> None:
+        if current == "emulated":  # the head has had its own parameter, in the optimizer, from the start
+            self.emulation.release()
+            self.emulation = None
+        elif current == "tied" or optimizer is None:
+            # On an untied model (a reloaded untie, untie_at=0) this re-applies the bookkeeping a reload loses. A
+            # resumed run's head gets its optimizer state from the checkpoint, loaded next.
+            untie_embeddings(model, optimizer, optimizer_state="reset")
+            if optimizer is not None:
+                self.install_grad_sync(model)
+        else:  # untied before this resume (untie_at=0, or the model's state dict loaded first): the head must train
+            head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+            if not any(p is head for group in inner_optimizer(optimizer).param_groups for p in group["params"]):
+                add_param_like(optimizer, new=head, like=embedding, state="reset")
+                self.install_grad_sync(model)
 
     # -- run state ----------------------------------------------------------------------------------------------------
     @property
@@ -209,6 +234,31 @@ class UntieRun:
     def trigger_state(self, value: dict | None) -> None:
         if self.divergence is not None and value:
             self.divergence.load_state_dict(value)
+
+    def state_dict(self, step: int, weights: dict | None = None) -> dict:
+        """The run state at optimizer step `step`, JSON-able, in the one layout both adapters save
+        (`untie.saved_state`): the settings, the tied phase's implementation, the untie and the trigger, the history,
+        and the weights' fingerprint (`weights`, None where the adapter's framework saves a folder as a whole)."""
+        return {
+            "format": STATE_FORMAT,
+            "adapter": self.adapter.name,
+            "global_step": step,
+            "tying_mode": self.tying_mode,
+            "config": self.config.to_json_dict(),
+            "attributes": self.state_attributes(),
+            "weights": weights,
+        }
+
+    def load_state_dict(self, state: dict, where: str, step: int | None = None) -> dict:
+        """Restore the run state `state_dict` saved (checked first: a damaged state raises
+        `untie.saved_state.UntieStateError` naming `where`), as of optimizer step `step` (default: the saved step),
+        and say which schedule settings changed. Returns the checked state. The model's structure is the plan's
+        (`match_saved`), applied before the weights load."""
+        state = check_state(state, where)
+        step = state["global_step"] if step is None else step
+        self.restore(state["attributes"], step)
+        self.warn_changed_settings(state["config"], step)
+        return state
 
     def state_attributes(self) -> dict:
         """The run state a checkpoint keeps, as JSON-able values (read back by `restore`)."""
@@ -222,7 +272,7 @@ class UntieRun:
         """
         self.history = [h for h in attributes.get("history", []) if h["step"] <= step]
         self.divergence = DivergenceTrigger(self.rule) if self.rule else None
-        self.trigger_state = attributes.get("trigger_state", attributes.get("trigger"))  # "trigger": its earlier name
+        self.trigger_state = attributes.get("trigger_state")
         self.untied = bool(attributes.get("untied"))
         self.untie_step = attributes.get("untie_step") if self.untied else None
         self.untie_reason = attributes.get("untie_reason") if self.untied else None
@@ -271,7 +321,7 @@ class UntieRun:
             return
         if not is_tied(model):
             # Untied before training: at step 0, or by the resume guard while loading an untied checkpoint.
-            reason = self.untie_reason or ("checkpoint" if step else "start")
+            reason = self.untie_reason or self.planned_untie_reason or ("checkpoint" if step else "start")
             self._record_untie(self.untie_step if self.untie_step is not None else step, reason)
         elif self.untied:
             raise RuntimeError(
@@ -443,3 +493,22 @@ class UntieRun:
                 "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
                 "torch._dynamo.reset() before building the Trainer."
             )
+
+
+def structure_of(model: nn.Module, emulating: bool = False) -> Structure:
+    """The model's structure (`untie.plan`): "emulated" while a run keeps its separate head equal (`emulating`)."""
+    if emulating:
+        return "emulated"
+    return "tied" if is_tied(model) else "untied"
+
+
+def model_facts(model: nn.Module, *, emulating: bool = False, optimizer_built: bool = False) -> ModelFacts:
+    """What `plan_structure` needs to know about `model`."""
+    peft = is_peft_model(model)
+    return ModelFacts(
+        structure=structure_of(model, emulating),
+        marked_untied=was_untied(model),
+        peft=peft,
+        config_says_untied=peft and untie_recorded(model),
+        optimizer_built=optimizer_built,
+    )

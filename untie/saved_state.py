@@ -1,12 +1,21 @@
-"""The untie state a custom loop saves (`Untier.state_dict()`, `untie_state.json`): its check, and the weights it
+"""The run state both adapters save (`untie.run.UntieRun.state_dict`: `Untier.state_dict()` and `untie_state.json`
+in a custom loop, UntieCallback's entry in `trainer_state.json` under Trainer): its check, and the weights it
 belongs to.
+
+One layout, versioned by ``"format"``::
+
+    {"format": 3, "adapter": "Untier" | "UntieCallback", "global_step": int, "tying_mode": "live" | "emulated",
+     "config": UntieConfig as JSON, "attributes": {"untied", "untie_step", "untie_reason", "trigger_state",
+     "history"}, "weights": fingerprint | null}
 
 A resumed run trusts this state to decide the model's structure (tied or untied) and its untie step, so a state
 from another step or run, next to weights it was not saved with, would resume silently into a different run. The
 state therefore records a fingerprint of the weights it was saved with (whether the LM head is its own tensor, the
 embedding's and the head's shapes, dtypes and a digest of their bytes), and a resume compares it with the weights it
 loads: in `accelerator.load_state`, against the weight file in the folder before anything loads; in a plain loop,
-against the model's parameters before the first optimizer step after `Untier.load_state_dict`.
+against the model's parameters before the first optimizer step after `Untier.load_state_dict`. Trainer checkpoints
+carry no fingerprint (``"weights": null``): Trainer writes `trainer_state.json` last, next to the weights of the same
+save, and `untie.checkpoint.check_complete` refuses a folder without it.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ from torch import nn
 from untie.distributed import is_sharded
 from untie.surgery import embedding_layout, is_tied
 
-#: Version of the untie state's layout (`Untier.state_dict()`); 2 added the weights' fingerprint.
-STATE_FORMAT = 2
+#: Version of the run state's layout (`UntieRun.state_dict()`); 3 is the first shared by both adapters.
+STATE_FORMAT = 3
+#: The adapters whose states may omit the weights' fingerprint (their framework saves a folder as a whole).
+_FINGERPRINT_OPTIONAL = ("UntieCallback",)
 #: The file `accelerator.save_state` folders get the untie state in, written once everything else is on disk.
 STATE_FILE = "untie_state.json"
 #: Weight files accelerate writes for its first model (safetensors or pickle); FSDP writes folders starting so.
@@ -146,7 +157,7 @@ def fingerprint_difference(saved: Mapping[str, Any], actual: Mapping[str, Any]) 
 
 # -- the state's check -----------------------------------------------------------------------------------------------
 def check_state(state: Any, where: str) -> dict[str, Any]:
-    """Return `state` if it has the layout `Untier.state_dict()` writes, else raise `UntieStateError` naming `where`
+    """Return `state` if it has the layout `UntieRun.state_dict()` writes, else raise `UntieStateError` naming `where`
     (the file, or "the state given to Untier.load_state_dict") and what is wrong with it."""
 
     def damaged(what: str) -> UntieStateError:
@@ -157,14 +168,15 @@ def check_state(state: Any, where: str) -> dict[str, Any]:
     if state.get("format") != STATE_FORMAT:
         raise UntieStateError(
             f"{where} has untie state format {state.get('format')!r}; this version of untie reads format "
-            f"{STATE_FORMAT} (which records the weights it belongs to). Resume with the untie version that wrote it, "
-            "or start the run again."
+            f"{STATE_FORMAT}. Resume with the untie version that wrote it, or start the run again."
         )
     expected = {"global_step": int, "attributes": dict, "config": dict, "weights": dict}
     for key, kind in expected.items():
         if key not in state:
             raise damaged(f"the key {key!r} is missing")
         value = state[key]
+        if key == "weights" and value is None and state.get("adapter") in _FINGERPRINT_OPTIONAL:
+            continue
         if not isinstance(value, kind) or isinstance(value, bool):
             raise damaged(f"{key!r} is {value!r}, not {'an int' if kind is int else 'an object'}")
     if state["global_step"] < 0:
@@ -179,7 +191,8 @@ def check_state(state: Any, where: str) -> dict[str, Any]:
         raise damaged("'attributes.history' is not a list")
     if state.get("tying_mode") not in (None, "live", "emulated"):
         raise damaged(f"'tying_mode' is {state.get('tying_mode')!r}, not 'live' or 'emulated'")
-    _check_fingerprint(state["weights"], damaged)
+    if state["weights"] is not None:
+        _check_fingerprint(state["weights"], damaged)
     return state
 
 
@@ -223,8 +236,9 @@ def read_state_file(folder: str) -> dict[str, Any]:
 
 def _damaged(where: str, what: str) -> UntieStateError:
     return UntieStateError(
-        f"{where} is damaged: {what}. It must be what Untier.state_dict() wrote (format {STATE_FORMAT}), saved with "
-        "the weights beside it: resume from an earlier complete checkpoint, or from the run's last good save."
+        f"{where} is damaged: {what}. It must be what Untier.state_dict() (or UntieCallback, in trainer_state.json) "
+        f"wrote (format {STATE_FORMAT}), saved with the weights beside it: resume from an earlier complete "
+        "checkpoint, or from the run's last good save."
     )
 
 

@@ -399,7 +399,7 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer behind accelerate's AcceleratedOptimizer (which proxies the same groups and state)."""
     return getattr(optimizer, "optimizer", optimizer)
 
@@ -412,7 +412,7 @@ def add_param_like(
     Appending to an existing group (instead of `add_param_group`) keeps LR schedulers valid: torch >= 2.13
     schedulers raise on a group they did not see at construction.
     """
-    opt = _inner(optimizer)
+    opt = inner_optimizer(optimizer)
     group = next((g for g in opt.param_groups if any(p is like for p in g["params"])), None)
     if group is None:
         raise ValueError(
@@ -430,7 +430,7 @@ def start_state_like(
 ) -> None:
     """Start `new`, a parameter forked from `like` and already in the optimizer, as `like` is optimised: with
     `like`'s per-parameter optimizer settings (bitsandbytes' precision override) and, for ``"copy"``, its state."""
-    _compat.share_bitsandbytes_override(_inner(optimizer), new=new, like=like)
+    _compat.share_bitsandbytes_override(inner_optimizer(optimizer), new=new, like=like)
     if state == "copy":
         copy_optimizer_state(optimizer, new=new, like=like)
 
@@ -443,7 +443,7 @@ def copy_optimizer_state(optimizer: torch.optim.Optimizer, *, new: nn.Parameter,
     `new` has `like`'s shape, dtype and device, so the state is valid for it as it is, block layout included. State
     tensors shaped like the parameter are allocated as the optimizer allocates them (paged buffers stay paged).
     """
-    opt = _inner(optimizer)
+    opt = inner_optimizer(optimizer)
     old_state = opt.state.get(like)
     if not old_state:
         return
@@ -461,7 +461,7 @@ def sort_param_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> Non
     State is keyed by parameter, so reordering changes nothing else.
     """
     rank = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
-    opt = _inner(optimizer)
+    opt = inner_optimizer(optimizer)
     for group in opt.param_groups:
         group["params"].sort(key=lambda p: rank.get(id(p), len(rank)))
     _compat.reindex_bitsandbytes_overrides(opt)

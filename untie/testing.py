@@ -1,9 +1,21 @@
-"""Tiny random models and data for tests, examples and smoke runs: no download needed."""
+"""Tiny random models and data for tests, examples and smoke runs (no download needed), and the dense reference forms
+of the library's measurements."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import transformers as tf
+
+from untie.metric_keys import pair_key
+from untie.metrics import (
+    Pairs,
+    RoleGradients,
+    cross_entropy_sums_from_target_logits,
+    pair_gap_sums_from_log_probs,
+    role_signals_on_rows,
+)
 
 VOCAB = 48
 HIDDEN = 16
@@ -140,3 +152,80 @@ class ToyLMDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dense reference metrics: the measurements of `untie.metrics` from whole (V, d) gradients and (N, V) logits, which
+# the tests check the probe's row-wise forms against (the library itself never materialises these).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def role_signals(
+    input_grad: torch.Tensor,
+    output_grad: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    pairs: Pairs = (),
+    sample_rows: int = 256,
+) -> dict[str, float]:
+    """`untie.metrics.role_signals_on_rows` (which defines the signals) from the two dense (V, d) role gradients of a
+    tied matrix: the reference the tests check the probe's row-wise measurement against."""
+    if pairs and weight is None:
+        raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
+    grads = RoleGradients.from_dense(input_grad, output_grad, weight, pairs)
+    return role_signals_on_rows(grads, pairs=pairs, sample_rows=sample_rows)
+
+
+def conditional_gaps(logits: torch.Tensor, pairs: Pairs, positions: torch.Tensor | None = None) -> dict[str, float]:
+    """The conditional gap of each pair (a, b): how differently the model predicts a and b, in nats.
+
+    gap(a, b) = sum_r w_r |log p(a|r) - log p(b|r)| / sum_r w_r over the contexts r (rows of ``logits``, or the
+    rows where ``positions`` is True: those that carry a loss), with w_r = p(a|r) + p(b|r). Zero when the model
+    predicts both symbols alike in every context that matters to them (conditionally equivalent, so the paper's
+    output theorem wants their output rows equal); log(9) = 2.2 for two spellings of one word drawn .1/.9.
+    Weighting by p(a|r) + p(b|r) keeps contexts where neither symbol is plausible from drowning the measure.
+    NaN for a pair that no context makes plausible.
+    """
+    total, weight = pair_gap_sums(logits, pairs, positions)
+    return {pair_key(p): _ratio(float(t), float(w)) for p, t, w in zip(pairs, total, weight, strict=True)}
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if not (math.isfinite(numerator) and math.isfinite(denominator)) or denominator == 0:
+        return math.nan
+    return numerator / denominator
+
+
+def log_normalizers(logits: torch.Tensor) -> torch.Tensor:
+    """(N, 1) float32 log-sum-exp of each row of the (..., V) logits: the one O(N V) pass the sums below share."""
+    return logits.detach().reshape(-1, logits.shape[-1]).float().logsumexp(dim=-1, keepdim=True)
+
+
+def pair_gap_sums(
+    logits: torch.Tensor,
+    pairs: Pairs,
+    positions: torch.Tensor | None = None,
+    log_norm: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerator and denominator of `conditional_gaps`, as (P,) float64 tensors, to sum over batches and ranks.
+    ``log_norm``: the rows' `log_normalizers`, when the caller has them already (after ``positions``)."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    if positions is not None:
+        flat = flat[positions.reshape(-1)]
+    index = torch.as_tensor(pairs, device=flat.device).reshape(-1, 2)
+    if log_norm is None:
+        log_norm = log_normalizers(flat)
+    log_a = flat[:, index[:, 0]].float() - log_norm
+    log_b = flat[:, index[:, 1]].float() - log_norm
+    return pair_gap_sums_from_log_probs(log_a, log_b)
+
+
+def cross_entropy_sums(
+    logits: torch.Tensor, targets: torch.Tensor, log_norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(3,) float64: the sum of the positions' cross-entropies, the sum of their squares and the positions' count.
+    ``log_norm``: the rows' `log_normalizers`, when the caller has them already."""
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    if log_norm is None:
+        log_norm = log_normalizers(flat)
+    target_logit = flat.gather(1, targets.reshape(-1, 1)).squeeze(1).float()
+    return cross_entropy_sums_from_target_logits(log_norm.reshape(-1), target_logit)

@@ -1,7 +1,7 @@
 """Trigger policies: decide at which optimizer step the embeddings are untied.
 
 `ScheduledTrigger` fires at a fixed step. `DivergenceTrigger` fires when a smoothed role signal (see
-`untie.metrics.role_signals`) has stayed past a threshold for a number of consecutive measurements; under the
+`untie.metrics.role_signals_on_rows`) has stayed past a threshold for a number of consecutive measurements; under the
 evidence rule (`RULES["evidence"]`, the default with pairs), only once the model has learned and the data have given
 significant evidence that a pair's two symbols are predicted apart.
 """
@@ -71,10 +71,10 @@ def pair_signal(signal: str) -> tuple[str, str] | None:
 class UntieWhen:
     """When the divergence trigger unties: the rule, as a JSON-friendly dataclass.
 
-    signal: a role signal of `untie.metrics.role_signals` (``cancellation``, ``cosine``, ``conflict``,
+    signal: a role signal of `untie.metrics.role_signals_on_rows` (``cancellation``, ``cosine``, ``conflict``,
         ``norm_ratio``, ``agreement``) or a per-pair one (needs `UntieConfig.pairs`): ``tension/0-1``, or
-        ``gap/0-1``, the pair's conditional gap (`untie.metrics.conditional_gaps`); ``tension`` or ``gap`` alone
-        means the largest over the pairs that were measured.
+        ``gap/0-1``, the pair's conditional gap (`untie.metrics.pair_gap_sums_from_log_probs`); ``tension`` or
+        ``gap`` alone means the largest over the pairs that were measured.
     threshold: the trigger fires when the smoothed signal is past it: above it, or below it for ``cosine``.
     smoothing: weight of the past in the exponential moving average of the signal, in [0, 1); 0 = raw values.
     warmup: measurements before this step (int) or fraction of `max_steps` (float) only feed the average.

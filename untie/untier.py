@@ -31,10 +31,10 @@ from torch import nn
 from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
 from untie.distributed import is_sharded, training_engine
 from untie.pairs import is_tokenizer
+from untie.plan import SavedFacts
 from untie.run import CUSTOM_LOOP, UntieRun
 from untie.saved_state import (
     STATE_FILE,
-    STATE_FORMAT,
     UntieStateError,
     check_state,
     fingerprint_difference,
@@ -45,7 +45,7 @@ from untie.saved_state import (
     weights_fingerprint,
     write_state_file,
 )
-from untie.surgery import _inner, add_param_like, is_tied, untie_embeddings
+from untie.surgery import inner_optimizer, is_tied
 
 logger = logging.getLogger(__name__)
 
@@ -127,22 +127,15 @@ class Untier:
         self._expected_weights: tuple[dict, str] | None = None  # (fingerprint, where) to check before the next step
         #: Folders this process writes the untie state into once `accelerator.save_state` ends (None outside a save).
         self._saving_to: list[str] | None = None
-        before = _structure(self.model)
-        if is_sharded(self.model.get_input_embeddings().weight) and self.run.tying_mode == "emulated" and before[0]:
-            raise RuntimeError(
-                "Untier: the model is already sharded (fully_shard / accelerator.prepare) and still tied: emulated "
-                "tying gives the head its own parameter before sharding. Create the Untier before fully_shard, "
-                "before building the optimizer and before accelerator.prepare; then call untier.start(optimizer)."
-            )
-        self.run.prepare(self.model)
-        if optimizer is not None:
-            if _structure(self.model) != before:
+        if is_sharded(self.model.get_input_embeddings().weight) and self.run.tying_mode == "emulated":
+            if is_tied(self.model):
                 raise RuntimeError(
-                    f"Untier: the model needed a new structure for its tied phase ({self.run.tying_mode} tying, "
-                    f"untie_at={config.untie_at}), but its optimizer was already built without it. Create the Untier "
-                    "before the optimizer (and before accelerator.prepare / DDP / fully_shard), then call "
-                    "untier.start(optimizer)."
+                    "Untier: the model is already sharded (fully_shard / accelerator.prepare) and still tied: emulated "
+                    "tying gives the head its own parameter before sharding. Create the Untier before fully_shard, "
+                    "before building the optimizer and before accelerator.prepare; then call untier.start(optimizer)."
                 )
+        self.run.prepare(self.model, optimizer)
+        if optimizer is not None:
             self.start(optimizer)
         if accelerator is not None:
             self._hooks.append(accelerator.register_save_state_pre_hook(self._save_with_accelerator))
@@ -195,7 +188,7 @@ class Untier:
         self.optimizer = optimizer
         # The step's gradients are complete when the optimizer steps (after every micro-batch, every rank): measure
         # then, as UntieCallback does in Trainer's on_pre_optimizer_step.
-        self._hooks.append(_inner(optimizer).register_step_pre_hook(self._before_optimizer_step))
+        self._hooks.append(inner_optimizer(optimizer).register_step_pre_hook(self._before_optimizer_step))
         self.run.restore({}, 0)
         self._begin()
 
@@ -245,14 +238,7 @@ class Untier:
         It records the weights it belongs to (`untie.saved_state.weights_fingerprint`: whether the head is its own
         tensor, the embedding's and the head's shapes, dtypes and digests), so that a resume can prove that the
         weights it loads are the ones saved with it."""
-        return {
-            "format": STATE_FORMAT,
-            "global_step": self.global_step,
-            "tying_mode": self.run.tying_mode,
-            "config": self.config.to_json_dict(),
-            "attributes": self.run.state_attributes(),
-            "weights": weights_fingerprint(self.model),
-        }
+        return self.run.state_dict(self.global_step, weights=weights_fingerprint(self.model))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the run saved by `state_dict`: call it after `start`, and before loading the model's and the
@@ -271,13 +257,14 @@ class Untier:
                 "before the optimizer's state loads."
             )
         state = check_state(state, where)
-        attributes, step = state["attributes"], state["global_step"]
+        attributes = state["attributes"]
         self._match_structure(attributes["untied"], state.get("tying_mode"))
-        self.global_step = step
-        self.run.restore(attributes, step)
-        self.run.warn_changed_settings(state["config"], step)
+        self.global_step = state["global_step"]
+        self.run.load_state_dict(state, where)
         self._begin()
         expected = state["weights"]
+        if expected is None:  # a Trainer checkpoint's state: no fingerprint to compare
+            return
         if self.run.untied and not attributes["untied"]:
             # A deadline already passed (settings changed on resume) untied the model at this step: the head is a
             # copy of the checkpoint's shared matrix once the weights load.
@@ -301,34 +288,8 @@ class Untier:
 
     def _match_structure(self, untied: bool, saved_mode: str | None) -> None:
         """Give the model and the optimizer the structure of the saved run, before their states load."""
-        model, optimizer, run = self.model, self.optimizer, self.run
-        if untied:
-            if run.emulation is not None:  # the head has had its own parameter, in the optimizer, from the start
-                run.emulation.release()
-                run.emulation = None
-            elif is_tied(model):
-                untie_embeddings(model, optimizer, optimizer_state="reset")  # the loaded state overwrites it
-                run.install_grad_sync(model)
-            else:  # untied already (untie_at=0, or the model's state dict was loaded first): the head must be trained
-                head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-                if not any(p is head for group in _inner(optimizer).param_groups for p in group["params"]):
-                    add_param_like(optimizer, new=head, like=embedding, state="reset")
-                    run.install_grad_sync(model)
-            return
-        # The run's own check refuses a live checkpoint into an emulated run; the two cases it would mend by changing
-        # the structure (a new head, or a re-tie) cannot be mended once the optimizer exists.
-        if saved_mode == "emulated" and run.emulation is None:
-            raise ValueError(
-                "Untier: the checkpoint was written in the tied phase with emulated tying (a head kept equal to the "
-                "embedding), but this run ties live. Create the Untier with tying_mode='emulated', before the "
-                "optimizer."
-            )
-        if run.emulation is None and not is_tied(model):
-            raise ValueError(
-                "Untier: the checkpoint was written in the tied phase, but this run untied the model before it started "
-                f"(untie_at={self.config.untie_at}). Resume it with the checkpoint run's untie_at."
-            )
-        run.match_saved_tying(model, "the checkpoint", head_stored=saved_mode == "emulated")
+        saved = SavedFacts("the checkpoint", untied=untied, head_stored=saved_mode == "emulated")
+        self.run.match_saved(self.model, saved, self.optimizer)
 
     def _wrap_save_state(self, accelerator: Any) -> None:
         """Make `accelerator.save_state` write the untie state last, once every rank has written its files.
@@ -387,7 +348,7 @@ class Untier:
             )
         where = os.path.join(input_dir, STATE_FILE)
         stored = stored_fingerprint(input_dir, self.model, self._model_index(models))
-        if stored is not None:
+        if stored is not None and state["weights"] is not None:
             difference = fingerprint_difference(state["weights"], stored)
             if difference is not None:
                 raise UntieStateError(
@@ -405,8 +366,3 @@ class Untier:
 def _unwrap(model: nn.Module) -> nn.Module:
     """The model inside DDP, torch.compile or accelerate's wrappers."""
     return extract_model_from_parallel(model, keep_fp32_wrapper=True)
-
-
-def _structure(model: nn.Module) -> tuple[bool, int, int]:
-    """Whether the model is tied, and which parameters its embedding and head are (to tell that it changed)."""
-    return is_tied(model), id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)

@@ -7,8 +7,9 @@ interrupted auto run or branch restarts (from its start or its branch point)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from untie import Untier, untie_embeddings
@@ -20,6 +21,7 @@ from untie_recipes.tasks.decision_map.training import (
     build_model,
     build_optimizer,
     data_order,
+    embedding_digest,
     fixed_untie_step,
     load_checkpoint,
     train_steps,
@@ -30,6 +32,8 @@ FIXED_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
 #: The default deadline of `UntieCallback()` / `Untier()`: 30% of the run.
 AUTO_DEADLINE = 0.3
 RESUME_EVERY = 100
+
+logger = logging.getLogger(__name__)
 
 Progress = Callable[[int, float], None]
 
@@ -87,11 +91,13 @@ def _plain_run(ctx: MapContext, setup: TrainingSetup, arm: str, progress: Progre
     recorder = Recorder(model, optimizer, scheduler, corpus.validation, ctx.budgets, checkpoints, progress)
     start = 0
     if resume.exists():
-        start, recorder.losses = load_checkpoint(resume, model, optimizer, scheduler)
+        start, saved = load_checkpoint(resume, model, optimizer, scheduler)
+        recorder.resume_from(saved)
         progress(start, float("nan"))
     order = data_order(len(corpus.train), setup.seed)
     train_steps(model, optimizer, scheduler, setup, corpus.train, order, start, ctx.max_budget, recorder)
-    return RunRecord(arm, setup.width, setup.seed, None, None, recorder.losses, recorder.tail)
+    digests = {step: d for step, d in recorder.digests.items() if int(step) in points}
+    return RunRecord(arm, setup.width, setup.seed, None, None, recorder.losses, recorder.tail, asdict(setup), digests)
 
 
 def auto_run(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> RunRecord:
@@ -107,47 +113,84 @@ def auto_run(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> RunRe
     train_steps(model, optimizer, scheduler, setup, corpus.train, order, 0, ctx.max_budget, recorder)
     untier.close()
     return RunRecord("auto", setup.width, setup.seed, untier.untie_step, untier.untie_reason, recorder.losses,
-                     recorder.tail)  # fmt: skip
+                     recorder.tail, asdict(setup))  # fmt: skip
 
 
-def branch_run(ctx: MapContext, setup: TrainingSetup, untie_step: int, stop: int, progress: Progress) -> RunRecord:
-    """The tied run's checkpoint at `untie_step`, untied there (optimizer state copied), trained to `stop`."""
+def branch_run(
+    ctx: MapContext, setup: TrainingSetup, untie_step: int, stop: int, progress: Progress, tied: RunRecord
+) -> RunRecord:
+    """The tied run's checkpoint at `untie_step`, untied there (optimizer state copied), trained to `stop`; the
+    checkpoint must be the one the tied run (`tied`, its record) saved."""
     corpus = ctx.corpus
     model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=True)
     optimizer, scheduler = build_optimizer(model, setup)
-    load_checkpoint(ctx.checkpoint_path(setup, "tied", untie_step), model, optimizer, scheduler)
+    path = ctx.checkpoint_path(setup, "tied", untie_step)
+    load_checkpoint(path, model, optimizer, scheduler)
+    expected = tied.checkpoint_digests.get(str(untie_step))
+    if expected is None and tied.setup is not None:
+        raise RuntimeError(f"The tied run's record for {setup.name} has no checkpoint at step {untie_step}.")
+    if expected is not None and embedding_digest(model) != expected:
+        raise RuntimeError(
+            f"{path} is not the checkpoint the tied run of {setup.name} saved at step {untie_step} (its embedding "
+            f"differs): a leftover of another run. Delete {path.parent} and {ctx.record_path(setup, 'tied')}, then "
+            "run the map again (the tied run is redone with its checkpoints)."
+        )
     untie_embeddings(model, optimizer, optimizer_state="copy")
     budgets = [b for b in ctx.budgets if untie_step < b <= stop]
     recorder = Recorder(model, optimizer, scheduler, corpus.validation, budgets, {}, progress)
     order = data_order(len(corpus.train), setup.seed)
     train_steps(model, optimizer, scheduler, setup, corpus.train, order, untie_step, stop, recorder)
     return RunRecord(f"untie@{untie_step}", setup.width, setup.seed, untie_step, "fixed", recorder.losses,
-                     recorder.tail)  # fmt: skip
+                     recorder.tail, asdict(setup))  # fmt: skip
 
 
-def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[str, RunRecord]:
-    """Every run of one (width, seed) that has no record yet; returns all its records."""
-    records: dict[str, RunRecord] = {}
-
-    def done_or_run(arm: str, make: Callable[[], RunRecord]) -> RunRecord:
-        path = ctx.record_path(setup, arm)
-        if path.exists():
-            return RunRecord.load(path)
-        record = make()
-        record.save(path)
-        return record
-
-    for arm in ("tied", "untied"):
-        records[arm] = done_or_run(arm, lambda arm=arm: _plain_run(ctx, setup, arm, progress))
-    records["auto"] = done_or_run("auto", lambda: auto_run(ctx, setup, progress))
+def branches_of(ctx: MapContext, auto_step: int | None) -> dict[int, int]:
+    """Untie step -> stop of every branch the cells read: the fixed arms, and the deadline of each budget whose auto
+    arm has not untied by it (all deadlines while the auto run is not done: `auto_step` None)."""
     branches = dict(fixed_branch_stops(ctx.budgets))
-    auto_step = records["auto"].untie_step
     for budget, deadline in deadline_steps(ctx.budgets).items():
         if auto_step is None or auto_step > deadline:  # this budget's auto arm unties at its deadline
             branches[deadline] = max(branches.get(deadline, 0), budget)
-    for step, stop in sorted(branches.items()):
+    return branches
+
+
+def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[str, RunRecord]:
+    """Every run of one (width, seed) that has no usable record yet; returns all its records.
+
+    A record made with other settings is run again. The tied run is run again when a branch still to run has lost
+    its checkpoint (they are deleted once every branch of the unit is recorded)."""
+
+    def reusable(arm: str) -> RunRecord | None:
+        path = ctx.record_path(setup, arm)
+        if not path.exists():
+            return None
+        record = RunRecord.load(path)
+        if record.setup in (None, asdict(setup)):  # None: a record from before records kept their setup
+            return record
+        logger.warning("decision map: %s was made with other settings (%s); running it again.", path, record.setup)
+        return None
+
+    def run(arm: str, make: Callable[[], RunRecord]) -> RunRecord:
+        record = make()
+        record.save(ctx.record_path(setup, arm))
+        return record
+
+    auto = reusable("auto")
+    done = {step: reusable(f"untie@{step}") for step in branches_of(ctx, auto and auto.untie_step)}
+    lost = [
+        step
+        for step, record in done.items()
+        if record is None and not ctx.checkpoint_path(setup, "tied", step).exists()
+    ]
+    records = {"tied": reusable("tied")}
+    if records["tied"] is None or lost:
+        records["tied"] = run("tied", lambda: _plain_run(ctx, setup, "tied", progress))
+    records["untied"] = reusable("untied") or run("untied", lambda: _plain_run(ctx, setup, "untied", progress))
+    records["auto"] = auto or run("auto", lambda: auto_run(ctx, setup, progress))
+    for step, stop in sorted(branches_of(ctx, records["auto"].untie_step).items()):
         arm = f"untie@{step}"
-        records[arm] = done_or_run(arm, lambda step=step, stop=stop: branch_run(ctx, setup, step, stop, progress))
+        make = lambda step=step, stop=stop: branch_run(ctx, setup, step, stop, progress, records["tied"])  # noqa: E731
+        records[arm] = done.get(step) or reusable(arm) or run(arm, make)
     for path in ctx.checkpoint_path(setup, "tied", 0).parent.glob("*.p*"):
         path.unlink()  # every branch is recorded: the checkpoints are not needed any more
     return records

@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import transformers as tf
 
+from untie.saved_state import tensor_digest
 from untie.triggers import resolve_step
 
 
@@ -109,22 +110,28 @@ def train_steps(
         after_step(step, loss.item())
 
 
-def save_checkpoint(path: Path, step: int, model, optimizer, scheduler, losses: dict | None = None) -> None:
-    """Written to a partial file and renamed: a killed save leaves the previous checkpoint."""
+def embedding_digest(model: torch.nn.Module) -> str:
+    """A digest of the input embedding's bytes: identifies the weights a checkpoint holds (see `RunRecord`)."""
+    return tensor_digest(model.get_input_embeddings().weight)
+
+
+def save_checkpoint(path: Path, step: int, model, optimizer, scheduler, measured: dict | None = None) -> None:
+    """Written to a partial file and renamed: a killed save leaves the previous checkpoint. `measured`: what the run
+    has measured so far ({"losses", "digests"}), restored with it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "losses": dict(losses or {})}, partial)  # fmt: skip
+                "scheduler": scheduler.state_dict(), "measured": dict(measured or {})}, partial)  # fmt: skip
     partial.replace(path)
 
 
-def load_checkpoint(path: Path, model, optimizer, scheduler) -> tuple[int, dict[str, float]]:
-    """Restore a checkpoint; returns its step and the validation losses measured up to it."""
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> tuple[int, dict]:
+    """Restore a checkpoint; returns its step and what the run had measured up to it (`save_checkpoint`)."""
     state = torch.load(path, weights_only=False)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    return state["step"], state.get("losses", {})
+    return state["step"], state.get("measured") or {"losses": state.get("losses", {})}  # "losses": before digests
 
 
 @dataclass
@@ -140,6 +147,11 @@ class RunRecord:
     """Budget (steps, as a string: JSON keys) -> validation loss."""
     train_loss_tail: float
     """Mean training loss over the run's last 20 steps (a sanity read, not a result)."""
+    setup: dict | None = None
+    """The `TrainingSetup` the run was made with: a record made with other settings is run again, not reused."""
+    checkpoint_digests: dict[str, str] = field(default_factory=dict)
+    """The tied run's branch points: step -> `embedding_digest` of the checkpoint saved there. A branch checks the
+    checkpoint it loads against it, so a checkpoint left by another run is refused, not branched from."""
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,6 +176,7 @@ class Recorder:
         self.checkpoints = checkpoints
         self.progress = progress
         self.losses: dict[str, float] = {}
+        self.digests: dict[str, str] = {}
         self.recent: list[float] = []
         self.hooks: list[Callable[[int], None]] = []
 
@@ -173,9 +186,20 @@ class Recorder:
         self.recent = (self.recent + [loss])[-20:]
         if step in self.budgets:
             self.losses[str(step)] = evaluate(self.model, self.validation)
-        for path in self.checkpoints.get(step, []):
-            save_checkpoint(path, step, self.model, self.optimizer, self.scheduler, self.losses)
+        paths = self.checkpoints.get(step, [])
+        if paths:
+            self.digests[str(step)] = embedding_digest(self.model)
+        for path in paths:
+            save_checkpoint(path, step, self.model, self.optimizer, self.scheduler, self.measured)
         self.progress(1, loss)
+
+    @property
+    def measured(self) -> dict:
+        """What a resume checkpoint keeps of the run's measurements."""
+        return {"losses": dict(self.losses), "digests": dict(self.digests)}
+
+    def resume_from(self, measured: dict) -> None:
+        self.losses, self.digests = dict(measured.get("losses", {})), dict(measured.get("digests", {}))
 
     @property
     def tail(self) -> float:

@@ -1,0 +1,190 @@
+"""The structure a run's model must have, decided in one place: `plan_structure`.
+
+A model trains in one of three structures:
+
+* ``"tied"``: one shared parameter (live tying);
+* ``"emulated"``: the LM head has its own parameter, kept equal to the embedding and trained with the tied gradient
+  (`untie.emulation.EmulatedTying`: FSDP2's tied phase);
+* ``"untied"``: two independent parameters.
+
+Which one it needs depends on three things only: what the model is now (`ModelFacts`), the run's settings
+(`RunSettings`) and, on resume, what the checkpoint says about the run that wrote it (`SavedFacts`). This module turns
+them into a `StructurePlan`: the target structure, the reason an untied target is untied, a warning to give, or a
+refusal that names the fix. It is pure (plain values in, a plain value out, no torch), so every case is a row of
+`tests/test_plan.py`; `untie.run.UntieRun.apply_plan` carries the plan out on the model (and the optimizer, once it
+exists). Every adapter asks it: the run's start (`UntieRun.prepare`), a Trainer resume before anything loads
+(`UntieRun.match_saved`), `Untier.load_state_dict` / `accelerator.load_state` (with the optimizer built), and
+`untie.prepare_for_resume`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Structure = Literal["tied", "emulated", "untied"]
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model is, read off it (`untie.run.model_facts`)."""
+
+    structure: Structure
+    marked_untied: bool = False
+    """Its config carries this library's untie marker (a checkpoint untied by untie, reloaded)."""
+    peft: bool = False
+    """A PEFT model (or a transformers model with an adapter): PEFT owns both matrices."""
+    config_says_untied: bool = False
+    """Its config says untied (the marker or ``tie_word_embeddings=False``); read for PEFT models."""
+    optimizer_built: bool = False
+    """The optimizer (and any wrapper) exists: a change that adds or removes a parameter can no longer happen."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The settings that decide the structure (from `untie.UntieConfig` and the training engine)."""
+
+    adapter: str
+    """The adapter's name, as users wrote it ("UntieCallback", "Untier"): messages name it."""
+    untie_at: int | float | None = 0.3
+    """`untie_at` as set: 0 trains untied from the first step."""
+    tying_mode: Literal["live", "emulated"] = "live"
+    """The tied phase's implementation resolved for the engine."""
+    asked_mode: Literal["live", "emulated", "auto"] = "auto"
+    """`tying_mode` as the user set it: "auto" follows a checkpoint's mode."""
+    tie_init: str = "input"
+
+    @property
+    def untie_at_zero(self) -> bool:
+        return self.untie_at == 0 and not isinstance(self.untie_at, bool)
+
+
+@dataclass(frozen=True)
+class SavedFacts:
+    """What a checkpoint says about the run that wrote it, read before anything loads."""
+
+    where: str
+    """The folder or file, for messages."""
+    untied: bool | None
+    """The run was untied when it saved (None: the checkpoint does not say)."""
+    head_stored: bool | None = None
+    """In the tied phase: the LM head has its own tensor (emulated tying). None: not read (FSDP's sharded format)."""
+
+
+@dataclass(frozen=True)
+class StructurePlan:
+    """What to do with the model: reach `target` (None: leave it as it is), say `warning`, or raise `refusal`."""
+
+    target: Structure | None
+    untie_reason: str | None = None
+    """Why an untied target is untied: "start" (untie_at=0 or a reloaded untie) or "checkpoint" (resumed)."""
+    warning: str | None = None
+    refusal: str | None = None
+    call_order: bool = False
+    """The refusal is about the order of the user's calls (raised as `RuntimeError`), not about the checkpoint or
+    the settings (`ValueError`)."""
+    tie_init: str = "input"
+    """The matrix an untied model is tied from, where the plan ties one."""
+    check_peft: bool = False
+    """A PEFT model: `untie.peft_support.check_peft_run` decides (with `keep_untied`); the structure stays."""
+    keep_untied: bool = False
+
+
+def plan_structure(model: ModelFacts, settings: RunSettings, saved: SavedFacts | None = None) -> StructurePlan:
+    """The structure the model must have to start this run (`saved` None) or to resume the run saved in `saved`."""
+    if model.peft:
+        keep_untied = model.marked_untied or settings.untie_at_zero or bool(saved and saved.untied)
+        return StructurePlan(None, check_peft=True, keep_untied=keep_untied)
+    if saved is None:
+        return _plan_start(model, settings)
+    if saved.untied:
+        return StructurePlan("untied", untie_reason="checkpoint")
+    if saved.untied is None or saved.head_stored is None:
+        return StructurePlan(None)  # the checkpoint does not say: the load guard matches what the weights hold
+    if saved.head_stored:
+        return _plan_emulated_checkpoint(model, settings, saved)
+    return _plan_live_checkpoint(model, settings, saved)
+
+
+def _plan_start(model: ModelFacts, settings: RunSettings) -> StructurePlan:
+    if model.marked_untied or settings.untie_at_zero:
+        # A checkpoint untie untied (T5/BART re-tie on reload at equal values) or an untie at step 0: untied from the
+        # start. On an already-untied model this only re-applies the bookkeeping a reload loses.
+        plan = StructurePlan("untied", untie_reason="start")
+    else:
+        warning = None
+        if model.structure == "untied":
+            warning = (
+                f"{settings.adapter}: the model arrived untied; tying it with tie_init={settings.tie_init!r} (the "
+                "other matrix is dropped). To keep it untied, pass untie_at=0."
+            )
+        target: Structure = "emulated" if settings.tying_mode == "emulated" else "tied"
+        plan = StructurePlan(target, warning=warning, tie_init=settings.tie_init)
+    if model.optimizer_built and _adds_or_drops_a_parameter(model.structure, plan.target):
+        return StructurePlan(
+            None,
+            refusal=(
+                f"{settings.adapter}: the model needed a new structure for its tied phase ({settings.tying_mode} "
+                f"tying, untie_at={settings.untie_at}), but its optimizer was already built "
+                "without it. Create the Untier before the optimizer (and before accelerator.prepare / DDP / "
+                "fully_shard), then call untier.start(optimizer)."
+            ),
+            call_order=True,
+        )
+    return plan
+
+
+def _plan_emulated_checkpoint(model: ModelFacts, settings: RunSettings, saved: SavedFacts) -> StructurePlan:
+    """A tied-phase checkpoint with a separate head: written with emulated tying (FSDP2's default, or asked for)."""
+    if model.structure == "emulated":
+        return StructurePlan("emulated")
+    if model.optimizer_built:
+        return StructurePlan(
+            None,
+            refusal=(
+                f"{settings.adapter}: the checkpoint was written in the tied phase with emulated tying (a head kept "
+                f"equal to the embedding), but this run ties live. Create the {settings.adapter} with "
+                "tying_mode='emulated', before the optimizer."
+            ),
+        )
+    if settings.asked_mode == "live":
+        return StructurePlan(
+            None,
+            refusal=(
+                f"{saved.where} was written in the tied phase with emulated tying (a head kept equal to the embedding, "
+                f"FSDP2's mode), but this run asks for tying_mode='live'. Resume it with {settings.adapter}("
+                "tying_mode='emulated') or tying_mode='auto' (which follows the checkpoint)."
+            ),
+        )
+    return StructurePlan("emulated")
+
+
+def _plan_live_checkpoint(model: ModelFacts, settings: RunSettings, saved: SavedFacts) -> StructurePlan:
+    """A tied-phase checkpoint with one shared matrix: written with live tying."""
+    if model.structure == "emulated":
+        return StructurePlan(
+            None,
+            refusal=(
+                f"{saved.where} was written in the tied phase with live tying (one shared matrix), but this run "
+                "emulates tying (FSDP2, or tying_mode='emulated'): its optimizer state does not fit. Resume it where "
+                "live tying runs (one device or DDP) with tying_mode='auto' or 'live'."
+            ),
+        )
+    if model.structure == "untied" and model.optimizer_built:
+        return StructurePlan(
+            None,
+            refusal=(
+                f"{settings.adapter}: the checkpoint was written in the tied phase, but this run untied the model "
+                f"before it started (untie_at={settings.untie_at}). Resume it with the "
+                "checkpoint run's untie_at."
+            ),
+        )
+    # An untie_at=0 model is tied again so that the checkpoint loads; the deadline unties it at the resume step.
+    return StructurePlan("tied", tie_init="input")
+
+
+def _adds_or_drops_a_parameter(current: Structure, target: Structure | None) -> bool:
+    """Whether reaching `target` changes the model's parameters (a new head, or a head dropped by a tie)."""
+    if target is None or current == target:
+        return False
+    return not (current == "emulated" and target == "untied")  # a release keeps both parameters
