@@ -49,6 +49,11 @@ class MapArguments:
     cache_dir: str | None = field(
         default=None, metadata={"help": "corpus cache (default $UNTIE_CACHE or ~/.cache/untie)"}
     )
+    optimizer_state: str = field(
+        default="copy",
+        metadata={"help": "optimizer state at the untie of the auto arm and the branches: 'copy' (the default "
+                  "UntieCallback()'s), 'reset' or 'fresh'; the tied and untied runs are shared by every value"},
+    )  # fmt: skip
     report_only: bool = field(default=False, metadata={"help": "write the report from the finished runs only"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress line"})
 
@@ -58,6 +63,8 @@ class MapArguments:
         for key, value in PRESETS[self.preset].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
+        if self.optimizer_state not in ("copy", "reset", "fresh"):
+            raise SystemExit(f"--optimizer_state {self.optimizer_state!r}: choose 'copy', 'reset' or 'fresh'.")
         unknown = sorted(set(self.widths) - set(MODEL_SHAPES))
         if unknown:
             raise SystemExit(f"--widths {unknown}: choose among {sorted(MODEL_SHAPES)}.")
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"see tokens twice. Lower --budgets (at most {len(corpus.train) // args.batch_size} steps) or "
             "--batch_size."
         )
-    ctx = MapContext(corpus=corpus, budgets=tuple(args.budgets), output_dir=output_dir)
+    ctx = MapContext(corpus, tuple(args.budgets), output_dir, optimizer_state=args.optimizer_state)
     units_wanted = [(w, s) for w in args.widths for s in args.seeds]
     units: dict[tuple[int, int], dict[str, RunRecord]] = {}
     if not args.report_only:
@@ -104,9 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         bar.close()
     else:
         for width, seed in units_wanted:
-            setup = setup_for(args, width, seed)
-            paths = sorted((output_dir / "records").glob(f"{setup.name}-*.json"))
-            records = {p.stem[len(setup.name) + 1 :]: RunRecord.load(p) for p in paths}
+            records = ctx.load_records(setup_for(args, width, seed))
             if unit_complete(records, tuple(args.budgets)):
                 units[(width, seed)] = records
             else:
@@ -115,9 +120,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             raise SystemExit(f"No finished (width, seed) in {output_dir}/records: run the map first.")
     settings = {**asdict(args), "train_blocks": len(corpus.train), "validation_blocks": len(corpus.validation),
                 "block": BLOCK, "torch": torch.__version__}  # fmt: skip
-    table = write_report(output_dir, units, tuple(args.budgets), args.batch_size * BLOCK, settings)
-    print((output_dir / "results.md").read_text())
-    print(f"Wrote {output_dir}/results.json, results.md and figures/decision-map.png", file=sys.stderr)
+    suffix = "" if args.optimizer_state == "copy" else f"-{args.optimizer_state}"
+    table = write_report(output_dir, units, tuple(args.budgets), args.batch_size * BLOCK, settings, suffix)
+    print((output_dir / f"results{suffix}.md").read_text())
+    print(f"Wrote {output_dir}/results{suffix}.json, .md and figures/decision-map{suffix}.png", file=sys.stderr)
     return table
 
 

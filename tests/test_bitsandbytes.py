@@ -118,7 +118,7 @@ def test_the_head_keeps_the_embeddings_precision_override(steps_before, fresh_ov
         assert param is embedding.weight or param is head, "a stale override points at another parameter"
 
 
-@pytest.mark.parametrize("optimizer_state", ["copy", "reset"])
+@pytest.mark.parametrize("optimizer_state", ["copy", "reset", "fresh"])
 def test_emulated_tying_releases_the_head_with_the_embeddings_state_and_precision(
     optimizer_state, fresh_override_manager
 ):
@@ -139,6 +139,8 @@ def test_emulated_tying_releases_the_head_with_the_embeddings_state_and_precisio
     _train(model, optimizer, 1)
     assert optimizer.state[head]["state1"].dtype == torch.float32
     assert optimizer.state[head]["step"] == (3 if optimizer_state == "copy" else 1)
+    assert optimizer.state[embedding.weight]["step"] == (1 if optimizer_state == "fresh" else 3)  # restarted, 32-bit
+    assert optimizer.state[embedding.weight]["state1"].dtype == torch.float32
 
 
 def _wider_gpt2() -> tf.GPT2LMHeadModel:

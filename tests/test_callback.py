@@ -219,8 +219,10 @@ def test_config_round_trips_through_json():
 # -------------------------------------------------------------------------------------------------------------- resume
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert", "bart"])
-@pytest.mark.parametrize("state", ["copy", "reset"])
+@pytest.mark.parametrize(
+    ("arch", "state"),
+    [(arch, state) for arch in ("gpt2", "bert", "bart") for state in ("copy", "reset")] + [("gpt2", "fresh")],
+)
 def test_resume_before_at_and_after_untie_matches_uninterrupted_run(arch, state, make_args, tmp_path):
     def run(resume=None):
         args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=4)

@@ -294,3 +294,25 @@ def test_a_record_made_with_other_settings_is_run_again(recipe, tmp_path):
     second = recipe.main(args)  # the tied run is redone for its lost checkpoint, then the branch
     assert RunRecord.load(path).setup["learning_rate"] != 1.0
     assert json.dumps(second, sort_keys=True) == json.dumps(first, sort_keys=True)
+
+
+def test_another_optimizer_state_reuses_the_tied_and_untied_runs_and_reports_apart(recipe, tmp_path, monkeypatch):
+    args = _map_args(tmp_path, "--seeds", "1")
+    copied = recipe.main(args)
+    original = runs._plain_run
+
+    def plain_run(ctx, setup, arm, progress):
+        if arm == "untied":
+            pytest.fail("untied rerun")
+        return original(ctx, setup, arm, progress)  # the tied run reruns: its checkpoints were deleted
+
+    monkeypatch.setitem(recipe.run_unit.__globals__, "_plain_run", plain_run)
+    fresh = recipe.main([*args, "--optimizer_state", "fresh"])
+    records = {p.name for p in (tmp_path / "map" / "records").glob("*.json")}
+    assert {"d32-s1-auto+fresh.json", "d32-s1-untie@4+fresh.json", "d32-s1-auto.json"} <= records
+    title = "# Decision map (optimizer state at the untie: fresh)"
+    assert (tmp_path / "map" / "results-fresh.md").read_text().startswith(title)
+    assert (tmp_path / "map" / "figures" / "decision-map-fresh.png").stat().st_size > 0
+    for before, after in zip(copied, fresh, strict=True):
+        assert before["arms"]["tied"] == after["arms"]["tied"] and before["arms"]["untied"] == after["arms"]["untied"]
+        assert before["arms"]["fixed-50"]["mean"] != after["arms"]["fixed-50"]["mean"]

@@ -87,7 +87,7 @@ def _params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("state", ["copy", "reset"])
+@pytest.mark.parametrize("state", ["copy", "reset", "fresh"])
 def test_callback_emulated_mode_equals_a_live_untie(state, make_args, tmp_path):
     live, emulated = tiny_model("gpt2"), tiny_model("gpt2")
     _train(

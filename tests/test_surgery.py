@@ -166,7 +166,7 @@ def test_tie_embeddings_init_modes_save_and_reload_tied(arch, init, tmp_path):
         assert torch.equal(reloaded.get_parameter(layout.output_bias), bias)
 
 
-@pytest.mark.parametrize("state", ["copy", "reset"])
+@pytest.mark.parametrize("state", ["copy", "reset", "fresh"])
 def test_optimizer_gets_head_in_same_group_and_scheduler_keeps_working(state):
     model = tiny_model("gpt2")
     decay = [p for n, p in model.named_parameters() if p.ndim > 1]
@@ -184,10 +184,12 @@ def test_optimizer_gets_head_in_same_group_and_scheduler_keeps_working(state):
             assert torch.equal(opt.state[head][key], value) and opt.state[head][key] is not value
     else:
         assert head not in opt.state
+    assert (shared in opt.state) == (state != "fresh")  # "fresh": the embedding's moments restart too
     order = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     assert [order[id(p)] for p in opt.param_groups[0]["params"]] == sorted(order[id(p)] for p in decay + [head])
     _step(model, opt, sched)  # torch >= 2.13 schedulers raise here after add_param_group
     assert head.grad is None and int(opt.state[head]["step"]) == (2 if state == "copy" else 1)
+    assert int(opt.state[shared]["step"]) == (1 if state == "fresh" else 2)
 
 
 def test_copy_takes_adafactors_factored_moments_and_quantised_state():

@@ -78,8 +78,8 @@ class UntieCallback(TrainerCallback, ExportableState):
             pairs: token-id pairs known to be semantically equivalent, measured too. ``"auto"``: the tokenizer's
                 case and word-start variants (Trainer's `processing_class`); None: ``"auto"`` when Trainer has a
                 tokenizer; ``[]``: none.
-            optimizer_state: the untied head's optimizer state: ``"copy"`` (the shared matrix's moments) or
-                ``"reset"``.
+            optimizer_state: the untied head's optimizer state: ``"copy"`` (the shared matrix's moments),
+                ``"reset"``, or ``"fresh"`` (the embedding's state is emptied too).
             tie_init: a model that arrives untied is tied at construction from this matrix: ``"input"``,
                 ``"output"`` or ``"mean"``.
             tying_mode: ``"live"`` (one shared parameter), ``"emulated"`` (the head kept equal to the embedding:

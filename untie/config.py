@@ -16,7 +16,7 @@ DEFAULT_UNTIE_AT = 0.3
 #: How the tied phase is implemented (see `UntieConfig.tying_mode`).
 TYING_MODES = ("auto", "live", "emulated")
 TyingMode = Literal["auto", "live", "emulated"]
-OptimizerStateInit = Literal["copy", "reset"]
+OptimizerStateInit = Literal["copy", "reset", "fresh"]
 TieInit = Literal["input", "output", "mean"]
 #: What `untie_when` accepts: a rule, its dict form, a rule name (`untie.RULES`), "divergence", or None (no trigger).
 RuleSpec = UntieWhen | dict | str | None
@@ -42,7 +42,8 @@ class UntieConfig:
         default="copy",
         metadata={
             "help": "What the untied head's optimizer state starts from: 'copy' (the shared matrix's moments: the "
-            "head continues smoothly) or 'reset' (fresh state, as for a new parameter)."
+            "head continues smoothly), 'reset' (fresh state, as for a new parameter), or 'fresh' (fresh state for "
+            "the head and for the embedding, whose kept moments would otherwise come mostly from the head's role)."
         },
     )
     tie_init: TieInit = field(

@@ -21,9 +21,9 @@ from untie.peft_support import refuse_peft_surgery
 UNTIED_MARKER = "untied_output_embeddings"
 
 TieInit = Literal["input", "output", "mean"]
-StateInit = Literal["copy", "reset"]
+StateInit = Literal["copy", "reset", "fresh"]
 _TIE_INITS = ("input", "output", "mean")
-_STATE_INITS = ("copy", "reset")
+_STATE_INITS = ("copy", "reset", "fresh")
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,10 @@ def untie_embeddings(
 
     With `optimizer`, the new head joins the param group of the shared matrix (so LR schedulers keep working) and
     its optimizer state starts as a copy of the shared matrix's state (`optimizer_state="copy"`, a smooth fork)
-    or empty (`"reset"`, the head re-warms its moments like a fresh parameter).
+    or empty (`"reset"`, the head re-warms its moments like a fresh parameter); `"fresh"` empties the embedding's
+    state too, so that both matrices re-warm their moments from their own role's gradients (the shared matrix's
+    second moments are mostly the output role's, larger than the input role's gradients alone, and kept by the
+    embedding they shrink its steps for hundreds of steps after the untie).
 
     On a model that is already untied this only re-applies the bookkeeping (idempotent, with a warning), which is
     what a reloaded T5/BART checkpoint needs before `tie_weights()` / `resize_token_embeddings()`.
@@ -429,10 +432,13 @@ def start_state_like(
     optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter, state: StateInit = "copy"
 ) -> None:
     """Start `new`, a parameter forked from `like` and already in the optimizer, as `like` is optimised: with
-    `like`'s per-parameter optimizer settings (bitsandbytes' precision override) and, for ``"copy"``, its state."""
+    `like`'s per-parameter optimizer settings (bitsandbytes' precision override) and, for ``"copy"``, its state;
+    ``"fresh"`` also empties `like`'s state (the optimizer starts it anew at its next step, as for a new parameter)."""
     _compat.share_bitsandbytes_override(inner_optimizer(optimizer), new=new, like=like)
     if state == "copy":
         copy_optimizer_state(optimizer, new=new, like=like)
+    elif state == "fresh":
+        inner_optimizer(optimizer).state.pop(like, None)
 
 
 def copy_optimizer_state(optimizer: torch.optim.Optimizer, *, new: nn.Parameter, like: nn.Parameter) -> None:

@@ -74,7 +74,7 @@ class Untier:
             `untie.UntieWhen`, or None (a fixed schedule at `untie_at`).
         metrics_every: measure every this many optimizer steps (0: never; needs ``untie_when=None``).
         pairs: token-id pairs to measure, "auto" (from `tokenizer`), None ("auto" when a tokenizer is given), [].
-        optimizer_state: the untied head's optimizer state: "copy" or "reset".
+        optimizer_state: the untied head's optimizer state: "copy", "reset", or "fresh" (the embedding's too).
         tie_init: an untied model is tied from this matrix: "input", "output" or "mean".
         tying_mode: "live", "emulated" (FSDP2) or "auto".
 

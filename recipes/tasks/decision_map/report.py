@@ -139,16 +139,21 @@ def heatmap(table: list[dict], path: Path) -> None:
 
 
 def write_report(output_dir: Path, units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int, ...],
-                 tokens_per_step: int, settings: dict) -> list[dict]:  # fmt: skip
+                 tokens_per_step: int, settings: dict, suffix: str = "") -> list[dict]:  # fmt: skip
+    """results{suffix}.json / .md and figures/decision-map{suffix}.png; `suffix` names a non-default optimizer state
+    at the untie (``-fresh``)."""
     table = cells(units, budgets)
-    (output_dir / "results.json").write_text(json.dumps({"settings": settings, "cells": table}, indent=2))
+    (output_dir / f"results{suffix}.json").write_text(json.dumps({"settings": settings, "cells": table}, indent=2))
+    state = settings.get("optimizer_state", "copy")
+    auto = "the default `Untier()`" if state == "copy" else f"`Untier(optimizer_state={state!r})`"
     text = (
-        f"# Decision map\n\nValidation loss (nats per token), mean ± sd over seeds; arms: tied, untied, untie at "
-        f"{', '.join(f'{round(f * 100)}%' for f in FIXED_FRACTIONS)} of the budget (fixed-N), and auto (the default "
-        f"`Untier()`: evidence trigger with the tokenizer's pairs, deadline at {round(AUTO_DEADLINE * 100)}%). "
+        f"# Decision map (optimizer state at the untie: {state})\n\nValidation loss (nats per token), mean ± sd over "
+        "seeds; arms: tied, untied, untie at "
+        f"{', '.join(f'{round(f * 100)}%' for f in FIXED_FRACTIONS)} of the budget (fixed-N), and auto ({auto}: "
+        f"evidence trigger with the tokenizer's pairs, deadline at {round(AUTO_DEADLINE * 100)}%). "
         "The oracle is the best fixed arm; auto's regret is its mean minus the oracle's, in nats and in units of "
         "the larger of the two arms' sd.\n\n" + markdown(table, tokens_per_step) + "\n\n" + auto_steps(table) + "\n"
     )
-    (output_dir / "results.md").write_text(text)
-    heatmap(table, output_dir / "figures" / "decision-map.png")
+    (output_dir / f"results{suffix}.md").write_text(text)
+    heatmap(table, output_dir / "figures" / f"decision-map{suffix}.png")
     return table

@@ -43,6 +43,23 @@ class MapContext:
     corpus: TokenizedCorpus
     budgets: tuple[int, ...]
     output_dir: Path
+    optimizer_state: str = "copy"
+    """The optimizer state at the untie (`untie.UntieConfig.optimizer_state`) of the auto arm and the branches; the
+    tied and untied runs do not untie and are shared by every value."""
+
+    def arm(self, base: str) -> str:
+        """The record name of an arm that unties ("auto", "untie@N"): suffixed by a non-default optimizer state."""
+        return base if self.optimizer_state == "copy" else f"{base}+{self.optimizer_state}"
+
+    def load_records(self, setup: TrainingSetup) -> dict[str, RunRecord]:
+        """The finished records of one (width, seed) for this optimizer state, keyed by their arms' plain names."""
+        records = {}
+        for path in sorted((self.output_dir / "records").glob(f"{setup.name}-*.json")):
+            name = path.stem[len(setup.name) + 1 :]
+            base = name.split("+")[0]
+            if name in ("tied", "untied") or (base not in ("tied", "untied") and name == self.arm(base)):
+                records[base] = RunRecord.load(path)
+        return records
 
     @property
     def max_budget(self) -> int:
@@ -104,7 +121,7 @@ def auto_run(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> RunRe
     """The default `Untier` (trigger with the tokenizer's pairs, deadline at 30%) over the largest budget."""
     corpus = ctx.corpus
     model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=True)
-    untier = Untier(model, max_steps=ctx.max_budget, tokenizer=corpus.tokenizer)
+    untier = Untier(model, max_steps=ctx.max_budget, tokenizer=corpus.tokenizer, optimizer_state=ctx.optimizer_state)
     optimizer, scheduler = build_optimizer(model, setup)
     untier.start(optimizer)
     recorder = Recorder(model, optimizer, scheduler, corpus.validation, ctx.budgets, {}, progress)
@@ -112,14 +129,14 @@ def auto_run(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> RunRe
     order = data_order(len(corpus.train), setup.seed)
     train_steps(model, optimizer, scheduler, setup, corpus.train, order, 0, ctx.max_budget, recorder)
     untier.close()
-    return RunRecord("auto", setup.width, setup.seed, untier.untie_step, untier.untie_reason, recorder.losses,
+    return RunRecord(ctx.arm("auto"), setup.width, setup.seed, untier.untie_step, untier.untie_reason, recorder.losses,
                      recorder.tail, asdict(setup))  # fmt: skip
 
 
 def branch_run(
     ctx: MapContext, setup: TrainingSetup, untie_step: int, stop: int, progress: Progress, tied: RunRecord
 ) -> RunRecord:
-    """The tied run's checkpoint at `untie_step`, untied there (optimizer state copied), trained to `stop`; the
+    """The tied run's checkpoint at `untie_step`, untied there (with `ctx.optimizer_state`), trained to `stop`; the
     checkpoint must be the one the tied run (`tied`, its record) saved."""
     corpus = ctx.corpus
     model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=True)
@@ -135,12 +152,12 @@ def branch_run(
             f"differs): a leftover of another run. Delete {path.parent} and {ctx.record_path(setup, 'tied')}, then "
             "run the map again (the tied run is redone with its checkpoints)."
         )
-    untie_embeddings(model, optimizer, optimizer_state="copy")
+    untie_embeddings(model, optimizer, optimizer_state=ctx.optimizer_state)
     budgets = [b for b in ctx.budgets if untie_step < b <= stop]
     recorder = Recorder(model, optimizer, scheduler, corpus.validation, budgets, {}, progress)
     order = data_order(len(corpus.train), setup.seed)
     train_steps(model, optimizer, scheduler, setup, corpus.train, order, untie_step, stop, recorder)
-    return RunRecord(f"untie@{untie_step}", setup.width, setup.seed, untie_step, "fixed", recorder.losses,
+    return RunRecord(ctx.arm(f"untie@{untie_step}"), setup.width, setup.seed, untie_step, "fixed", recorder.losses,
                      recorder.tail, asdict(setup))  # fmt: skip
 
 
@@ -160,8 +177,8 @@ def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[
     A record made with other settings is run again. The tied run is run again when a branch still to run has lost
     its checkpoint (they are deleted once every branch of the unit is recorded)."""
 
-    def reusable(arm: str) -> RunRecord | None:
-        path = ctx.record_path(setup, arm)
+    def reusable(base: str) -> RunRecord | None:
+        path = ctx.record_path(setup, base if base in ("tied", "untied") else ctx.arm(base))
         if not path.exists():
             return None
         record = RunRecord.load(path)
@@ -170,9 +187,9 @@ def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[
         logger.warning("decision map: %s was made with other settings (%s); running it again.", path, record.setup)
         return None
 
-    def run(arm: str, make: Callable[[], RunRecord]) -> RunRecord:
+    def run(base: str, make: Callable[[], RunRecord]) -> RunRecord:
         record = make()
-        record.save(ctx.record_path(setup, arm))
+        record.save(ctx.record_path(setup, base if base in ("tied", "untied") else ctx.arm(base)))
         return record
 
     auto = reusable("auto")
