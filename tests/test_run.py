@@ -197,8 +197,11 @@ def test_warnings_point_at_the_line_the_user_wrote_from_either_adapter():
     assert through_run[0].filename == __file__
     model = tiny_model("llama")
     untier = Untier(model, max_steps=4, metrics_every=50, untie_when="cancellation")
+    optimizer = torch.optim.AdamW(model.parameters())
+    untier.start(optimizer)
+    model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
     with pytest.warns(UserWarning, match="metrics_every=50 leaves the divergence trigger") as through_untier:
-        untier.start(torch.optim.AdamW(model.parameters()))  # Untier.start -> UntieRun.begin -> _warn_short_run
+        optimizer.step()  # torch's step -> Untier's pre-step hook -> UntieRun.announce -> _warn_short_run
     assert through_untier[0].filename == __file__
     with pytest.warns(UserWarning, match="already tied") as direct:
         tie_embeddings(model)
@@ -215,3 +218,36 @@ def test_a_warning_under_trainer_points_at_the_trainer_the_user_built(tmp_path):
         tf.Trainer(model=_untied_from_its_config(), args=args, train_dataset=ToyLMDataset(n=4),
                    callbacks=[UntieCallback(untie_when=None)])  # fmt: skip
     assert caught[0].filename == __file__
+
+
+def test_untier_start_and_resume_are_separate_and_the_run_announces_itself_once():
+    """`start` begins a fresh run without a word; a checkpoint loaded before the first step begins the resumed run in
+    its place; what the run has to say is said once, at its first optimizer step, about the resumed run."""
+    import warnings
+
+    def short_untier(model):
+        return Untier(model, max_steps=40, metrics_every=50, untie_when="cancellation", untie_at=None)
+
+    saving_model = tiny_model("llama")
+    saved = short_untier(saving_model)
+    saved.start(torch.optim.AdamW(saving_model.parameters()))
+    saved.global_step = 12  # a checkpoint of step 12 (its weights are the model's: nothing trained yet)
+    state = json.loads(json.dumps(saved.state_dict()))
+
+    model = tiny_model("llama")
+    model.load_state_dict(saving_model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters())
+    untier = short_untier(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        untier.start(optimizer)  # silent: a resume may follow
+        untier.load_state_dict(state)
+    assert untier.global_step == 12
+    model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss.backward()
+    with pytest.warns(UserWarning, match="leaves the divergence trigger") as caught:
+        optimizer.step()
+        untier.step()
+        optimizer.step()
+        untier.step()
+    assert len([w for w in caught if "leaves the divergence trigger" in str(w.message)]) == 1
+    assert untier.global_step == 14

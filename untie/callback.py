@@ -164,6 +164,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             self.run.restore({}, state.global_step)
         self._resuming = None
         self.run.begin(model, optimizer, state.global_step, state.max_steps)
+        self.run.announce(state.global_step, state.max_steps)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.run.arm(state.global_step + 1)

@@ -311,7 +311,9 @@ class UntieRun:
     # -- the run ------------------------------------------------------------------------------------------------------
     def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
         """Start training at optimizer step `step` of `max_steps`: untie at a deadline already reached, else set up
-        the measurements. The model is prepared and any checkpoint is loaded."""
+        the measurements. The model is prepared and any checkpoint is loaded. It says nothing: `announce` does, once
+        the adapter knows which run begins (`Untier` begins a fresh run at `start` and, when a checkpoint loads before
+        the first step, the resumed one in its place)."""
         self.deadline.resolve(max_steps)
         if self.divergence is not None:
             self.divergence.resolve(max_steps)
@@ -332,7 +334,6 @@ class UntieRun:
             self.untie(model, optimizer, step, "deadline")
         elif self.config.metrics_every:
             self.probe = RoleGradientProbe(model, pairs=self.pairs)
-            self._warn_short_run(step, max_steps)
 
     def _begin_emulated(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
         if self.untied:  # resumed from a checkpoint saved after the untie: the head's values and state are its own
@@ -345,6 +346,11 @@ class UntieRun:
         elif self.config.metrics_every:
             # A measurement costs O(|T| d) per rank (the rows the batch looked up), also sharded: the trigger stays on.
             self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation)
+
+    def announce(self, step: int, max_steps: int | None) -> None:
+        """Say what the user should know about the run that `begin` set up at `step`, before its first step runs (a
+        trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
+        if self.probe is not None:
             self._warn_short_run(step, max_steps)
 
     def arm(self, step: int) -> None:

@@ -103,6 +103,7 @@ class Untier:
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_step = 0
         """Optimizer steps done (restored by `load_state_dict`)."""
+        self._begun_at: int | None = None  # the step a run began at and has not announced yet (see `_begin`)
         config = UntieConfig(
             untie_at=untie_at,
             untie_when=untie_when,
@@ -181,8 +182,15 @@ class Untier:
 
     # -- the loop -----------------------------------------------------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer) -> None:
-        """Begin the run with `optimizer` (after `accelerator.prepare`, or DDP / fully_shard). Resuming, load the
-        checkpoint after this call (`accelerator.load_state`, or `load_state_dict` first in a plain loop)."""
+        """Begin a fresh run with `optimizer` (after `accelerator.prepare`, or DDP / fully_shard). Resuming, load the
+        checkpoint after this call (`accelerator.load_state`, or `load_state_dict` first in a plain loop): the resumed
+        run then begins in place of the fresh one.
+
+        Start and resume are separate: `start` arms the first step's measurement (it must be in place before the first
+        forward) but neither changes the model's structure (the plan did at `Untier()`) nor says anything; a resume
+        gives the model the checkpoint's structure and begins the run at the checkpoint's step. What the run has to
+        say (a trigger that cannot fire in the run's length) is said once, at the first optimizer step, about the run
+        that is then under way, fresh or resumed."""
         if self.optimizer is not None:
             raise RuntimeError("Untier.start() was already called (or the optimizer was passed to Untier()).")
         self.optimizer = optimizer
@@ -193,11 +201,20 @@ class Untier:
         self._begin()
 
     def _begin(self) -> None:
+        """Begin the run at `global_step` (fresh at `start`, or the resumed one after a load); it announces itself at
+        its first optimizer step."""
         self.run.begin(self.model, self.optimizer, self.global_step, self.max_steps)
         self.run.arm(self.global_step + 1)
+        self._begun_at = self.global_step
+
+    def _announce_once(self) -> None:
+        if self._begun_at is not None:
+            step, self._begun_at = self._begun_at, None
+            self.run.announce(step, self.max_steps)
 
     def _before_optimizer_step(self, *_args) -> None:
         self._check_loaded_weights()
+        self._announce_once()
         self.run.measure(self.global_step + 1)
 
     def step(self) -> dict[str, float]:
@@ -215,6 +232,7 @@ class Untier:
         if self.accelerator is not None and not self.accelerator.sync_gradients:
             return {}
         self._check_loaded_weights()
+        self._announce_once()  # the optimizer hook did, unless it skipped its step (GradScaler overflow)
         self.global_step += 1
         step = self.global_step
         self.run.measure(step)  # a no-op unless the optimizer skipped this step (GradScaler overflow) unmeasured
