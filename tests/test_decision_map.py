@@ -250,6 +250,15 @@ def test_the_cell_statistics_name_the_winner_the_oracle_and_the_auto_regret():
     assert cell["auto_regret_sd"] == pytest.approx((auto_mean - 4.9) / sd, rel=1e-5)
     assert cell["winner"] == "auto" and cell["tie_then_untie_beats_both"]
     assert cell["margin_over_best_plain"] == pytest.approx(5.1 - 4.875)
+    paired = cell["paired"]
+    assert paired["arm"] == "auto"
+    # untied 5.1 / 5.3 and tied 5.0 / 5.2 against auto's 4.7 / 5.05, seed by seed
+    assert paired["untied"]["mean"] == pytest.approx((0.4 + 0.25) / 2)
+    assert paired["tied"]["mean"] == pytest.approx((0.3 + 0.15) / 2)
+    assert paired["tied"]["sd"] == pytest.approx(torch.tensor([0.3, 0.15]).std().item(), rel=1e-5)
+    assert (paired["untied"]["wins"], paired["untied"]["seeds"]) == (2, 2)
+    assert cell["auto_regret_paired"][0] == pytest.approx(((4.7 - 4.8) + (5.05 - 5.0)) / 2)
+    assert "better in" in report.paired_table([cell])
 
 
 def test_the_corpus_is_built_once_and_then_read_from_the_cache(tmp_path, monkeypatch):

@@ -69,8 +69,45 @@ def cells(units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int
                 "auto_regret_sd": (arms["auto"]["mean"] - arms[oracle]["mean"]) / sd if sd > 0 else math.nan,
                 "tie_then_untie_beats_both": best_tie_then_untie < best_plain,
                 "margin_over_best_plain": best_plain - best_tie_then_untie,
+                "paired": paired_differences(arms, [*fixed, "auto"]),
+                "auto_regret_paired": _spread([a - o for a, o in zip(arms["auto"]["per_seed"], arms[oracle]["per_seed"],
+                                                                      strict=True)]),
             })  # fmt: skip
     return out
+
+
+def paired_differences(arms: dict[str, dict], candidates: list[str]) -> dict:
+    """The best tie-then-untie arm (by mean) against tied and against untied, seed by seed.
+
+    Every arm of a seed starts from the same initialisation and reads the same data order, so the seed moves all
+    arms together: the per-seed difference shows an effect that the arms' own sd (mostly the seed's) hides."""
+    best = min(candidates, key=lambda a: arms[a]["mean"])
+    out: dict = {"arm": best}
+    for plain in ("tied", "untied"):
+        # > 0: the tie-then-untie arm is better (lower loss) than the plain arm in that seed
+        gains = [p - b for p, b in zip(arms[plain]["per_seed"], arms[best]["per_seed"], strict=True)]
+        mean, sd = _spread(gains)
+        out[plain] = {"mean": mean, "sd": sd, "wins": sum(g > 0 for g in gains), "seeds": len(gains)}
+    return out
+
+
+def paired_table(table: list[dict]) -> str:
+    """The best tie-then-untie arm of each cell against tied and untied, paired by seed."""
+    lines = [
+        "| width | budget | best tie-then-untie arm | gain over tied (paired) | gain over untied (paired) "
+        "| auto's regret (paired) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for cell in table:
+        paired = cell["paired"]
+        gains = [
+            f"{paired[p]['mean']:+.4f} ± {paired[p]['sd']:.4f} (better in {paired[p]['wins']}/{paired[p]['seeds']})"
+            for p in ("tied", "untied")
+        ]
+        regret, regret_sd = cell["auto_regret_paired"]
+        lines.append(f"| d{cell['width']} | {cell['budget']:,} | {paired['arm']} | {gains[0]} | {gains[1]} "
+                     f"| {regret:+.4f} ± {regret_sd:.4f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def markdown(table: list[dict], tokens_per_step: int) -> str:
@@ -152,7 +189,12 @@ def write_report(output_dir: Path, units: dict[tuple[int, int], dict[str, RunRec
         f"{', '.join(f'{round(f * 100)}%' for f in FIXED_FRACTIONS)} of the budget (fixed-N), and auto ({auto}: "
         f"evidence trigger with the tokenizer's pairs, deadline at {round(AUTO_DEADLINE * 100)}%). "
         "The oracle is the best fixed arm; auto's regret is its mean minus the oracle's, in nats and in units of "
-        "the larger of the two arms' sd.\n\n" + markdown(table, tokens_per_step) + "\n\n" + auto_steps(table) + "\n"
+        "the larger of the two arms' sd.\n\n" + markdown(table, tokens_per_step) + "\n\n" + auto_steps(table) + "\n\n"
+        "Paired by seed (the arms of a seed share the initialisation and the data order): the loss of tied, or "
+        "untied, minus that of the cell's best tie-then-untie arm, mean ± sd over seeds (> 0: tie-then-untie is "
+        "better), and in how many seeds it is better; the auto arm's loss minus the oracle fixed arm's.\n\n"
+        + paired_table(table)
+        + "\n"
     )
     (output_dir / f"results{suffix}.md").write_text(text)
     heatmap(table, output_dir / "figures" / f"decision-map{suffix}.png")
