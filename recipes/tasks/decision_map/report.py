@@ -164,7 +164,9 @@ def heatmap(table: list[dict], path: Path) -> None:
                 cell = grid[(w, b)]
                 text = f"{cell[key]:+.3f}\n{cell['winner']}" if key.startswith("margin") else (
                     f"{cell[key]:+.1f} sd\noracle {cell['oracle_step']}")  # fmt: skip
-                ax.text(j, i, text, ha="center", va="center", fontsize=8)
+                shade = float(image.norm(cell[key]))  # where the cell's colour sits on the map: dark at the ends
+                dark = abs(shade - 0.5) > 0.3 if key.startswith("margin") else shade > 0.6
+                ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
         ax.set_xticks(range(len(budgets)), [f"{b:,} steps" for b in budgets])
         ax.set_yticks(range(len(widths)), [f"d = {w}" for w in widths])
         ax.set_title(title, fontsize=9)
