@@ -13,6 +13,7 @@ the table is read from it. A table is never edited by hand; a change that alters
     python scripts/docs_tables.py --check --cheap         # what CI runs: the cheap tables must equal their commands'
     python scripts/docs_tables.py --check exor-trigger    # an expensive one, on demand
     python scripts/docs_tables.py --list                  # every table: page, cost, commands, the commit that wrote it
+    python scripts/docs_tables.py --write decision-map --from runs/decision-map   # read a finished run's report
 
 Only tables whose numbers are deterministic (same seed, same numbers on a machine kind, whatever the worker count)
 are checked; timings are measurements, dated by the commit and machine written next to them. The tables that are not
@@ -58,6 +59,18 @@ def without_columns(*names: str) -> Callable[[str], str]:
         kept = ["| " + " | ".join(row[i] for i in keep) + " |" for row in rows]
         kept[1] = "|" + "---|" * len(keep)  # the header separator
         return "\n".join(kept)
+
+    return extract
+
+
+def nth_table(index: int) -> Callable[[str], str]:
+    """The `index`-th Markdown table of a file (0: the first), for a command that writes several."""
+
+    def extract(text: str) -> str:
+        tables = re.findall(r"(?:^\|.*(?:\n|$))+", text, flags=re.M)
+        if len(tables) <= index:
+            raise ValueError(f"the command's output holds {len(tables)} Markdown table(s), not {index + 1}")
+        return tables[index].strip()
 
     return extract
 
@@ -114,7 +127,27 @@ def _clm_seed(seed: int) -> tuple[str, ...]:
     )  # fmt: skip
 
 
+#: The decision map (hours on 2 cores): every arm at d 64 and 256, seeds 1-3; its report holds three tables.
+_MAP = (("python", "recipes/decision_map.py", "--output_dir", "{out}", "--disable_tqdm"),)
+#: The map's arms that untie again with `optimizer_state="fresh"`, at d 64 (the tied and untied runs rerun too).
+_MAP_FRESH = (
+    ("python", "recipes/decision_map.py", "--widths", "64", "--optimizer_state", "fresh", "--output_dir", "{out}",
+     "--disable_tqdm"),
+)  # fmt: skip
+
+
+def _map_tables(name: str, commands: tuple[tuple[str, ...], ...], output: str) -> dict[str, Table]:
+    """The three tables of a decision-map report: the cells, the auto arm's untie steps, the paired differences."""
+    page = "docs/recipes/decision-map.md"
+    return {
+        f"{name}{part}": Table(page=page, commands=commands, output=output, extract=nth_table(index))
+        for index, part in enumerate(("", "-auto-steps", "-paired"))
+    }
+
+
 TABLES: dict[str, Table] = {
+    **_map_tables("decision-map", _MAP, "results.md"),
+    **_map_tables("decision-map-fresh", _MAP_FRESH, "results-fresh.md"),
     "exor-quick": Table(
         page="docs/recipes/exor.md",
         commands=(_exor("--arms", "untied", "tied", "scheduled", "scheduled-reset", "auto", "--output_dir", "{out}"),),
@@ -237,8 +270,26 @@ def committed(name: str) -> str:
     return match.group(1)
 
 
-def generate(name: str) -> str:
-    """Run the table's commands in a fresh folder and return the table they write."""
+#: What each set of commands wrote, within one invocation: tables read from the same report run it once.
+_OUTPUTS: dict[tuple, str] = {}
+
+
+def generate(name: str, finished: Path | None = None) -> str:
+    """Run the table's commands in a fresh folder and return the table they write; with `finished`, the folder of a
+    run of those commands that already ended (an expensive table run in sittings), read its output instead."""
+    table = TABLES[name]
+    if finished is not None:
+        if table.output is None:
+            raise SystemExit(f"[{name}] its table is its command's standard output: --from cannot read it.")
+        return table.extract((finished / table.output).read_text()).strip()
+    key = (table.commands, table.output)
+    if key not in _OUTPUTS:
+        _OUTPUTS[key] = _run_commands(name)
+    return table.extract(_OUTPUTS[key]).strip()
+
+
+def _run_commands(name: str) -> str:
+    """Run the table's commands in a fresh folder; the text of the file (or standard output) the last one writes."""
     table = TABLES[name]
     with tempfile.TemporaryDirectory(prefix=f"docs-table-{name}-") as out:
         stdout = ""
@@ -251,8 +302,7 @@ def generate(name: str) -> str:
                 stdout=subprocess.PIPE if last and table.output is None else subprocess.DEVNULL,
             )  # fmt: skip
             stdout = done.stdout or ""
-        text = stdout if table.output is None else Path(out, table.output).read_text()
-        return table.extract(text).strip()
+        return stdout if table.output is None else Path(out, table.output).read_text()
 
 
 def last_commit(name: str) -> str:
@@ -290,12 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="run the commands; exit 1 if a page's table differs")
     mode.add_argument("--list", action="store_true", help="list the tables: page, cost, commands, last commit")
     parser.add_argument("--cheap", action="store_true", help="only the tables cheap enough for CI")
+    parser.add_argument(
+        "--from", dest="finished", type=Path, metavar="DIR",
+        help="read the tables from DIR, where the named tables' commands already ran (with --output_dir DIR)",
+    )  # fmt: skip
     parser.add_argument("names", nargs="*", help=f"tables to process (default: all): {', '.join(TABLES)}")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.names) - set(TABLES))
     if unknown:
         parser.error(f"unknown table(s) {unknown}; choose among {sorted(TABLES)}")
     names = [n for n in (args.names or TABLES) if TABLES[n].cost == "cheap" or not args.cheap]
+    if args.finished is not None and not args.names:
+        parser.error("--from reads one run's output: name the tables its commands wrote")
     if args.list:
         for name in names:
             table = TABLES[name]
@@ -307,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         if TABLES[name].cost == "record" or (args.check and TABLES[name].cost == "timing"):
             print(f"[{name}] {COSTS[TABLES[name].cost]}")
             continue
-        new = generate(name)
+        new = generate(name, args.finished)
         if args.write:
             write(name, new)
         elif new != committed(name).strip():

@@ -117,3 +117,34 @@ def test_the_generated_table_of_several_commands_reads_the_last_ones_standard_ou
               "sys.argv[1], 'n').read_text(), '|')", "{out}")  # fmt: skip
     module.TABLES["toy"] = module.Table(page="page.md", commands=(first, second), output=None)
     assert module.main(["--check"]) == 0
+
+
+def test_tables_read_from_one_report_run_its_commands_once(docs_tables, tmp_path):
+    """The decision map's report holds three tables, each registered apart: one check runs the map once."""
+    module, page, _ = docs_tables
+    counter = tmp_path / "runs.txt"
+    report = "| a | b |\\n|---|---|\\n| 1 | 2 |\\n\\nbetween\\n\\n| c |\\n|---|\\n| 3 |\\n"
+    command = ("python", "-c", f"import sys; open({str(counter)!r}, 'a').write('run\\n'); "
+               f"open(sys.argv[1] + '/out.md', 'w').write('{report}')", "{out}")  # fmt: skip
+    page.write_text(page.read_text() + "\n<!-- table: second -->\n| c |\n|---|\n| 3 |\n<!-- end table: second -->\n")
+    module.TABLES.update({
+        name: module.Table(page="page.md", commands=(command,), output="out.md", extract=module.nth_table(index))
+        for index, name in enumerate(("toy", "second"))
+    })  # fmt: skip
+    assert module.main(["--check"]) == 0
+    assert counter.read_text() == "run\n"
+    with pytest.raises(ValueError, match="holds 2 Markdown table"):
+        module.nth_table(2)(report.replace("\\n", "\n"))
+
+
+def test_from_reads_the_report_of_a_run_that_already_ended(docs_tables, tmp_path):
+    """An expensive table run in sittings (the decision map) is written from its finished output folder."""
+    module, page, _ = docs_tables
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / "out.md").write_text("| a | b |\n|---|---|\n| 1 | 7 |\n")
+    assert module.main(["--check", "toy", "--from", str(finished)]) == 1
+    assert module.main(["--write", "toy", "--from", str(finished)]) == 0
+    assert "| 1 | 7 |" in page.read_text()
+    with pytest.raises(SystemExit):
+        module.main(["--check", "--from", str(finished)])  # no table named
