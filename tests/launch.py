@@ -22,11 +22,13 @@ def worker_env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
 
 
-def torchrun(worker: str | os.PathLike, *args: object, processes: int = 2) -> subprocess.CompletedProcess:
+def torchrun(
+    worker: str | os.PathLike, *args: object, processes: int = 2, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run `worker` (a script in tests/, or a path) under torchrun with `args`; fail the test with its output if it
     fails.
 
-    Each process gets one thread (2 ranks on 2 cores). The timeout is a hang guard (a deadlocked worker), not a
+    Each process gets one thread (2 ranks on 2 cores); `env` adds variables. The timeout is a hang guard (a deadlocked worker), not a
     speed limit.
     """
     if shutil.which("torchrun") is None:
@@ -34,6 +36,6 @@ def torchrun(worker: str | os.PathLike, *args: object, processes: int = 2) -> su
     script = os.path.join(os.path.dirname(__file__), worker)  # an absolute path stays as it is
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     cmd += ["--master_port", str(free_port()), script, *map(str, args)]
-    result = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(cmd, env={**worker_env(), **(env or {})}, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

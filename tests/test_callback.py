@@ -522,18 +522,22 @@ def test_the_engine_is_what_accelerate_will_run(make_args):
         ("emulated", None, "emulated"),
         ("auto", "FSDP2", "emulated"),
         ("emulated", "FSDP2", "emulated"),
+        ("auto", "DEEPSPEED", "emulated"),
+        ("emulated", "DEEPSPEED", "emulated"),
     ],
 )
 def test_tying_mode_auto_picks_emulated_only_where_a_live_untie_cannot_work(requested, engine, mode):
     assert resolve_tying_mode(requested, engine) == mode
 
 
-def test_live_tying_under_fsdp2_and_unsupported_engines_are_refused():
+def test_live_tying_under_fsdp2_or_deepspeed_and_unsupported_engines_are_refused():
     with pytest.raises(RuntimeError, match="tying_mode='live' cannot work under FSDP2.*silently reverted"):
         resolve_tying_mode("live", "FSDP2")
-    for engine in ("FSDP1", "DEEPSPEED", "MEGATRON_LM", "XLA"):
+    with pytest.raises(RuntimeError, match="tying_mode='live' cannot work under DEEPSPEED.*engine init"):
+        resolve_tying_mode("live", "DEEPSPEED")
+    for engine in ("FSDP1", "MEGATRON_LM", "XLA"):
         for requested in ("auto", "emulated"):
             with pytest.raises(RuntimeError, match=f"untie does not support {engine}"):
                 resolve_tying_mode(requested, engine)
     with pytest.raises(RuntimeError, match="Use FSDP2"):
-        resolve_tying_mode("auto", "DEEPSPEED")
+        resolve_tying_mode("auto", "FSDP1")

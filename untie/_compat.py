@@ -144,6 +144,19 @@ def is_deepspeed_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+def is_deepspeed_mapped(param: torch.Tensor) -> bool:
+    """Whether a ZeRO-1/2 (or bf16) optimizer maps `param` onto its flat fp32 partition: it sets `_hp_mapping` on each
+    (`deepspeed.utils.safe_get_full_*` test the same attribute; no public predicate). Checked: deepspeed 0.19.8."""
+    return hasattr(param, "_hp_mapping")
+
+
+def in_deepspeed_engine(param: torch.Tensor) -> bool:
+    """Whether a ZeRO-3 partitioned `param` belongs to a built engine's optimizer (`deepspeed.initialize` sets
+    `_z3_optimizer` on each; `zero.Init` alone, as `from_pretrained` under a ZeRO-3 config, does not). Checked:
+    deepspeed 0.19.8 (`runtime/zero/stage3.py`)."""
+    return hasattr(param, "_z3_optimizer")
+
+
 # -- torch: an embedding's gradient layout -----------------------------------------------------------------------------
 @contextmanager
 def sparse_embedding_gradient(module: nn.Module):

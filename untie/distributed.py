@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -15,9 +17,6 @@ _WHY = {
     "FSDP1": "FSDP1 flattens every parameter of a unit into one FlatParameter at wrap time: a head created later is "
     "never sharded, and the emulated mode's gradient fold needs row-aligned shards. Use FSDP2 (accelerate "
     "`fsdp_version: 2`, or `fsdp_config={'version': 2}`), where tying_mode='auto' picks the emulated mode.",
-    "DEEPSPEED": "ZeRO builds its flat fp32 partitions at engine init, so a head cannot be added later, and under "
-    "accelerate the engine's step runs inside backward, leaving no point to fold the head's gradient into the "
-    "embedding's (stages 0-3 alike). Use FSDP2 (tying_mode='auto' picks the emulated mode there) or DDP.",
     "MEGATRON_LM": "Megatron-LM manages (and ties) the embeddings itself.",
     "XLA": "XLA/TPU re-ties the weights when the model is moved to the device.",
 }
@@ -25,6 +24,8 @@ _WHY = {
 _EMULATED_ONLY = {
     "FSDP2": "a live untie under FSDP2 is silently reverted: fully_shard re-assigns the head's parameter to the "
     "shared embedding at every unshard, and the new parameter never trains.",
+    "DEEPSPEED": "ZeRO builds its flat fp32 partitions at engine init, so a head created later is never trained (the "
+    "emulated mode ties the two roles in autograd instead, `untie.zero_tying`).",
 }
 
 
@@ -42,7 +43,7 @@ def training_engine(args=None) -> str | None:
             name = state.distributed_type.name
             if name == "FSDP":
                 return f"FSDP{getattr(state.fsdp_plugin, 'fsdp_version', 1)}"
-            return name if name in _WHY else None
+            return name if name in _WHY or name in _EMULATED_ONLY else None
         if _compat.partial_state_exists() and PartialState().distributed_type.name == "XLA":
             return "XLA"
     except (ImportError, AttributeError, ValueError):
@@ -60,7 +61,8 @@ def resolve_tying_mode(requested: str, engine: str | None) -> str:
     """The tied phase's implementation for `engine`: "live" or "emulated"; raise where neither can work.
 
     "auto" picks "live" (one shared parameter, the cheapest) on one device and under DDP, and "emulated" where a
-    head created after wrapping would not train (FSDP2). A forced mode is honoured unless the engine rules it out.
+    head created after wrapping would not train (FSDP2, DeepSpeed). A forced mode is honoured unless the engine rules
+    it out.
     """
     if engine in _WHY:
         raise RuntimeError(
@@ -117,6 +119,20 @@ def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def gathered(*params: torch.Tensor) -> Iterator[None]:
+    """Within the block, DeepSpeed ZeRO-3 partitioned `params` hold their full values (read-only); others are left
+    alone. Every rank must enter it (it all-gathers)."""
+    partitioned = [p for p in params if _compat.is_deepspeed_partitioned(p)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+        yield
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from untie.config import UntieConfig
 from untie.distributed import (
     broadcast_decision,
     gather_rows,
+    gathered,
     is_sharded,
     resolve_tying_mode,
     sync_grads_across_ranks,
@@ -49,6 +50,7 @@ from untie.surgery import (
     was_untied,
 )
 from untie.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
+from untie.zero_tying import ZeroTying
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +102,9 @@ class UntieRun:
         """Every measurement: {"step": ..., signal: value, ...}; the smoothed trigger signal as "trigger"."""
         self.tying_mode: str | None = None
         """The tied phase's implementation, "live" or "emulated" (`use_tying_mode`)."""
-        self.emulation: EmulatedTying | None = None
+        self.engine: str | None = None
+        """The engine that trains (`untie.distributed.training_engine`): "FSDP2", "DEEPSPEED" or None."""
+        self.emulation: EmulatedTying | ZeroTying | None = None
         self.latest: dict[str, float] = {}
         """The last measurement, summarised for logging (`untie/<key>`); cleared by `take_latest`."""
         self.probe: RoleGradientProbe | None = None
@@ -158,6 +162,7 @@ class UntieRun:
     def use_tying_mode(self, engine: str | None) -> None:
         """Resolve `config.tying_mode` for the engine that trains (`untie.distributed.training_engine`)."""
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, engine)
+        self.engine = engine
 
     def settings(self) -> RunSettings:
         """The settings `plan_structure` decides from (the tying mode resolved by `use_tying_mode`)."""
@@ -206,7 +211,9 @@ class UntieRun:
             untie_embeddings(model)  # the head gets its own parameter now, before wrapping, and trains as if tied
             if self.tying_mode == "live":
                 logger.info("untie: the checkpoint was written with emulated tying; this run resumes it emulated.")
-            self.tying_mode, self.emulation = "emulated", EmulatedTying(model)
+            self.tying_mode = "emulated"
+            # ZeRO reduces and partitions gradients inside backward (no point to fold them): tie in autograd there.
+            self.emulation = ZeroTying(model) if self.engine == "DEEPSPEED" else EmulatedTying(model)
 
     def _reach_untied(self, model: nn.Module, current: str, optimizer) -> None:
         if current == "emulated":  # the head has had its own parameter, in the optimizer, from the start
@@ -343,6 +350,8 @@ class UntieRun:
         self.emulation.attach_optimizer(optimizer)
         if self.deadline.fires(step):
             self.untie(model, optimizer, step, "deadline")
+        elif isinstance(self.emulation, ZeroTying):
+            pass  # no role gradients to read: see `announce`
         elif self.config.metrics_every:
             # A measurement costs O(|T| d) per rank (the rows the batch looked up), also sharded: the trigger stays on.
             self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation)
@@ -352,6 +361,15 @@ class UntieRun:
         trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
         if self.probe is not None:
             self._warn_short_run(step, max_steps)
+        elif isinstance(self.emulation, ZeroTying) and self.divergence is not None and not self.untied:
+            deadline = self.deadline.step
+            when = f"at the deadline, step {deadline}" if deadline else "never: there is no deadline"
+            _compat.warn_in_user_code(
+                f"{self.owner}: under DeepSpeed the divergence trigger cannot measure: ZeRO reduces and partitions "
+                "the gradients inside backward, and under accelerate the engine steps inside backward too, so no "
+                f"point sees the step's complete role gradients. The model unties {when}. Pass untie_when=None (a "
+                "fixed schedule at untie_at) to say so and silence this warning."
+            )
 
     def arm(self, step: int) -> None:
         """Optimizer step `step` is about to run its first forward: measure its gradients if it is a metrics step."""
@@ -445,7 +463,8 @@ class UntieRun:
         input_weight = model.get_input_embeddings().weight
         output_weight = model.get_output_embeddings().weight
         if not is_sharded(input_weight):
-            return drift_metrics(input_weight, output_weight, pairs=self.pairs, seed=step, **_DRIFT_SAMPLE)
+            with gathered(input_weight, output_weight):  # ZeRO-3: every rank gathers both, then measures the same
+                return drift_metrics(input_weight, output_weight, pairs=self.pairs, seed=step, **_DRIFT_SAMPLE)
         # FSDP2: read only the sampled rows of each rank's shard (every rank samples the same rows).
         return sampled_drift_metrics(
             lambda ids: (gather_rows(input_weight, ids), gather_rows(output_weight, ids)),

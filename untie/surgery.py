@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from untie import _compat
+from untie.distributed import gathered
 from untie.peft_support import refuse_peft_surgery
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
@@ -126,11 +127,14 @@ def _check_shapes(model: nn.Module, layout: EmbeddingLayout) -> None:
 
 
 def _refuse_sharded(model: nn.Module) -> None:
+    """Refuse a model an engine has sharded. A model ZeRO-3 partitioned at construction (`zero.Init`, as
+    `from_pretrained` does under a ZeRO-3 config) but not yet in an engine is not refused: its matrices are gathered
+    to copy them, and `deepspeed.initialize` partitions the new head with the rest."""
     for name, param in model.named_parameters():
         if (
             type(param).__name__ == "DTensor"
             or type(param.data).__name__ == "DTensor"
-            or _compat.is_deepspeed_partitioned(param)
+            or _compat.in_deepspeed_engine(param)
         ):
             raise RuntimeError(
                 f"{name} is sharded (FSDP2 DTensor or DeepSpeed ZeRO). untie cannot change the embedding structure "
@@ -316,10 +320,10 @@ def untie_embeddings(
         _mark_untied(model, layout)
         return model
     _refuse_sharded(model)
-    _check_shapes(model, layout)
-
     shared = model.get_parameter(layout.input_weight)
-    head = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
+    with gathered(shared):
+        _check_shapes(model, layout)
+        head = nn.Parameter(shared.detach().clone(), requires_grad=shared.requires_grad)
     _set(model, layout.output_weight, head)
     # The bias used in forward keeps its identity (and its optimizer state and DDP registration); any other name it
     # was registered under while tied gets its own frozen copy, so both keys save and reload without a dropped bias.

@@ -1,0 +1,136 @@
+"""DeepSpeed ZeRO 1-3 on 2 CPU ranks (gloo): the tied phase in autograd (`untie.zero_tying`), the untie through
+DeepSpeed's API, resume before and after it, and the saved model, through Trainer (`deepspeed=`) and through `Untier` in
+an accelerate loop.
+
+They need DeepSpeed (`pip install -e ".[deepspeed]"`, with `DS_BUILD_OPS=0` on a machine without CUDA) and are skipped
+without it, except where UNTIE_REQUIRE_DEEPSPEED is set (CI's DeepSpeed step), where a missing DeepSpeed fails them.
+The references are a really tied run under the same ZeRO stage (the tied phase) and the same run under DDP, where the
+untie is live (the steps after it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from launch import torchrun
+
+if not os.environ.get("UNTIE_REQUIRE_DEEPSPEED"):
+    pytest.importorskip("deepspeed")
+
+STAGES = (1, 2, 3)
+UNTIE_AT, MAX_STEPS = 6, 10
+#: DeepSpeed's accelerator on a machine without a GPU; one thread per rank.
+DS_ENV = {"DS_ACCELERATOR": "cpu"}
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed-trainer")
+    for stage in (0, *STAGES):  # 0: the DDP reference
+        torchrun(os.path.join(HERE, "deepspeed_trainer_run.py"), out, stage, env=DS_ENV)
+    return out, {stage: [torch.load(out / f"z{stage}-rank{r}.pt") for r in (0, 1)] for stage in (0, *STAGES)}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_tied_phase_under_zero_equals_a_really_tied_run(trainer_runs, stage):
+    _, runs = trainer_runs
+    tied, run = runs[stage][0]["tied"], runs[stage][0]["untie"]
+    assert tied["tied_parameter"] and not run["tied_parameter"]
+    for rank in (0, 1):
+        untied = runs[stage][rank]["untie"]
+        assert (untied["tying_mode"], untied["untie_step"], untied["reason"]) == ("emulated", UNTIE_AT, "deadline")
+    before = slice(0, UNTIE_AT)
+    assert min(tied["norms"][before]) > 0.3  # max_grad_norm=0.3 bites: clipping must see the tied norm
+    torch.testing.assert_close(run["losses"][before], tied["losses"][before], rtol=0, atol=1e-5)
+    torch.testing.assert_close(run["norms"][before], tied["norms"][before], rtol=1e-5, atol=0)
+    assert run["warnings"] == []  # untie_when=None: nothing to warn about
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_untie_under_zero_copies_the_tied_optimizer_state_on_every_rank(trainer_runs, stage):
+    _, runs = trainer_runs
+    tied = runs[stage][0]["tied"]["at_untie"]
+    for rank in (0, 1):
+        after = runs[stage][rank]["untie"]["at_untie"]  # right after the untie step: fp32 masters and Adam moments
+        for key in ("", ".exp_avg", ".exp_avg_sq"):
+            assert torch.equal(after["head" + key], after["embedding" + key]), key  # the fork is an exact copy
+        # ... of the live tied run's moments (autograd tying hands each matrix g / sqrt(2); the untie rescales): a
+        # missing rescale is off by a factor 1/sqrt(2) or 1/2.
+        torch.testing.assert_close(after["embedding.exp_avg"], tied["embedding.exp_avg"], rtol=5e-3, atol=1e-9)
+        torch.testing.assert_close(after["embedding.exp_avg_sq"], tied["embedding.exp_avg_sq"], rtol=5e-3, atol=1e-12)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_under_zero_after_the_untie_equals_a_live_untie_under_ddp(trainer_runs, stage):
+    _, runs = trainer_runs
+    reference, run = runs[0][0]["untie"], runs[stage][0]["untie"]
+    assert reference["tying_mode"] == "live" and reference["untie_step"] == UNTIE_AT
+    torch.testing.assert_close(run["losses"], reference["losses"], rtol=0, atol=1e-5)
+    rank0, rank1 = runs[stage][0]["untie"]["final"], runs[stage][1]["untie"]["final"]
+    assert not torch.equal(rank0["head"], rank0["embedding"])  # the head trained on its own
+    for name in ("head", "embedding"):
+        assert torch.equal(rank0[name], rank1[name])
+        torch.testing.assert_close(rank0[name], reference["final"][name], rtol=0, atol=1e-4)  # eps: see untie.zero_tying
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("checkpoint", [4, 8])
+def test_trainer_resume_under_zero_before_and_after_the_untie_equals_the_uninterrupted_run(
+    trainer_runs, stage, checkpoint
+):
+    # checkpoint-4 is before the untie (the resumed run unties at 6), checkpoint-8 after it.
+    _, runs = trainer_runs
+    for rank in (0, 1):
+        run, reference = runs[stage][rank][f"resume-{checkpoint}"], runs[stage][rank]["untie"]
+        assert (run["untie_step"], run["reason"]) == (UNTIE_AT, "deadline")
+        resumed_steps = MAX_STEPS - checkpoint
+        torch.testing.assert_close(run["losses"], reference["losses"][-resumed_steps:], rtol=0, atol=1e-6)
+        for name, value in reference["final"].items():
+            torch.testing.assert_close(run["final"][name], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_under_zero_saves_a_model_that_reloads_untied_in_plain_transformers(trainer_runs, stage):
+    from transformers import AutoModelForCausalLM
+
+    out, runs = trainer_runs
+    final = runs[stage][0]["untie"]["final"]
+    model = AutoModelForCausalLM.from_pretrained(out / f"z{stage}" / "saved")
+    assert not model.config.tie_word_embeddings
+    assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+    torch.testing.assert_close(model.get_output_embeddings().weight.detach(), final["head"], rtol=0, atol=0)
+    torch.testing.assert_close(model.get_input_embeddings().weight.detach(), final["embedding"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_checkpoints_reload_through_zero_to_fp32_with_both_matrices(trainer_runs, stage):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    out, _ = trainer_runs
+    folder = out / f"z{stage}" / "untie"
+    tied_phase = get_fp32_state_dict_from_zero_checkpoint(folder / "checkpoint-4")
+    assert torch.equal(tied_phase["lm_head.weight"], tied_phase["transformer.wte.weight"])  # both stored, equal
+    untied = get_fp32_state_dict_from_zero_checkpoint(folder / "checkpoint-8")
+    assert not torch.equal(untied["lm_head.weight"], untied["transformer.wte.weight"])
+    saved = load_file(folder / "checkpoint-8" / "model.safetensors")  # Trainer's own save of the same step
+    for name in ("lm_head.weight", "transformer.wte.weight"):
+        assert torch.equal(untied[name], saved[name]), name
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_defaults_under_zero_warn_that_the_trigger_cannot_measure_and_untie_at_the_deadline(
+    trainer_runs, stage
+):
+    _, runs = trainer_runs
+    for rank in (0, 1):
+        run = runs[stage][rank]["default"]
+        assert (run["untie_step"], run["reason"]) == (int(0.3 * MAX_STEPS), "deadline")
+        assert len(run["warnings"]) == 1 and "divergence trigger cannot measure" in run["warnings"][0]
+        assert torch.isfinite(run["losses"]).all() and run["losses"][-1] < run["losses"][0]
+    # Under ZeRO-3 this run's model was built partitioned (zero.Init, as from_pretrained builds it): the head is
+    # created from the gathered embedding before the engine partitions it with the rest.
+    assert runs[stage][0]["default"]["partitioned_at_construction"] == (stage == 3)

@@ -1,0 +1,205 @@
+"""The tied phase under DeepSpeed ZeRO 1-3: tying in autograd (`ZeroTying`), and the untie through DeepSpeed's API.
+
+ZeRO builds its flat fp32 partitions at engine init, so the head must have its own parameter from the start (as for
+FSDP2's `untie.emulation.EmulatedTying`). The FSDP2 emulation's gradient fold does not fit ZeRO: ZeRO reduces and
+partitions each gradient inside backward, and under accelerate the engine steps inside backward too, so there is no
+point between backward and the step to fold anything. Here the tie happens in autograd instead. While tied, the
+lookup and the head both read the embedding's values through `_TiedPair`, whose backward hands each matrix the tied
+gradient divided by sqrt(2):
+
+* both matrices start equal, receive the same gradient and the same (empty) optimizer state, so they take identical
+  steps: the head's parameter, its fp32 master copy and its optimizer moments equal the embedding's at every step.
+  Every checkpoint (Trainer's `checkpoint-N/global_stepN`, `engine.save_checkpoint`, `accelerator.save_state`,
+  `zero_to_fp32`, a final save) holds a right head as it is, and resumes with the same set of parameters before and
+  after the untie;
+* the global gradient norm, hence clipping, is exactly live tying's: 2 * |g / sqrt(2)|^2 = |g|^2;
+* weight decay (AdamW's, decoupled) shrinks both copies as it shrinks the shared matrix;
+* Adam-family steps do not depend on the gradient's scale, but for eps: a step is m / (sqrt(v) + sqrt(2) * eps) in
+  live terms, i.e. eps is effectively sqrt(2) times larger on these two matrices (1.4e-8 for the default 1e-8). Their
+  moments are live tying's scaled by 1/sqrt(2) (first) and 1/2 (second), so the untie rescales them (`release`).
+  Optimizers whose step scales with the gradient (SGD, Adafactor's relative steps aside) would take sqrt(2)-smaller
+  steps: `check_optimizer` refuses them.
+
+The cost while tied is that of an untied model: the head's parameter, gradient, fp32 master and moments.
+
+DeepSpeed's public API does the rest: `deepspeed.zero.register_external_parameter` tells ZeRO-3 that each of the two
+modules reads the other's parameter (so both are gathered for its forward and backward), and
+`deepspeed.utils.safe_get_full_optimizer_state` / `safe_set_full_optimizer_state` rescale the moments on every stage.
+Checked: deepspeed 0.19.8 (ZeRO-1, 2 and 3 on 2 CPU ranks, gloo; `tests/test_deepspeed.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from untie import _compat
+from untie.surgery import _embedding_modules
+
+#: Adam-family state entries and the power of the gradient's scale they carry.
+ADAM_MOMENTS = {"exp_avg": 1, "exp_avg_sq": 2}
+
+
+class _TiedPair(torch.autograd.Function):
+    """Forward: the embedding's values. Backward: the gradient divided by sqrt(2), to both matrices."""
+
+    @staticmethod
+    def forward(ctx, embedding: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        return embedding.view_as(embedding)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = grad / math.sqrt(2.0)
+        return grad, grad
+
+
+def zero_stage(param: torch.Tensor) -> int | None:
+    """3 for a ZeRO-3 partitioned parameter, 1/2 for one a ZeRO-1/2 optimizer maps, None for a plain parameter."""
+    if _compat.is_deepspeed_partitioned(param):
+        return 3
+    return 2 if _compat.is_deepspeed_mapped(param) else None
+
+
+def check_optimizer(optimizer) -> None:
+    """Refuse an optimizer whose step is not invariant to the gradient's scale: `ZeroTying` feeds each matrix the
+    tied gradient divided by sqrt(2), which only the Adam family (Adam, AdamW, DeepSpeed's FusedAdam and CPUAdam)
+    turns into the tied step."""
+    inner = optimizer
+    for _ in range(4):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the torch optimizer it steps
+        if "adam" in type(inner).__name__.lower() and "zero" not in type(inner).__name__.lower():
+            return
+        nested = getattr(inner, "optimizer", None)
+        if nested is None or nested is inner:
+            break
+        inner = nested
+    raise ValueError(
+        f"untie under DeepSpeed ties the two roles in autograd, which trains exactly as tied only with an Adam-family "
+        f"optimizer (Adam, AdamW, DeepSpeed's FusedAdam / CPUAdam); this run's is {type(inner).__name__}. Use AdamW "
+        "(Trainer's default optim), or train with DDP or FSDP2, where any optimizer works."
+    )
+
+
+class ZeroTying:
+    """Keeps an untied model's LM head equal to its input embedding under DeepSpeed ZeRO, with the tied gradient and
+    the tied clipping norm, until `release()` (see the module docstring).
+
+    Create it on the plain model whose head already has its own parameter (`untie.untie_embeddings`), before
+    `deepspeed.initialize` / `accelerator.prepare`; call `attach_optimizer` once the engine exists. The same interface
+    as `untie.emulation.EmulatedTying`, so `untie.run.UntieRun` drives either.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.embedding, self.head = _embedding_modules(model)
+        if self.embedding.weight is self.head.weight:
+            raise ValueError(
+                "ZeroTying needs a model whose head has its own parameter; this one is really tied. Call "
+                "untie.untie_embeddings(model) first (the head starts as an exact copy of the embedding)."
+            )
+        if not isinstance(self.embedding, nn.Embedding) or not isinstance(self.head, nn.Linear):
+            raise ValueError(
+                f"untie under DeepSpeed ties an nn.Embedding lookup and an nn.Linear head; this model's are "
+                f"{type(self.embedding).__name__} and {type(self.head).__name__}. Train it with DDP or FSDP2."
+            )
+        self.active = True
+        self.after_fold: list = []  # the interface of EmulatedTying; no probe reads gradients under DeepSpeed
+        self._registered: list[tuple[nn.Module, nn.Parameter]] = []
+        embedding, head = self.embedding, self.head
+
+        def tied_lookup(input_ids: torch.Tensor) -> torch.Tensor:
+            weight = _TiedPair.apply(embedding.weight, head.weight)
+            return F.embedding(
+                input_ids,
+                weight,
+                embedding.padding_idx,
+                embedding.max_norm,
+                embedding.norm_type,
+                embedding.scale_grad_by_freq,
+                embedding.sparse,
+            )
+
+        def tied_head(hidden: torch.Tensor) -> torch.Tensor:
+            return F.linear(hidden, _TiedPair.apply(embedding.weight, head.weight), head.bias)
+
+        embedding.forward, head.forward = tied_lookup, tied_head
+
+    def attach_optimizer(self, optimizer) -> None:
+        """The engine exists: check the optimizer, and under ZeRO-3 tell DeepSpeed that each module reads the other's
+        parameter (idempotent: a resumed run attaches again)."""
+        check_optimizer(optimizer)
+        if _compat.is_deepspeed_partitioned(self.embedding.weight) and not self._registered:
+            import deepspeed
+
+            for module, param in ((self.head, self.embedding.weight), (self.embedding, self.head.weight)):
+                deepspeed.zero.register_external_parameter(module, param)
+                self._registered.append((module, param))
+
+    def release(self, optimizer=None, optimizer_state: str = "copy") -> None:
+        """Untie between optimizer steps, on every rank: each module reads its own parameter again.
+
+        With `optimizer` (an untie now, not a run resumed after one), the moments become the untied run's: both
+        matrices' are the live tied ones once rescaled (`"copy"`); `"reset"` zeroes the head's, `"fresh"` both. ZeRO
+        keeps one step count per flat group, so a zeroed moment is not bias-corrected as a new parameter's would be:
+        its first steps are smaller (by 1 - beta1^k at the k-th), a short built-in warm-up.
+        """
+        self.active = False
+        self.remove()
+        if optimizer is None:
+            return
+        zeroed = {"copy": (), "reset": (self.head.weight,), "fresh": (self.head.weight, self.embedding.weight)}
+        for key, power in ADAM_MOMENTS.items():
+            for param in (self.embedding.weight, self.head.weight):
+                value = _full_state(optimizer, param, key)
+                if value is None:  # no step yet: nothing to rescale
+                    continue
+                if any(param is p for p in zeroed[optimizer_state]):
+                    value = torch.zeros_like(value)
+                else:
+                    value = value * math.sqrt(2.0) ** power
+                _set_full_state(optimizer, param, key, value)
+
+    def remove(self) -> None:
+        """Each module reads its own parameter again; ZeRO-3 stops gathering the other's."""
+        for module in (self.embedding, self.head):
+            vars(module).pop("forward", None)
+        if self._registered:
+            # Public in deepspeed.runtime.zero.partition_parameters, not re-exported by deepspeed.zero (0.19.8).
+            from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
+
+            for module, param in self._registered:
+                unregister_external_parameter(module, param)
+            self._registered = []
+
+
+def _torch_optimizer_holding(optimizer, param: torch.Tensor) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside accelerate's and DeepSpeed's wrappers whose state is keyed by `param` (ZeRO stage 0,
+    where the engine steps the client optimizer on the model's own parameters)."""
+    inner = optimizer
+    for _ in range(4):
+        if isinstance(inner, torch.optim.Optimizer) and param in inner.state:
+            return inner
+        inner = getattr(inner, "optimizer", None)
+        if inner is None:
+            return None
+    return None
+
+
+def _full_state(optimizer, param: torch.Tensor, key: str) -> torch.Tensor | None:
+    """`param`'s full optimizer state entry `key` on every rank (a collective under ZeRO 1-3), None if it has none."""
+    if zero_stage(param) is not None:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        return safe_get_full_optimizer_state(param, key)
+    holder = _torch_optimizer_holding(optimizer, param)
+    return None if holder is None else holder.state[param].get(key)
+
+
+def _set_full_state(optimizer, param: torch.Tensor, key: str, value: torch.Tensor) -> None:
+    if zero_stage(param) is not None:
+        from deepspeed.utils import safe_set_full_optimizer_state
+
+        safe_set_full_optimizer_state(param, value, key)
+    else:
+        _torch_optimizer_holding(optimizer, param).state[param][key].copy_(value)
