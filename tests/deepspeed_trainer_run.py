@@ -27,6 +27,7 @@ import warnings
 import torch
 import transformers as tf
 import worker_exit
+from deepspeed_cpu import fix_process_index
 
 import untie
 from untie.testing import TINY_MODELS, ToyLMDataset
@@ -134,6 +135,7 @@ def train(out: str, stage: int, name: str, callback=None, resume: str | None = N
 
 def main() -> None:
     worker_exit.start()
+    fix_process_index()
     out, stage = sys.argv[1], int(sys.argv[2])
     results = {}
     _, results["tied"] = train(out, stage, "tied", save=False)

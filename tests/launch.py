@@ -28,8 +28,8 @@ def torchrun(
     """Run `worker` (a script in tests/, or a path) under torchrun with `args`; fail the test with its output if it
     fails.
 
-    Each process gets one thread (2 ranks on 2 cores); `env` adds variables. The timeout is a hang guard (a deadlocked worker), not a
-    speed limit.
+    Each process gets one thread (2 ranks on 2 cores); `env` adds variables. The timeout is a hang guard (a deadlocked
+    worker), not a speed limit.
     """
     if shutil.which("torchrun") is None:
         pytest.skip("torchrun is not on PATH")

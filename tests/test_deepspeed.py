@@ -73,7 +73,8 @@ def test_trainer_under_zero_after_the_untie_equals_a_live_untie_under_ddp(traine
     assert not torch.equal(rank0["head"], rank0["embedding"])  # the head trained on its own
     for name in ("head", "embedding"):
         assert torch.equal(rank0[name], rank1[name])
-        torch.testing.assert_close(rank0[name], reference["final"][name], rtol=0, atol=1e-4)  # eps: see untie.zero_tying
+        # Within 2.6e-5 measured: eps acts sqrt(2) larger in the tied phase (untie.zero_tying), on rarely seen rows.
+        torch.testing.assert_close(rank0[name], reference["final"][name], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -134,3 +135,46 @@ def test_trainer_defaults_under_zero_warn_that_the_trigger_cannot_measure_and_un
     # Under ZeRO-3 this run's model was built partitioned (zero.Init, as from_pretrained builds it): the head is
     # created from the gathered embedding before the engine partitions it with the rest.
     assert runs[stage][0]["default"]["partitioned_at_construction"] == (stage == 3)
+
+
+# -- Untier in an accelerate loop (DeepSpeedPlugin) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def untier_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("deepspeed-untier")
+    runs = ("tied", "full", "resume-4", "resume-8")  # the resumes read the full run's saves
+    for stage in STAGES:
+        for run in runs:
+            torchrun(os.path.join(HERE, "deepspeed_untier_run.py"), out, stage, run, env=DS_ENV)
+    return {
+        (stage, run): [torch.load(out / f"untier-z{stage}-{run}-rank{r}.pt") for r in (0, 1)]
+        for stage in STAGES
+        for run in runs
+    }
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_untier_under_zero_ties_as_a_really_tied_run_and_unties_at_its_step_with_the_state_copied(untier_runs, stage):
+    tied = untier_runs[stage, "tied"][0]
+    for rank in (0, 1):
+        run = untier_runs[stage, "full"][rank]
+        assert (run["tying_mode"], run["untie_step"], run["reason"]) == ("emulated", UNTIE_AT, "deadline")
+        torch.testing.assert_close(run["losses"][:UNTIE_AT], tied["losses"][:UNTIE_AT], rtol=0, atol=1e-5)
+        after = run["at_untie"]
+        for key in ("", ".exp_avg", ".exp_avg_sq"):
+            assert torch.equal(after["head" + key], after["embedding" + key]), key
+        for key in ("exp_avg", "exp_avg_sq"):
+            reference = tied["at_untie"][f"embedding.{key}"]
+            torch.testing.assert_close(after[f"embedding.{key}"], reference, rtol=5e-3, atol=1e-12)
+        assert not torch.equal(run["final"]["head"], run["final"]["embedding"])
+    assert torch.equal(untier_runs[stage, "full"][0]["final"]["head"], untier_runs[stage, "full"][1]["final"]["head"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("checkpoint", [4, 8])
+def test_untier_under_zero_resumes_from_save_state_before_and_after_the_untie(untier_runs, stage, checkpoint):
+    for rank in (0, 1):
+        run, reference = untier_runs[stage, f"resume-{checkpoint}"][rank], untier_runs[stage, "full"][rank]
+        assert (run["untie_step"], run["reason"]) == (UNTIE_AT, "deadline")
+        torch.testing.assert_close(run["losses"], reference["losses"][checkpoint:], rtol=0, atol=1e-6)
+        for name in ("head", "embedding"):
+            torch.testing.assert_close(run["final"][name], reference["final"][name], rtol=0, atol=1e-6)

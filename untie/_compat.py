@@ -144,6 +144,15 @@ def is_deepspeed_partitioned(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+def deepspeed_needs_gather(param: torch.Tensor) -> bool:
+    """Whether a ZeRO-3 partitioned `param` holds only its partition now. Inside a module's forward ZeRO-3 has gathered
+    it (status AVAILABLE, active in that module), and a `GatheredParameters` around it would try to free it on exit,
+    which ZeRO-3 refuses. `ds_status` is ZeRO-3's own bookkeeping (no public predicate). Checked: deepspeed 0.19.8."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+
+
 def is_deepspeed_mapped(param: torch.Tensor) -> bool:
     """Whether a ZeRO-1/2 (or bf16) optimizer maps `param` onto its flat fp32 partition: it sets `_hp_mapping` on each
     (`deepspeed.utils.safe_get_full_*` test the same attribute; no public predicate). Checked: deepspeed 0.19.8."""

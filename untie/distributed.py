@@ -124,8 +124,9 @@ def _collective_device() -> torch.device:
 @contextlib.contextmanager
 def gathered(*params: torch.Tensor) -> Iterator[None]:
     """Within the block, DeepSpeed ZeRO-3 partitioned `params` hold their full values (read-only); others are left
-    alone. Every rank must enter it (it all-gathers)."""
-    partitioned = [p for p in params if _compat.is_deepspeed_partitioned(p)]
+    alone, as are those ZeRO-3 has gathered already (inside their module's forward). Every rank must enter it (it
+    all-gathers)."""
+    partitioned = [p for p in params if _compat.is_deepspeed_partitioned(p) and _compat.deepspeed_needs_gather(p)]
     if not partitioned:
         yield
         return

@@ -29,7 +29,7 @@ from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
 from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
-from untie.distributed import is_sharded, training_engine
+from untie.distributed import gathered, is_sharded, training_engine
 from untie.pairs import is_tokenizer
 from untie.plan import SavedFacts
 from untie.run import CUSTOM_LOOP, UntieRun
@@ -196,7 +196,14 @@ class Untier:
         self.optimizer = optimizer
         # The step's gradients are complete when the optimizer steps (after every micro-batch, every rank): measure
         # then, as UntieCallback does in Trainer's on_pre_optimizer_step.
-        self._hooks.append(inner_optimizer(optimizer).register_step_pre_hook(self._before_optimizer_step))
+        inner = inner_optimizer(optimizer)
+        if hasattr(inner, "register_step_pre_hook"):
+            self._hooks.append(inner.register_step_pre_hook(self._before_optimizer_step))
+        else:
+            # DeepSpeed's ZeRO optimizer (not a torch optimizer; under accelerate the engine steps inside backward):
+            # nothing to measure, and the loaded weights are checked at the first forward, before the engine steps.
+            lookup = self.model.get_input_embeddings()
+            self._hooks.append(lookup.register_forward_pre_hook(lambda *_: self._check_loaded_weights()))
         self.run.restore({}, 0)
         self._begin()
 
@@ -255,8 +262,14 @@ class Untier:
 
         It records the weights it belongs to (`untie.saved_state.weights_fingerprint`: whether the head is its own
         tensor, the embedding's and the head's shapes, dtypes and digests), so that a resume can prove that the
-        weights it loads are the ones saved with it."""
-        return self.run.state_dict(self.global_step, weights=weights_fingerprint(self.model))
+        weights it loads are the ones saved with it. Under DeepSpeed ZeRO-3 it gathers the two matrices: every rank
+        must call it."""
+        return self.run.state_dict(self.global_step, weights=self._fingerprint())
+
+    def _fingerprint(self) -> dict:
+        """`weights_fingerprint` of the model; under DeepSpeed ZeRO-3 of the gathered matrices (every rank calls)."""
+        with gathered(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight):
+            return weights_fingerprint(self.model)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the run saved by `state_dict`: call it after `start`, and before loading the model's and the
@@ -295,7 +308,7 @@ class Untier:
         if self._expected_weights is None:
             return
         (expected, where), self._expected_weights = self._expected_weights, None
-        difference = fingerprint_difference(expected, weights_fingerprint(self.model))
+        difference = fingerprint_difference(expected, self._fingerprint())
         if difference is not None:
             raise UntieStateError(
                 f"Untier: {difference}: the model's weights and {where} come from different checkpoints (other "
@@ -326,8 +339,9 @@ class Untier:
             try:
                 location = save_state(output_dir, *args, **kwargs)
                 accelerator.wait_for_everyone()  # every rank's files (its RNG state) are on disk
+                state = self.state_dict()  # on every rank: a collective under ZeRO-3
                 for folder in self._saving_to:
-                    write_state_file(folder, self.state_dict())
+                    write_state_file(folder, state)
             finally:
                 self._saving_to = None
             return location
