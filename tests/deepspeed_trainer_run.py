@@ -7,7 +7,9 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_trainer_run.py OUT STAGE``. Runs,
   checkpoint every SAVE_STEPS steps, then `save_model`;
 * ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
 * ``default``: `UntieCallback()`'s defaults: the divergence trigger cannot measure under DeepSpeed, so it warns and the
-  deadline unties.
+  deadline unties;
+* ZeRO-3 only, ``nogather`` and ``nogather-resume-8`` / ``-4``: the ``untie`` run and its resumes without
+  `stage3_gather_16bit_weights_on_model_save` (ZeRO-3's default), whose checkpoints hold no `model.safetensors`.
 
 ``STAGE`` 0 runs the same ``tied`` and ``untie`` runs under DDP (no DeepSpeed), where the untie is live: the reference
 for the steps after the untie (the head's Adam state a copy of the shared matrix's, as DeepSpeed's must be).
@@ -35,12 +37,12 @@ from untie.testing import TINY_MODELS, ToyLMDataset
 UNTIE_AT, MAX_STEPS, SAVE_STEPS = 6, 10, 4
 
 
-def ds_config(stage: int) -> dict:
+def ds_config(stage: int, gather: bool = True) -> dict:
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
-        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": gather},
         "zero_allow_untested_optimizer": True,  # Trainer's torch AdamW, as the client optimizer
         "steps_per_print": 10**9,
     }
@@ -91,7 +93,9 @@ class Record(tf.TrainerCallback):
             self.final = full_state(model, optimizer)
 
 
-def train(out: str, stage: int, name: str, callback=None, resume: str | None = None, save: bool = True):
+def train(
+    out: str, stage: int, name: str, callback=None, resume: str | None = None, save: bool = True, gather: bool = True
+):
     args = tf.TrainingArguments(
         output_dir=os.path.join(out, f"z{stage}", name),
         max_steps=MAX_STEPS,
@@ -104,7 +108,7 @@ def train(out: str, stage: int, name: str, callback=None, resume: str | None = N
         save_steps=SAVE_STEPS,
         save_strategy="steps" if save else "no",
         report_to=[],
-        deepspeed=ds_config(stage) if stage else None,
+        deepspeed=ds_config(stage, gather) if stage else None,
         use_cpu=True,
         seed=0,
         data_seed=0,
@@ -150,6 +154,14 @@ def main() -> None:
             out, stage, f"resume-{step}", callback, os.path.join(folder, f"checkpoint-{step}"), save=False
         )
     _, results["default"] = train(out, stage, "default", untie.UntieCallback(metrics_every=2), save=False)
+    if stage == 3:  # ZeRO-3's default: checkpoints without model.safetensors, DeepSpeed's folder only
+        callback = untie.UntieCallback(untie_at=UNTIE_AT, untie_when=None)
+        _, results["nogather"] = train(out, stage, "nogather", callback, gather=False)
+        for step in (8, 4):
+            checkpoint = os.path.join(out, "z3", "nogather", f"checkpoint-{step}")
+            callback = untie.UntieCallback(untie_at=UNTIE_AT, untie_when=None)
+            name = f"nogather-resume-{step}"
+            _, results[name] = train(out, stage, name, callback, checkpoint, save=False, gather=False)
     _save(out, stage, results)
 
 

@@ -6,7 +6,8 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_untier_run.py OUT STAGE RUN``, RU
 * ``full``: `Untier(untie_at=UNTIE_AT, untie_when=None)`, MAX_STEPS steps, `accelerator.save_state` after steps 4 and 8
   (before and after the untie);
 * ``resume-4`` / ``resume-8``: a new process resumes from that save (`accelerator.load_state`) and finishes;
-* ``tied``: the model really tied, no Untier: the reference for the tied phase.
+* ``tied``: the model really tied, no Untier: the reference for the tied phase;
+* ``reset`` / ``fresh``: ``full`` with that `optimizer_state`, no saves.
 
 Each run saves, per rank, its losses per step, the untie step and reason, the full fp32 matrices and Adam moments after
 the untie step (DeepSpeed's `safe_get_full_*`), and the full matrices at the end.
@@ -74,7 +75,15 @@ def main() -> None:
     model = build_model()
     untier = None
     if run != "tied":
-        untier = untie.Untier(model, max_steps=MAX_STEPS, accelerator=accelerator, untie_at=UNTIE_AT, untie_when=None)
+        state = run if run in ("reset", "fresh") else "copy"
+        untier = untie.Untier(
+            model,
+            max_steps=MAX_STEPS,
+            accelerator=accelerator,
+            untie_at=UNTIE_AT,
+            untie_when=None,
+            optimizer_state=state,
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     loader = torch.utils.data.DataLoader(ToyLMDataset(n=4 * 2 * MAX_STEPS), batch_size=4, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

@@ -93,6 +93,22 @@ def test_trainer_resume_under_zero_before_and_after_the_untie_equals_the_uninter
             torch.testing.assert_close(run["final"][name], value, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("checkpoint", [4, 8])
+def test_trainer_resumes_zero3_checkpoints_that_hold_only_deepspeeds_folder(trainer_runs, checkpoint):
+    # Without stage3_gather_16bit_weights_on_model_save (ZeRO-3's default) checkpoint-N has no model.safetensors:
+    # it is complete all the same (its `latest` names global_stepN/), and resumes.
+    out, runs = trainer_runs
+    assert not (out / "z3" / "nogather" / f"checkpoint-{checkpoint}" / "model.safetensors").exists()
+    for rank in (0, 1):
+        run, reference = runs[3][rank][f"nogather-resume-{checkpoint}"], runs[3][rank]["nogather"]
+        assert (run["untie_step"], run["reason"]) == (UNTIE_AT, "deadline")
+        torch.testing.assert_close(run["losses"], reference["losses"][checkpoint:], rtol=0, atol=1e-6)
+        for name, value in reference["final"].items():
+            torch.testing.assert_close(run["final"][name], value, rtol=0, atol=1e-6)
+    # ... and the run itself is the one with the gathered saves.
+    torch.testing.assert_close(runs[3][0]["nogather"]["losses"], runs[3][0]["untie"]["losses"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_trainer_under_zero_saves_a_model_that_reloads_untied_in_plain_transformers(trainer_runs, stage):
     from transformers import AutoModelForCausalLM
@@ -141,7 +157,7 @@ def test_trainer_defaults_under_zero_warn_that_the_trigger_cannot_measure_and_un
 @pytest.fixture(scope="module")
 def untier_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed-untier")
-    runs = ("tied", "full", "resume-4", "resume-8")  # the resumes read the full run's saves
+    runs = ("tied", "full", "resume-4", "resume-8", "reset", "fresh")  # the resumes read the full run's saves
     for stage in STAGES:
         for run in runs:
             torchrun(os.path.join(HERE, "deepspeed_untier_run.py"), out, stage, run, env=DS_ENV)
@@ -178,3 +194,21 @@ def test_untier_under_zero_resumes_from_save_state_before_and_after_the_untie(un
         torch.testing.assert_close(run["losses"], reference["losses"][checkpoint:], rtol=0, atol=1e-6)
         for name in ("head", "embedding"):
             torch.testing.assert_close(run["final"][name], reference["final"][name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("optimizer_state", ["reset", "fresh"])
+def test_untier_under_zero_resets_the_moments_optimizer_state_names(untier_runs, stage, optimizer_state):
+    tied = untier_runs[stage, "tied"][0]["at_untie"]
+    for rank in (0, 1):
+        run = untier_runs[stage, optimizer_state][rank]
+        assert run["untie_step"] == UNTIE_AT
+        after = run["at_untie"]
+        zeroed = ("head", "embedding") if optimizer_state == "fresh" else ("head",)
+        for key in ("exp_avg", "exp_avg_sq"):
+            for role in ("head", "embedding"):
+                if role in zeroed:
+                    assert not after[f"{role}.{key}"].any(), (role, key)
+                else:  # the embedding keeps the live tied run's moments
+                    torch.testing.assert_close(after[f"{role}.{key}"], tied[f"embedding.{key}"], rtol=5e-3, atol=1e-12)
+        assert torch.isfinite(run["losses"]).all()

@@ -78,8 +78,13 @@ def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
     missing, keys = [], None
     if "trainer_state.json" not in names:
         missing.append("trainer_state.json")
+    deepspeed_tag = _deepspeed_tag(folder)
+    if deepspeed_tag is not None and not os.path.isdir(os.path.join(folder, deepspeed_tag)):
+        missing.append(f"DeepSpeed's {deepspeed_tag}/ folder, which its `latest` file names")
     if not any(name.startswith(_WEIGHT_PREFIXES) for name in names):
-        missing.append("the model weights (model.safetensors or its shards)")
+        if deepspeed_tag is None:
+            missing.append("the model weights (model.safetensors or its shards)")
+        # else a ZeRO-3 checkpoint without stage3_gather_16bit_weights_on_model_save: DeepSpeed's folder only
     else:
         try:
             keys = folder_weight_map(folder)
@@ -93,6 +98,15 @@ def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
             "checkpoint-* folder), or pass the previous complete checkpoint-* folder explicitly."
         )
     return keys
+
+
+def _deepspeed_tag(folder: str) -> str | None:
+    """The tag DeepSpeed's `latest` file in `folder` names (its `global_stepN` folder), None without one."""
+    path = os.path.join(folder, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip() or None
 
 
 def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedFacts:
