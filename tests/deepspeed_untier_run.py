@@ -4,7 +4,7 @@
 Usage: ``torchrun --nproc_per_node 2 deepspeed_untier_run.py OUT STAGE RUN``, RUN one of:
 
 * ``full``: `Untier(untie_at=UNTIE_AT, untie_when=None)`, MAX_STEPS steps, `accelerator.save_state` after steps 4 and 8
-  (before and after the untie);
+  (before and after the untie), then the final model with `save_pretrained`;
 * ``resume-4`` / ``resume-8``: a new process resumes from that save (`accelerator.load_state`) and finishes;
 * ``tied``: the model really tied, no Untier: the reference for the tied phase;
 * ``reset`` / ``fresh``: ``full`` with that `optimizer_state`, no saves.
@@ -67,7 +67,7 @@ def main() -> None:
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.3,  # bites: clipping must see the tied norm
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
@@ -111,6 +111,11 @@ def main() -> None:
         if done == MAX_STEPS:
             break
     final = full_matrices(accelerator.unwrap_model(model))
+    if run == "full":  # the final model, saved as accelerate's docs save one (gathered under ZeRO-3)
+        state_dict = accelerator.get_state_dict(model)
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(os.path.join(out, f"z{stage}-saved"), state_dict=state_dict)
+        accelerator.wait_for_everyone()
     result = {"losses": torch.tensor(losses), "at_untie": at_untie, "final": final}
     if untier is not None:
         result.update(untie_step=untier.untie_step, reason=untier.untie_reason, tying_mode=untier.tying_mode)

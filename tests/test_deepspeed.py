@@ -161,7 +161,7 @@ def untier_runs(tmp_path_factory):
     for stage in STAGES:
         for run in runs:
             torchrun(os.path.join(HERE, "deepspeed_untier_run.py"), out, stage, run, env=DS_ENV)
-    return {
+    return out, {
         (stage, run): [torch.load(out / f"untier-z{stage}-{run}-rank{r}.pt") for r in (0, 1)]
         for stage in STAGES
         for run in runs
@@ -170,6 +170,7 @@ def untier_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("stage", STAGES)
 def test_untier_under_zero_ties_as_a_really_tied_run_and_unties_at_its_step_with_the_state_copied(untier_runs, stage):
+    _, untier_runs = untier_runs
     tied = untier_runs[stage, "tied"][0]
     for rank in (0, 1):
         run = untier_runs[stage, "full"][rank]
@@ -188,6 +189,7 @@ def test_untier_under_zero_ties_as_a_really_tied_run_and_unties_at_its_step_with
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("checkpoint", [4, 8])
 def test_untier_under_zero_resumes_from_save_state_before_and_after_the_untie(untier_runs, stage, checkpoint):
+    _, untier_runs = untier_runs
     for rank in (0, 1):
         run, reference = untier_runs[stage, f"resume-{checkpoint}"][rank], untier_runs[stage, "full"][rank]
         assert (run["untie_step"], run["reason"]) == (UNTIE_AT, "deadline")
@@ -199,6 +201,7 @@ def test_untier_under_zero_resumes_from_save_state_before_and_after_the_untie(un
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("optimizer_state", ["reset", "fresh"])
 def test_untier_under_zero_resets_the_moments_optimizer_state_names(untier_runs, stage, optimizer_state):
+    _, untier_runs = untier_runs
     tied = untier_runs[stage, "tied"][0]["at_untie"]
     for rank in (0, 1):
         run = untier_runs[stage, optimizer_state][rank]
@@ -212,3 +215,15 @@ def test_untier_under_zero_resets_the_moments_optimizer_state_names(untier_runs,
                 else:  # the embedding keeps the live tied run's moments
                     torch.testing.assert_close(after[f"{role}.{key}"], tied[f"embedding.{key}"], rtol=5e-3, atol=1e-12)
         assert torch.isfinite(run["losses"]).all()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_untier_under_zero_final_model_reloads_untied_in_plain_transformers(untier_runs, stage):
+    from transformers import AutoModelForCausalLM
+
+    out, runs = untier_runs
+    final = runs[stage, "full"][0]["final"]
+    model = AutoModelForCausalLM.from_pretrained(out / f"z{stage}-saved")
+    assert not model.config.tie_word_embeddings
+    assert torch.equal(model.get_output_embeddings().weight.detach(), final["head"])
+    assert torch.equal(model.get_input_embeddings().weight.detach(), final["embedding"])
