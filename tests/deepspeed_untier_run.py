@@ -7,7 +7,8 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_untier_run.py OUT STAGE RUN``, RU
   (before and after the untie), then the final model with `save_pretrained`;
 * ``resume-4`` / ``resume-8``: a new process resumes from that save (`accelerator.load_state`) and finishes;
 * ``tied``: the model really tied, no Untier: the reference for the tied phase;
-* ``reset`` / ``fresh``: ``full`` with that `optimizer_state`, no saves.
+* ``reset`` / ``fresh``: ``full`` with that `optimizer_state`, no saves;
+* ``late``: the Untier created after `accelerator.prepare`, which must refuse (the head would never train).
 
 Each run saves, per rank, its losses per step, the untie step and reason, the full fp32 matrices and Adam moments after
 the untie step (DeepSpeed's `safe_get_full_*`), and the full matrices at the end.
@@ -74,6 +75,16 @@ def main() -> None:
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     model = build_model()
     untier = None
+    if run == "late":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        engine, optimizer = accelerator.prepare(model, optimizer)
+        try:
+            untie.Untier(engine, max_steps=MAX_STEPS, accelerator=accelerator, untie_at=UNTIE_AT, untie_when=None)
+            message = None
+        except (RuntimeError, ValueError) as error:
+            message = str(error)
+        torch.save({"error": message}, os.path.join(out, f"untier-z{stage}-{run}-rank{accelerator.process_index}.pt"))
+        worker_exit.finish()
     if run != "tied":
         state = run if run in ("reset", "fresh") else "copy"
         untier = untie.Untier(

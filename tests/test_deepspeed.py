@@ -157,7 +157,7 @@ def test_trainer_defaults_under_zero_warn_that_the_trigger_cannot_measure_and_un
 @pytest.fixture(scope="module")
 def untier_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed-untier")
-    runs = ("tied", "full", "resume-4", "resume-8", "reset", "fresh")  # the resumes read the full run's saves
+    runs = ("tied", "full", "resume-4", "resume-8", "reset", "fresh", "late")  # the resumes read the full run's saves
     for stage in STAGES:
         for run in runs:
             torchrun(os.path.join(HERE, "deepspeed_untier_run.py"), out, stage, run, env=DS_ENV)
@@ -227,3 +227,13 @@ def test_untier_under_zero_final_model_reloads_untied_in_plain_transformers(unti
     assert not model.config.tie_word_embeddings
     assert torch.equal(model.get_output_embeddings().weight.detach(), final["head"])
     assert torch.equal(model.get_input_embeddings().weight.detach(), final["embedding"])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_untier_created_after_deepspeed_prepared_the_model_refuses_instead_of_adding_a_head_that_never_trains(
+    untier_runs, stage
+):
+    _, runs = untier_runs
+    for rank in (0, 1):
+        message = runs[stage, "late"][rank]["error"]
+        assert message is not None and "DeepSpeed" in message and "before" in message, message

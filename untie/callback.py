@@ -83,7 +83,7 @@ class UntieCallback(TrainerCallback, ExportableState):
             tie_init: a model that arrives untied is tied at construction from this matrix: ``"input"``,
                 ``"output"`` or ``"mean"``.
             tying_mode: ``"live"`` (one shared parameter), ``"emulated"`` (the head kept equal to the embedding:
-                FSDP2) or ``"auto"`` (emulated under FSDP2, else live).
+                FSDP2, DeepSpeed) or ``"auto"`` (emulated under FSDP2 and DeepSpeed, else live).
             save_at_untie: ask Trainer for a checkpoint at the untie step.
 
         Every setting is a field of `untie.UntieConfig`, which checks them (bad values raise `ValueError` here).

@@ -85,7 +85,8 @@ class UntieConfig:
         metadata={
             "help": "The tied phase: 'live' (one shared parameter; the head is created at the untie: one device, DDP), "
             "'emulated' (the head is its own parameter kept equal to the embedding, with the tied gradient: what "
-            "FSDP2 needs, at the cost of one more (V, d) parameter while tied), or 'auto' (emulated under FSDP2)."
+            "FSDP2 and DeepSpeed need, at the cost of one more (V, d) parameter while tied), or 'auto' (emulated "
+            "under FSDP2 and DeepSpeed)."
         },
     )
 

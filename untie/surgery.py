@@ -127,7 +127,8 @@ def _check_shapes(model: nn.Module, layout: EmbeddingLayout) -> None:
 
 
 def _refuse_sharded(model: nn.Module) -> None:
-    """Refuse a model an engine has sharded. A model ZeRO-3 partitioned at construction (`zero.Init`, as
+    """Refuse a model an engine has sharded (FSDP2, or any DeepSpeed ZeRO stage: a parameter added after
+    `deepspeed.initialize` is never trained). A model ZeRO-3 partitioned at construction (`zero.Init`, as
     `from_pretrained` does under a ZeRO-3 config) but not yet in an engine is not refused: its matrices are gathered
     to copy them, and `deepspeed.initialize` partitions the new head with the rest."""
     for name, param in model.named_parameters():
@@ -135,12 +136,14 @@ def _refuse_sharded(model: nn.Module) -> None:
             type(param).__name__ == "DTensor"
             or type(param.data).__name__ == "DTensor"
             or _compat.in_deepspeed_engine(param)
+            or _compat.is_deepspeed_mapped(param)
         ):
             raise RuntimeError(
                 f"{name} is sharded (FSDP2 DTensor or DeepSpeed ZeRO). untie cannot change the embedding structure "
                 "of a sharded model: a live untie under FSDP2 is silently reverted and DeepSpeed cannot take new "
-                "parameters. Untie before sharding (untie_embeddings on the plain model, then prepare/wrap it), or "
-                "train with DDP."
+                "parameters. Do it before sharding: create untie.Untier (or the Trainer with UntieCallback) before "
+                "accelerator.prepare / fully_shard / deepspeed.initialize, or call untie_embeddings on the plain "
+                "model and then prepare it; or train with DDP."
             )
 
 

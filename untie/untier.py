@@ -1,4 +1,4 @@
-"""`Untier`: tie-then-untie in your own training loop, plain PyTorch or accelerate, on one device, DDP or FSDP2.
+"""`Untier`: tie-then-untie in your own training loop, plain PyTorch or accelerate: one device, DDP, FSDP2, DeepSpeed.
 
 The custom-loop adapter of `untie.run.UntieRun` (the run logic `untie.UntieCallback` maps Trainer's events onto):
 
@@ -54,9 +54,9 @@ class Untier:
     """Train tied, then untie the LM head from the input embedding, in a custom training loop.
 
     It does what `UntieCallback` does under Trainer, from the same code (`untie.run.UntieRun`): the tied phase
-    (live, or emulated under FSDP2), the deadline and the divergence trigger fed by the role gradients of each
-    `metrics_every`-th step, the untie with the optimizer state, the gradient sync of a head created after DDP wrapped
-    the model, the drift metrics after the untie, and the history.
+    (live, or emulated under FSDP2 and DeepSpeed), the deadline and the divergence trigger fed by the role gradients
+    of each `metrics_every`-th step, the untie with the optimizer state, the gradient sync of a head created after
+    DDP wrapped the model, the drift metrics after the untie, and the history.
 
     Args:
         model: the Hugging Face model (unwrapped, or wrapped by DDP / accelerate: it is unwrapped).
@@ -76,7 +76,7 @@ class Untier:
         pairs: token-id pairs to measure, "auto" (from `tokenizer`), None ("auto" when a tokenizer is given), [].
         optimizer_state: the untied head's optimizer state: "copy", "reset", or "fresh" (the embedding's too).
         tie_init: an untied model is tied from this matrix: "input", "output" or "mean".
-        tying_mode: "live", "emulated" (FSDP2) or "auto".
+        tying_mode: "live", "emulated" (FSDP2, DeepSpeed) or "auto".
 
     The settings are the fields of `untie.UntieConfig` (its docs say more) but `save_at_untie`, which is Trainer's.
     """
