@@ -24,6 +24,23 @@ from untie import _compat
 from untie.surgery import _embedding_modules, inner_optimizer, start_state_like
 
 
+def separate_roles(model: nn.Module, owner: str) -> tuple[nn.Module, nn.Module]:
+    """The model's embedding and head modules, refused unless the head has its own parameter of the embedding's
+    shape (what an emulation of tying keeps equal to the embedding)."""
+    embedding, head = _embedding_modules(model)
+    if embedding.weight is head.weight:
+        raise ValueError(
+            f"{owner} needs a model whose head has its own parameter; this one is really tied. Call "
+            "untie.untie_embeddings(model) first (the head starts as an exact copy of the embedding)."
+        )
+    if embedding.weight.shape != head.weight.shape and not _compat.is_deepspeed_partitioned(embedding.weight):
+        raise ValueError(
+            f"{owner}: the embedding {tuple(embedding.weight.shape)} and the head {tuple(head.weight.shape)} differ "
+            "in shape, so they cannot be tied."
+        )
+    return embedding, head
+
+
 class EmulatedTying:
     """Keeps an untied model's LM head equal to its input embedding, with the tied gradient, until `release()`.
 
@@ -32,17 +49,7 @@ class EmulatedTying:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.embedding, self.head = _embedding_modules(model)
-        if self.embedding.weight is self.head.weight:
-            raise ValueError(
-                "EmulatedTying needs a model whose head has its own parameter; this one is really tied. Call "
-                "untie.untie_embeddings(model) first (the head starts as an exact copy of the embedding)."
-            )
-        if self.embedding.weight.shape != self.head.weight.shape:
-            raise ValueError(
-                f"EmulatedTying: the embedding {tuple(self.embedding.weight.shape)} and the head "
-                f"{tuple(self.head.weight.shape)} differ in shape, so they cannot be tied."
-            )
+        self.embedding, self.head = separate_roles(model, "EmulatedTying")
         self.active = True
         self._fold_queued = False
         self._handles = [

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from untie import _compat
-from untie.surgery import _embedding_modules
+from untie.emulation import separate_roles
 
 #: Adam-family state entries and the power of the gradient's scale they carry.
 ADAM_MOMENTS = {"exp_avg": 1, "exp_avg_sq": 2}
@@ -92,12 +92,7 @@ class ZeroTying:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.embedding, self.head = _embedding_modules(model)
-        if self.embedding.weight is self.head.weight:
-            raise ValueError(
-                "ZeroTying needs a model whose head has its own parameter; this one is really tied. Call "
-                "untie.untie_embeddings(model) first (the head starts as an exact copy of the embedding)."
-            )
+        self.embedding, self.head = separate_roles(model, "ZeroTying")
         if not isinstance(self.embedding, nn.Embedding) or not isinstance(self.head, nn.Linear):
             raise ValueError(
                 f"untie under DeepSpeed ties an nn.Embedding lookup and an nn.Linear head; this model's are "
