@@ -6,13 +6,15 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_trainer_run.py OUT STAGE``. Runs,
 * ``untie``: `UntieCallback(untie_at=UNTIE_AT, untie_when=None)` (tying_mode "auto" picks the emulated mode), a
   checkpoint every SAVE_STEPS steps, then `save_model`;
 * ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
-* ``default``: `UntieCallback()`'s defaults: the divergence trigger cannot measure under DeepSpeed, so it warns and the
-  deadline unties;
+* ``trigger``: `UntieCallback(untie_when=RULE)` with no deadline, measuring every 2 steps: the role signals of the
+  tied phase (captured in autograd under DeepSpeed) feed the divergence trigger;
+* ``default``: `UntieCallback()`'s defaults (metrics every 2 steps): the default trigger measures, the deadline unties;
 * ZeRO-3 only, ``nogather`` and ``nogather-resume-8`` / ``-4``: the ``untie`` run and its resumes without
   `stage3_gather_16bit_weights_on_model_save` (ZeRO-3's default), whose checkpoints hold no `model.safetensors`.
 
-``STAGE`` 0 runs the same ``tied`` and ``untie`` runs under DDP (no DeepSpeed), where the untie is live: the reference
-for the steps after the untie (the head's Adam state a copy of the shared matrix's, as DeepSpeed's must be).
+``STAGE`` 0 runs the same ``tied``, ``untie`` and ``trigger`` runs under DDP (no DeepSpeed), where the untie is live
+and the probe reads the live tied gradient: the reference for the steps after the untie (the head's Adam state a copy
+of the shared matrix's, as DeepSpeed's must be) and for the role signals.
 
 The ``default`` run's model is built by `_from_config` after its TrainingArguments, so under ZeRO-3 transformers builds
 it partitioned (`zero.Init`), as `from_pretrained` does for users; the other runs' models are plain, with the DDP
@@ -35,6 +37,9 @@ import untie
 from untie.testing import TINY_MODELS, ToyLMDataset
 
 UNTIE_AT, MAX_STEPS, SAVE_STEPS = 6, 10, 4
+PAIRS = [(3, 5), (7, 40)]
+#: Fires at step 4 on this data (as in fsdp2_trainer_run.py).
+RULE = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=2)
 
 
 def ds_config(stage: int, gather: bool = True) -> dict:
@@ -134,6 +139,7 @@ def train(
     }
     if callback is not None:
         result.update(tying_mode=callback.tying_mode, untie_step=callback.untie_step, reason=callback.untie_reason)
+        result["history"] = callback.history
     return trainer, result
 
 
@@ -144,6 +150,8 @@ def main() -> None:
     results = {}
     _, results["tied"] = train(out, stage, "tied", save=False)
     trainer, results["untie"] = train(out, stage, "untie", untie.UntieCallback(untie_at=UNTIE_AT, untie_when=None))
+    trigger = untie.UntieCallback(untie_at=None, untie_when=RULE, metrics_every=2, pairs=PAIRS)
+    _, results["trigger"] = train(out, stage, "trigger", trigger, save=False)
     if stage == 0:  # the DDP reference
         _save(out, stage, results)
     trainer.save_model(os.path.join(out, f"z{stage}", "saved"))

@@ -8,7 +8,8 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_untier_run.py OUT STAGE RUN``, RU
 * ``resume-4`` / ``resume-8``: a new process resumes from that save (`accelerator.load_state`) and finishes;
 * ``tied``: the model really tied, no Untier: the reference for the tied phase;
 * ``reset`` / ``fresh``: ``full`` with that `optimizer_state`, no saves;
-* ``late``: the Untier created after `accelerator.prepare`, which must refuse (the head would never train).
+* ``late``: the Untier created after `accelerator.prepare`, which must refuse (the head would never train);
+* ``trigger``: `Untier(untie_when=RULE)` with no deadline, measuring every 2 steps, no saves.
 
 Each run saves, per rank, its losses per step, the untie step and reason, the full fp32 matrices and Adam moments after
 the untie step (DeepSpeed's `safe_get_full_*`), and the full matrices at the end.
@@ -29,6 +30,7 @@ import untie
 from untie.testing import TINY_MODELS, ToyLMDataset
 
 UNTIE_AT, MAX_STEPS, SAVES = 6, 10, (4, 8)
+RULE = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=2)
 
 
 def build_model():
@@ -87,14 +89,10 @@ def main() -> None:
         worker_exit.finish()
     if run != "tied":
         state = run if run in ("reset", "fresh") else "copy"
-        untier = untie.Untier(
-            model,
-            max_steps=MAX_STEPS,
-            accelerator=accelerator,
-            untie_at=UNTIE_AT,
-            untie_when=None,
-            optimizer_state=state,
-        )
+        schedule = {"untie_at": None, "untie_when": RULE, "metrics_every": 2, "pairs": [(3, 5), (7, 40)]}
+        if run != "trigger":
+            schedule = {"untie_at": UNTIE_AT, "untie_when": None}
+        untier = untie.Untier(model, max_steps=MAX_STEPS, accelerator=accelerator, optimizer_state=state, **schedule)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     loader = torch.utils.data.DataLoader(ToyLMDataset(n=4 * 2 * MAX_STEPS), batch_size=4, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -115,7 +113,7 @@ def main() -> None:
             untier.step()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         done += 1
-        if done == UNTIE_AT:
+        if done == UNTIE_AT and run != "trigger":
             at_untie = full_state(accelerator.unwrap_model(model))
         if run == "full" and done in SAVES:
             accelerator.save_state(os.path.join(out, f"z{stage}-full-save{done}"))
@@ -130,6 +128,7 @@ def main() -> None:
     result = {"losses": torch.tensor(losses), "at_untie": at_untie, "final": final}
     if untier is not None:
         result.update(untie_step=untier.untie_step, reason=untier.untie_reason, tying_mode=untier.tying_mode)
+        result["history"] = untier.history
         untier.close()
     torch.save(result, os.path.join(out, f"untier-z{stage}-{run}-rank{accelerator.process_index}.pt"))
     worker_exit.finish()

@@ -10,6 +10,8 @@ untie is live (the steps after it).
 
 from __future__ import annotations
 
+import json
+import math
 import os
 
 import pytest
@@ -139,15 +141,34 @@ def test_zero_checkpoints_reload_through_zero_to_fp32_with_both_matrices(trainer
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_trainer_defaults_under_zero_warn_that_the_trigger_cannot_measure_and_untie_at_the_deadline(
-    trainer_runs, stage
-):
+def test_trainer_trigger_under_zero_reads_the_role_signals_of_a_live_tie_and_unties_every_rank(trainer_runs, stage):
+    _, runs = trainer_runs
+    reference = runs[0][0]["trigger"]  # DDP, live tying and the live probe
+    assert (reference["untie_step"], reference["reason"]) == (4, "trigger")
+    rank0, rank1 = runs[stage][0]["trigger"], runs[stage][1]["trigger"]
+    for run in (rank0, rank1):
+        assert (run["tying_mode"], run["untie_step"], run["reason"]) == ("emulated", 4, "trigger")
+    assert json.dumps(rank0["history"]) == json.dumps(rank1["history"])  # identical on the ranks, NaN included
+    assert [h["step"] for h in rank0["history"]] == [h["step"] for h in reference["history"]] == [2, 4, 6, 8, 10]
+    for mine, live in zip(rank0["history"][:2], reference["history"][:2], strict=True):  # the tied phase
+        assert {"cosine", "cancellation", "agreement", "gap/3-5", "tension/7-40"} <= mine.keys()
+        for key, value in live.items():
+            assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
+    torch.testing.assert_close(rank0["losses"], reference["losses"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_defaults_under_zero_measure_and_untie_at_the_deadline(trainer_runs, stage):
     _, runs = trainer_runs
     for rank in (0, 1):
         run = runs[stage][rank]["default"]
         assert (run["untie_step"], run["reason"]) == (int(0.3 * MAX_STEPS), "deadline")
-        assert len(run["warnings"]) == 1 and "divergence trigger cannot measure" in run["warnings"][0]
+        # What the defaults say of a 10-step run under any engine: the trigger has too few measurements to fire.
+        assert len(run["warnings"]) == 1 and "leaves the divergence trigger 1 measurement" in run["warnings"][0]
+        assert [h["step"] for h in run["history"]] == [2, 4, 6, 8, 10]  # the tied phase measured, then drift
+        assert all(math.isfinite(run["history"][0][key]) for key in ("cosine", "cancellation", "agreement"))
         assert torch.isfinite(run["losses"]).all() and run["losses"][-1] < run["losses"][0]
+    assert json.dumps(runs[stage][0]["default"]["history"]) == json.dumps(runs[stage][1]["default"]["history"])
     # Under ZeRO-3 this run's model was built partitioned (zero.Init, as from_pretrained builds it): the head is
     # created from the gathered embedding before the engine partitions it with the rest.
     assert runs[stage][0]["default"]["partitioned_at_construction"] == (stage == 3)
@@ -157,7 +178,7 @@ def test_trainer_defaults_under_zero_warn_that_the_trigger_cannot_measure_and_un
 @pytest.fixture(scope="module")
 def untier_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed-untier")
-    runs = ("tied", "full", "resume-4", "resume-8", "reset", "fresh", "late")  # the resumes read the full run's saves
+    runs = ("tied", "full", "resume-4", "resume-8", "reset", "fresh", "late", "trigger")  # resumes read full's saves
     for stage in STAGES:
         for run in runs:
             torchrun(os.path.join(HERE, "deepspeed_untier_run.py"), out, stage, run, env=DS_ENV)
@@ -237,3 +258,20 @@ def test_untier_created_after_deepspeed_prepared_the_model_refuses_instead_of_ad
     for rank in (0, 1):
         message = runs[stage, "late"][rank]["error"]
         assert message is not None and "DeepSpeed" in message and "before" in message, message
+
+
+def test_untier_trigger_under_zero_measures_the_same_signals_on_every_stage_and_rank(untier_runs):
+    # The role signals come from the autograd tie's captured gradient, whatever ZeRO then partitions: the stages
+    # measure the same numbers (float summation order aside), both ranks the same bits, and the trigger fires.
+    _, runs = untier_runs
+    reference = runs[1, "trigger"][0]
+    assert reference["reason"] == "trigger" and reference["untie_step"] is not None
+    tied_phase = [h for h in reference["history"] if h["step"] <= reference["untie_step"]]
+    assert tied_phase and all(math.isfinite(h["cosine"]) for h in tied_phase)
+    for stage in STAGES:
+        rank0, rank1 = runs[stage, "trigger"]
+        assert json.dumps(rank0["history"]) == json.dumps(rank1["history"])
+        assert (rank0["untie_step"], rank0["reason"]) == (reference["untie_step"], "trigger")
+        for mine, first in zip(rank0["history"], reference["history"], strict=True):
+            for key, value in first.items():
+                assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (stage, key)

@@ -153,6 +153,12 @@ def deepspeed_needs_gather(param: torch.Tensor) -> bool:
     return param.ds_status == ZeroParamStatus.NOT_AVAILABLE
 
 
+def deepspeed_full_shape(param: torch.Tensor) -> torch.Size:
+    """A ZeRO-3 partitioned parameter's whole shape (`ds_shape`; its `shape` is its partition's). Checked: deepspeed
+    0.19.8."""
+    return torch.Size(param.ds_shape)
+
+
 def is_deepspeed_mapped(param: torch.Tensor) -> bool:
     """Whether a ZeRO-1/2 (or bf16) optimizer maps `param` onto its flat fp32 partition: it sets `_hp_mapping` on each
     (`deepspeed.utils.safe_get_full_*` test the same attribute; no public predicate). Checked: deepspeed 0.19.8."""

@@ -81,7 +81,7 @@ class RoleGradientProbe:
         if emulation is not None:
             # The head has its own parameter, kept equal to the embedding, and the embedding receives the tied
             # gradient; the roles are the same two module uses.
-            if embedding.weight is self.head.weight or embedding.weight.shape != self.head.weight.shape:
+            if embedding.weight is self.head.weight or _full_shape(embedding.weight) != _full_shape(self.head.weight):
                 raise ValueError(
                     "RoleGradientProbe(emulation=...) needs a head with its own parameter of the embedding's shape "
                     "(untie.emulation.EmulatedTying); this model is really tied or its matrices differ in shape."
@@ -102,7 +102,7 @@ class RoleGradientProbe:
             )
         self.armed = False
         self.pairs = list(pairs)
-        vocab = self.weight.shape[0]
+        vocab = _full_shape(self.weight)[0]
         if any(not 0 <= token < vocab for pair in self.pairs for token in pair):
             raise ValueError(
                 f"pairs={self.pairs} holds token ids outside the model's vocabulary of {vocab}: pass ids in "
@@ -126,7 +126,15 @@ class RoleGradientProbe:
         self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
         if self.pairs:
             self._handles.append(self.head.register_forward_hook(self._on_head_forward))
-        if emulation is not None:
+        #: Under DeepSpeed (`untie.zero_tying.ZeroTying`) the tied gradient never sits in W.grad: the tying's
+        #: autograd function captures it, on measuring steps, and `collect` averages it over ranks.
+        self._captures = hasattr(emulation, "take_tied_gradient")
+        #: Under DeepSpeed: the rows of W this step reads (and the pairs'), kept at the lookup, before the step.
+        self._weight_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self._captures:
+            emulation.capture_if = lambda: self.armed
+            emulation.on_capture_lookup = self._keep_weight_rows
+        elif emulation is not None:
             emulation.after_fold.append(self._read_gradient)
 
     # -- hooks ------------------------------------------------------------------------------------------------------
@@ -143,11 +151,39 @@ class RoleGradientProbe:
             self._read_queued = True
             _compat.queue_autograd_callback(lambda: _compat.queue_autograd_callback(self._read_gradient))
 
+    def _keep_weight_rows(self, input_ids: torch.Tensor, weight: torch.Tensor) -> None:
+        """Keep W's rows that this micro-batch looks up, and the pairs' (DeepSpeed steps inside backward, before
+        `collect` could read them)."""
+        ids = torch.unique(torch.cat([input_ids.reshape(-1), self._pair_ids.reshape(-1).to(input_ids.device)]))
+        self._weight_parts.append((ids, weight.detach()[ids.to(weight.device)].float()))
+
+    def _weight_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """W's rows `ids` as the step read them, from the rows each rank kept (W is the same on every rank; the
+        pairs' rows are kept everywhere and each looked-up row by some rank). Every rank must call it."""
+        parts, self._weight_parts = self._weight_parts, []
+        kept_ids = torch.cat([p[0] for p in parts]).to(ids.device)
+        kept_rows = torch.cat([p[1] for p in parts]).to(ids.device)
+        rows = torch.zeros(len(ids), kept_rows.shape[1], dtype=torch.float32, device=ids.device)
+        counts = torch.zeros(len(ids), 1, dtype=torch.float32, device=ids.device)
+        wanted = torch.isin(kept_ids, ids)
+        position = torch.searchsorted(ids, kept_ids[wanted])
+        rows[position] = kept_rows[wanted]  # a row kept twice holds the same values
+        counts[position] = 1.0
+        if world_size() > 1:
+            dist.all_reduce(rows, op=dist.ReduceOp.SUM)
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return rows / counts.clamp_min(1.0)
+
     def _on_head_forward(self, module, args, output) -> None:
         if not (self.armed and isinstance(output, torch.Tensor) and output.requires_grad):
             return
         logits = output.detach()
-        if _module_type(module) is nn.Linear and not isinstance(module, FSDPModule) and len(args) == 1:
+        if (
+            _module_type(module) is nn.Linear
+            and not isinstance(module, FSDPModule)
+            and not _compat.is_deepspeed_partitioned(module.weight)
+            and len(args) == 1
+        ):
             # Keep (N, 2P + 1) numbers per position, not the (N, V) logits: the target's logit is recomputed in
             # backward from the head's input (which autograd keeps for the head's weight gradient anyway).
             index = self._pair_ids.to(logits.device)
@@ -156,7 +192,7 @@ class RoleGradientProbe:
             output.register_hook(
                 lambda grad: self._accumulate_pair_sums(grad, log_norm, pair_log_probs, target_logits=(module, hidden))
             )
-        else:  # another head module (or FSDP2 managing it): the logits stay until backward
+        else:  # another head module (or FSDP2 / ZeRO-3 managing its weight): the logits stay until backward
             output.register_hook(lambda grad: self._accumulate_pair_sums(grad, logits=logits))
 
     def _input_role(self, module, args, kwargs, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,11 +276,13 @@ class RoleGradientProbe:
         """
         parts, self._input_parts = self._input_parts, []
         backward_sq, self._backward_row_sq = self._backward_row_sq, None
-        have = torch.tensor([float(bool(parts) and backward_sq is not None)], device=self.weight.device)
+        captured = self._emulation.take_tied_gradient() if self._captures else None
+        backward_ended = captured is not None if self._captures else backward_sq is not None
+        have = torch.tensor([float(bool(parts) and backward_ended)], device=_device(self.weight, captured))
         if world_size() > 1:
             dist.all_reduce(have, op=dist.ReduceOp.MIN)
         if have.item() != 1.0:
-            self._sums = None  # an incomplete step: its gaps are not read either
+            self._sums, self._weight_parts = None, []  # an incomplete step: its gaps are not read either
             return None
         ids, rows = _merge_rows(parts)
         if world_size() > 1:  # the union of every rank's rows, averaged as DDP averages W.grad
@@ -257,6 +295,14 @@ class RoleGradientProbe:
         all_ids = torch.unique(torch.cat([ids, pair_ids]))  # sorted
         input_grad = torch.zeros(len(all_ids), rows.shape[1], dtype=rows.dtype, device=rows.device)
         input_grad[torch.searchsorted(all_ids, ids)] = rows
+
+        if self._captures:  # DeepSpeed: the step's whole tied gradient, before clipping, averaged as ZeRO averages it
+            if world_size() > 1:
+                dist.all_reduce(captured, op=dist.ReduceOp.SUM)
+                captured /= dist.get_world_size()
+            tied = captured[all_ids.to(captured.device)]
+            weight_rows = self._weight_rows(all_ids)
+            return _role_gradients(all_ids, input_grad, tied, _row_sq_norms(captured).double().sum(), weight_rows)
 
         # The optimizer sees W.grad scaled by one factor (clipping, unscaling): take it out again, after checking
         # row by row that nothing else changed it.
@@ -278,17 +324,7 @@ class RoleGradientProbe:
             nan = torch.full_like(input_grad, math.nan)
             return RoleGradients(all_ids, input_grad, nan, math.nan, gather_rows(self.weight, all_ids).float())
         tied = gather_rows(self.weight.grad, all_ids).float() / scale_sq.sqrt().float()
-        output_grad = tied - input_grad
-        tied_dot_in = (tied.double() * input_grad.double()).sum()
-        sq_in = input_grad.double().square().sum()
-        output_sq = backward_total - 2 * tied_dot_in + sq_in
-        return RoleGradients(
-            rows=all_ids,
-            input_grad=input_grad,
-            output_grad=output_grad,
-            output_sq_norm=float(output_sq.clamp_min(0)),
-            weight=gather_rows(self.weight, all_ids).float(),
-        )
+        return _role_gradients(all_ids, input_grad, tied, backward_total, gather_rows(self.weight, all_ids).float())
 
     def pair_measurements(self, grads: RoleGradients) -> dict[str, float]:
         """The pair measurements of the step's loss positions (all ranks); resets the sums.
@@ -356,6 +392,32 @@ def _merge_rows(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.T
     merged = torch.zeros(len(unique), rows.shape[1], dtype=rows.dtype, device=rows.device)
     merged.index_add_(0, inverse, rows)
     return unique, merged
+
+
+def _role_gradients(
+    ids: torch.Tensor, input_grad: torch.Tensor, tied: torch.Tensor, tied_sq_total: torch.Tensor, weight: torch.Tensor
+) -> RoleGradients:
+    """The role gradients on rows `ids` from the input role and the tied gradient there, and the tied gradient's
+    whole squared norm (the output role's is |G|^2 - 2 G[T] . G_in[T] + |G_in|^2, exactly)."""
+    tied_dot_in = (tied.double() * input_grad.double()).sum()
+    sq_in = input_grad.double().square().sum()
+    output_sq = tied_sq_total - 2 * tied_dot_in + sq_in
+    return RoleGradients(
+        rows=ids,
+        input_grad=input_grad,
+        output_grad=tied - input_grad,
+        output_sq_norm=float(output_sq.clamp_min(0)),
+        weight=weight,
+    )
+
+
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape, also while DeepSpeed ZeRO-3 holds only its partition."""
+    return _compat.deepspeed_full_shape(param) if _compat.is_deepspeed_partitioned(param) else param.shape
+
+
+def _device(weight: torch.Tensor, captured: torch.Tensor | None) -> torch.device:
+    return captured.device if captured is not None else weight.device
 
 
 def _row_sq_norms(grad: torch.Tensor | None) -> torch.Tensor | None:

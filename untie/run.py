@@ -350,8 +350,6 @@ class UntieRun:
         self.emulation.attach_optimizer(optimizer)
         if self.deadline.fires(step):
             self.untie(model, optimizer, step, "deadline")
-        elif isinstance(self.emulation, ZeroTying):
-            pass  # no role gradients to read: see `announce`
         elif self.config.metrics_every:
             # A measurement costs O(|T| d) per rank (the rows the batch looked up), also sharded: the trigger stays on.
             self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation)
@@ -361,15 +359,6 @@ class UntieRun:
         trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
         if self.probe is not None:
             self._warn_short_run(step, max_steps)
-        elif isinstance(self.emulation, ZeroTying) and self.divergence is not None and not self.untied:
-            deadline = self.deadline.step
-            when = f"at the deadline, step {deadline}" if deadline else "never: there is no deadline"
-            _compat.warn_in_user_code(
-                f"{self.owner}: under DeepSpeed the divergence trigger cannot measure: ZeRO reduces and partitions "
-                "the gradients inside backward, and under accelerate the engine steps inside backward too, so no "
-                f"point sees the step's complete role gradients. The model unties {when}. Pass untie_when=None (a "
-                "fixed schedule at untie_at) to say so and silence this warning."
-            )
 
     def arm(self, step: int) -> None:
         """Optimizer step `step` is about to run its first forward: measure its gradients if it is a metrics step."""

@@ -22,6 +22,10 @@ gradient divided by sqrt(2):
 
 The cost while tied is that of an untied model: the head's parameter, gradient, fp32 master and moments.
 
+`W.grad` never holds the step's tied gradient under ZeRO, so the role-gradient probe (the divergence trigger) reads
+it here: on a measuring step `_TiedPair`'s backward adds each role's whole gradient on this rank into one buffer
+(`capture`), and the lookup hands the probe the rows of W the step reads, before the engine steps.
+
 DeepSpeed's public API does the rest: `deepspeed.zero.register_external_parameter` tells ZeRO-3 that each of the two
 modules reads the other's parameter (so both are gathered for its forward and backward), and
 `deepspeed.utils.safe_get_full_optimizer_state` / `safe_set_full_optimizer_state` rescale the moments on every stage.
@@ -31,6 +35,7 @@ Checked: deepspeed 0.19.8 (ZeRO-1, 2 and 3 on 2 CPU ranks, gloo; `tests/test_dee
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,16 +49,19 @@ ADAM_MOMENTS = {"exp_avg": 1, "exp_avg_sq": 2}
 
 
 class _TiedPair(torch.autograd.Function):
-    """Forward: the embedding's values. Backward: the gradient divided by sqrt(2), to both matrices."""
+    """Forward: the embedding's values. Backward: the gradient divided by sqrt(2), to both matrices (and, on a
+    measuring step, the whole gradient to `ZeroTying.capture`)."""
 
     @staticmethod
-    def forward(ctx, embedding: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, embedding: torch.Tensor, head: torch.Tensor, tying: ZeroTying) -> torch.Tensor:
+        ctx.tying = tying
         return embedding.view_as(embedding)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        ctx.tying.capture(grad)
         grad = grad / math.sqrt(2.0)
-        return grad, grad
+        return grad, grad, None
 
 
 def zero_stage(param: torch.Tensor) -> int | None:
@@ -99,12 +107,19 @@ class ZeroTying:
                 f"{type(self.embedding).__name__} and {type(self.head).__name__}. Train it with DDP or FSDP2."
             )
         self.active = True
-        self.after_fold: list = []  # the interface of EmulatedTying; no probe reads gradients under DeepSpeed
+        self.after_fold: list = []  # the interface of EmulatedTying (its probe listens there; this one's captures)
+        self.capture_if: Callable[[], bool] = lambda: False
+        """Whether this is a measuring step (set by `untie.probe.RoleGradientProbe`)."""
+        self.on_capture_lookup: Callable[[torch.Tensor, torch.Tensor], None] = lambda ids, weight: None
+        """Called with each measuring step's input ids and the (gathered) matrix, before the step changes it."""
+        self._captured: torch.Tensor | None = None
         self._registered: list[tuple[nn.Module, nn.Parameter]] = []
         embedding, head = self.embedding, self.head
 
         def tied_lookup(input_ids: torch.Tensor) -> torch.Tensor:
-            weight = _TiedPair.apply(embedding.weight, head.weight)
+            if self.capture_if():  # the matrix as this step reads it (DeepSpeed steps before the probe collects)
+                self.on_capture_lookup(input_ids, embedding.weight)
+            weight = _TiedPair.apply(embedding.weight, head.weight, self)
             return F.embedding(
                 input_ids,
                 weight,
@@ -116,9 +131,21 @@ class ZeroTying:
             )
 
         def tied_head(hidden: torch.Tensor) -> torch.Tensor:
-            return F.linear(hidden, _TiedPair.apply(embedding.weight, head.weight), head.bias)
+            return F.linear(hidden, _TiedPair.apply(embedding.weight, head.weight, self), head.bias)
 
         embedding.forward, head.forward = tied_lookup, tied_head
+
+    def capture(self, grad: torch.Tensor) -> None:
+        """On a measuring step, add one role's whole gradient on this rank (a lookup's or the head's: their sum is the
+        live tied gradient, before DeepSpeed averages it over ranks and partitions it)."""
+        if self.capture_if():
+            grad = grad.detach().float()
+            self._captured = grad.clone() if self._captured is None else self._captured.add_(grad)
+
+    def take_tied_gradient(self) -> torch.Tensor | None:
+        """The step's tied gradient captured on this rank (all micro-batches; None if none), and forget it."""
+        captured, self._captured = self._captured, None
+        return captured
 
     def attach_optimizer(self, optimizer) -> None:
         """The engine exists: check the optimizer, and under ZeRO-3 tell DeepSpeed that each module reads the other's
