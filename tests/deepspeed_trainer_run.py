@@ -8,7 +8,8 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_trainer_run.py OUT STAGE``. Runs,
 * ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
 * ``trigger``: `UntieCallback(untie_when=RULE)` with no deadline, measuring every 2 steps: the role signals of the
   tied phase (captured in autograd under DeepSpeed) feed the divergence trigger;
-* ``default``: `UntieCallback()`'s defaults (metrics every 2 steps): the default trigger measures, the deadline unties;
+* ``default``: `UntieCallback()`'s defaults (metrics every 2 steps) with Trainer's tokenizer: the default trigger reads
+  its pairs and measures, the deadline unties;
 * ZeRO-3 only, ``nogather`` and ``nogather-resume-8`` / ``-4``: the ``untie`` run and its resumes without
   `stage3_gather_16bit_weights_on_model_save` (ZeRO-3's default), whose checkpoints hold no `model.safetensors`.
 
@@ -18,7 +19,8 @@ of the shared matrix's, as DeepSpeed's must be) and for the role signals.
 
 The ``default`` run's model is built by `_from_config` after its TrainingArguments, so under ZeRO-3 transformers builds
 it partitioned (`zero.Init`), as `from_pretrained` does for users; the other runs' models are plain, with the DDP
-reference's weights. Each run saves, per rank: losses and gradient norms per step; the full fp32
+reference's weights. The pairs it reads must be those of the plain model: a partitioned embedding holds no rows
+locally (shape [0]). Each run saves, per rank: losses and gradient norms per step; the full fp32
 matrices and Adam moments (DeepSpeed's `safe_get_full_*`) after the untie step, and the full matrices at the end.
 """
 
@@ -34,7 +36,7 @@ import worker_exit
 from deepspeed_cpu import fix_process_index
 
 import untie
-from untie.testing import TINY_MODELS, ToyLMDataset
+from untie.testing import TINY_MODELS, ToyLMDataset, tiny_tokenizer
 
 UNTIE_AT, MAX_STEPS, SAVE_STEPS = 6, 10, 4
 PAIRS = [(3, 5), (7, 40)]
@@ -99,7 +101,14 @@ class Record(tf.TrainerCallback):
 
 
 def train(
-    out: str, stage: int, name: str, callback=None, resume: str | None = None, save: bool = True, gather: bool = True
+    out: str,
+    stage: int,
+    name: str,
+    callback=None,
+    resume: str | None = None,
+    save: bool = True,
+    gather: bool = True,
+    tokenizer=None,
 ):
     args = tf.TrainingArguments(
         output_dir=os.path.join(out, f"z{stage}", name),
@@ -123,7 +132,9 @@ def train(
     partitioned = hasattr(model.get_input_embeddings().weight, "ds_id")
     record = Record()
     callbacks = [record] + ([callback] if callback is not None else [])
-    trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=64), callbacks=callbacks)
+    trainer = tf.Trainer(
+        model=model, args=args, train_dataset=ToyLMDataset(n=64), processing_class=tokenizer, callbacks=callbacks
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=resume)
@@ -140,6 +151,7 @@ def train(
     if callback is not None:
         result.update(tying_mode=callback.tying_mode, untie_step=callback.untie_step, reason=callback.untie_reason)
         result["history"] = callback.history
+        result.update(pairs=callback.pairs, rule=repr(callback.rule))
     return trainer, result
 
 
@@ -161,7 +173,8 @@ def main() -> None:
         _, results[f"resume-{step}"] = train(
             out, stage, f"resume-{step}", callback, os.path.join(folder, f"checkpoint-{step}"), save=False
         )
-    _, results["default"] = train(out, stage, "default", untie.UntieCallback(metrics_every=2), save=False)
+    default = untie.UntieCallback(metrics_every=2)
+    _, results["default"] = train(out, stage, "default", default, save=False, tokenizer=tiny_tokenizer())
     if stage == 3:  # ZeRO-3's default: checkpoints without model.safetensors, DeepSpeed's folder only
         callback = untie.UntieCallback(untie_at=UNTIE_AT, untie_when=None)
         _, results["nogather"] = train(out, stage, "nogather", callback, gather=False)

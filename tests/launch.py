@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
-
-import pytest
 
 
 def free_port() -> int:
@@ -28,11 +25,12 @@ def torchrun(
     """Run `worker` (a script in tests/, or a path) under torchrun with `args`; fail the test with its output if it
     fails.
 
+    The launcher is `python -m torch.distributed.run` of the interpreter running the suite, so a venv works whether
+    or not it is activated (the `torchrun` script need not be on PATH), and nothing here skips.
+
     Each process gets one thread (2 ranks on 2 cores); `env` adds variables. The timeout is a hang guard (a deadlocked
     worker), not a speed limit.
     """
-    if shutil.which("torchrun") is None:
-        pytest.skip("torchrun is not on PATH")
     script = os.path.join(os.path.dirname(__file__), worker)  # an absolute path stays as it is
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     cmd += ["--master_port", str(free_port()), script, *map(str, args)]

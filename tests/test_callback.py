@@ -307,7 +307,7 @@ def _untied_gpt2():
 def test_every_train_call_with_model_init_is_a_fresh_tie_then_untie_run(make_args):
     """hyperparameter_search calls train() once per trial on one Trainer, and Trainer builds each trial's model with
     model_init after the callbacks' init: each model is tied like the constructor's, and each run starts afresh."""
-    callback = untie.UntieCallback(untie_when=None, untie_at=4, metrics_every=2)
+    callback = untie.UntieCallback(untie_when=None, untie_at=4, metrics_every=2, tie_init="input")
     trainer = tf.Trainer(model_init=_untied_gpt2, args=make_args(), train_dataset=ToyLMDataset(), callbacks=[callback])
     runs = []
     for _ in range(2):
@@ -419,6 +419,28 @@ def test_finetune_tied_checkpoint_untied_from_step_zero(arch, make_args, tmp_pat
     untie.untie_embeddings(reloaded)
     assert not untie.is_tied(reloaded)
     assert all(torch.equal(p, saved[n]) for n, p in _params(reloaded).items() if n in saved)
+
+
+def test_the_default_keeps_an_untied_checkpoint_untied_and_says_so(make_args, tmp_path):
+    """`callbacks=[UntieCallback]` on a third-party untied checkpoint: both trained matrices are kept and train apart
+    from the first step; tying it is a setting (tie_init), never the default."""
+    source = tiny_model("llama")
+    untie.untie_embeddings(source)
+    with torch.no_grad():
+        source.lm_head.weight.mul_(2.0)
+    source.save_pretrained(tmp_path / "untied")
+    model = type(source).from_pretrained(tmp_path / "untied")
+    model.config.__dict__.pop(untie.surgery.UNTIED_MARKER)  # a third-party untied checkpoint carries no marker
+    head = model.lm_head.weight.detach().clone()
+    with pytest.warns(UserWarning, match="arrived untied .* trains untied from the first step"):
+        trainer = tf.Trainer(
+            model=model, args=make_args(max_steps=3), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback]
+        )
+    assert not untie.is_tied(model) and torch.equal(model.lm_head.weight, head)
+    trainer.train()
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
+    assert callback.untied and (callback.untie_step, callback.untie_reason) == (0, "start")
+    assert not untie.is_tied(model) and not torch.equal(model.lm_head.weight, head)  # the kept head trained
 
 
 @pytest.mark.parametrize("init", ["input", "output", "mean"])

@@ -373,3 +373,77 @@ def test_surgery_on_a_dynamically_quantized_model_is_refused_with_the_reason():
         untie.untie_embeddings(model)
     with pytest.raises(TypeError, match="cannot be tied"):
         untie.tie_embeddings(model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# convert refuses what inspect flags, and never writes a matrix from_pretrained made up
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _headless_untied_checkpoint(path, arch: str):
+    """An untied config whose safetensors hold no LM head: from_pretrained initialises the head randomly."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model(arch)
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    head = untie.embedding_layout(model).output_weight
+    weights = {key: value for key, value in weights.items() if key != head}
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return model.get_input_embeddings().weight.detach().clone()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("request_", [["--untie"], ["--tie", "--init", "output"], ["--tie", "--init", "mean"]])
+def test_convert_refuses_an_untied_checkpoint_without_its_head(arch, request_, tmp_path, capsys):
+    _headless_untied_checkpoint(tmp_path / "src", arch)
+    assert main(["inspect", str(tmp_path / "src")]) == 0
+    assert "head-missing" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), *request_]) == 6
+    error = capsys.readouterr().err
+    assert "is not stored" in error and "head-missing" in error and "--tie --init input" in error
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_convert_tie_from_the_input_keeps_the_trained_embedding_of_a_headless_checkpoint(arch, tmp_path, capsys):
+    embedding = _headless_untied_checkpoint(tmp_path / "src", arch)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), "--tie"]) == 0
+    assert "is not stored in the source; in OUT it is the trained input embedding" in capsys.readouterr().out
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert untie.is_tied(reloaded) and torch.equal(reloaded.get_input_embeddings().weight, embedding)
+
+
+@pytest.mark.parametrize("request_", [["--untie"], ["--tie", "--init", "mean"]])
+@pytest.mark.parametrize("damage", ["vocab-rows", "int32"])
+def test_convert_refuses_with_exit_6_a_stored_embedding_inspect_refuses(damage, request_, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("gpt2").save_pretrained(tmp_path / "src")
+    weights = load_file(tmp_path / "src" / "model.safetensors")
+    key = "transformer.wte.weight"
+    if damage == "vocab-rows":
+        weights[key] = torch.zeros(weights[key].shape[0] + 5, weights[key].shape[1])
+    else:
+        weights[key] = (weights[key] * 100).to(torch.int32)
+    save_file(weights, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "out"), *request_]) == 6
+    error = capsys.readouterr().err
+    assert key in error and ("config.json builds" in error or "I32 integers" in error)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_of_a_headless_encoder_says_which_head_layers_are_new_without_transformers_noise(tmp_path):
+    """As a user runs it (a process of its own): transformers' load report ("MISSING", "corrupted") and progress bars
+    stay out of convert's output, and convert says itself which head layers are new."""
+    config = tf.BertConfig(vocab_size=48, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32)  # fmt: skip
+    tf.BertModel(config).save_pretrained(tmp_path / "src")
+    command = [sys.executable, "-m", "untie", "convert", str(tmp_path / "src"), str(tmp_path / "out"), "--untie"]
+    done = subprocess.run([*command, "--head", "masked-lm"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "are not in the source and start newly initialised" in done.stdout
+    assert "cls.predictions.transform.dense.weight" in done.stdout
+    noise = ("LOAD REPORT", "corrupted", "MISSING", "Loading weights", "Writing model shards")
+    assert not [word for word in noise if word in done.stdout + done.stderr], done.stdout + done.stderr

@@ -18,6 +18,10 @@ import pytest
 import torch
 from launch import torchrun
 
+import untie
+from untie.pairs import tokenizer_pairs
+from untie.testing import VOCAB, tiny_tokenizer
+
 if not os.environ.get("UNTIE_REQUIRE_DEEPSPEED"):
     pytest.importorskip("deepspeed")
 
@@ -172,6 +176,13 @@ def test_trainer_defaults_under_zero_measure_and_untie_at_the_deadline(trainer_r
     # Under ZeRO-3 this run's model was built partitioned (zero.Init, as from_pretrained builds it): the head is
     # created from the gathered embedding before the engine partitions it with the rest.
     assert runs[stage][0]["default"]["partitioned_at_construction"] == (stage == 3)
+    # The tokenizer's pairs, read from the embedding's whole row count (a zero.Init partition holds none locally):
+    # those of the same model loaded plainly, and the evidence rule that reads them.
+    plain = [pair.ids for pair in tokenizer_pairs(tiny_tokenizer(), max_id=VOCAB)]
+    assert plain
+    for rank in (0, 1):
+        assert runs[stage][rank]["default"]["pairs"] == plain
+        assert runs[stage][rank]["default"]["rule"] == repr(untie.RULES["evidence"])
 
 
 # -- Untier in an accelerate loop (DeepSpeedPlugin) ------------------------------------------------------------------

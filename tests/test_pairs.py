@@ -97,25 +97,29 @@ def test_callback_reads_the_pairs_from_the_trainers_tokenizer(tokenizers, make_a
 
 
 @pytest.mark.parametrize("with_tokenizer", [True, False])
-def test_the_default_reads_pairs_when_trainer_has_a_tokenizer(tokenizers, make_args, with_tokenizer):
+def test_the_default_reads_pairs_when_trainer_has_a_tokenizer(tokenizers, make_args, with_tokenizer, caplog):
     """UntieCallback() with its defaults: pairs from Trainer's tokenizer and the evidence rule; without a tokenizer,
-    no pairs and the pair-free rule. A per-pair rule the user chose, with no tokenizer, is refused with the fix."""
+    no pairs and the pair-free rule, said at the default log level. A per-pair rule the user chose, with no
+    tokenizer, is refused with the fix."""
     tokenizer = tokenizers["byte-level-bpe"]
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
     callback = untie.UntieCallback()
-    tf.Trainer(
-        model=model,
-        args=make_args(max_steps=4),
-        train_dataset=ToyLMDataset(vocab=len(tokenizer)),
-        processing_class=tokenizer if with_tokenizer else None,
-        callbacks=[callback],
-    )
+    with caplog.at_level("WARNING", logger="untie"):
+        tf.Trainer(
+            model=model,
+            args=make_args(max_steps=4),
+            train_dataset=ToyLMDataset(vocab=len(tokenizer)),
+            processing_class=tokenizer if with_tokenizer else None,
+            callbacks=[callback],
+        )
     if with_tokenizer:
         assert callback.pairs == [p.ids for p in tokenizer_pairs(tokenizer)]
         assert callback.rule == callback.divergence.rule == untie.RULES["evidence"]
+        assert "pair-free rule" not in caplog.text
     else:
         assert callback.pairs == []
         assert callback.rule == callback.divergence.rule == untie.RULES["cancellation"]
+        assert "reads no pairs: no tokenizer was given." in caplog.text and "processing_class=" in caplog.text
         with pytest.raises(ValueError, match="no tokenizer"):
             tf.Trainer(
                 model=model,
@@ -158,3 +162,32 @@ def test_inspect_pairs_auto(tokenizers, tmp_path, capsys):
     assert report["pairs"][first]["ids"] == list(expected[0].ids)
     assert main(["inspect", str(tmp_path), "--pairs", "auto"]) == 0
     assert "the 10 most frequent" in capsys.readouterr().out
+
+
+def test_the_default_says_when_the_tokenizer_gives_no_pairs(make_args, caplog):
+    """A tokenizer without case or word-start variants: the default changes to the pair-free rule and says why at
+    the default log level, naming what it could not read."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
+    tokenizer = tf.BertTokenizer(vocab={word: i for i, word in enumerate(words)})
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(words), n_embd=16, n_layer=1, n_head=2))
+    callback = untie.UntieCallback()
+    with caplog.at_level("WARNING", logger="untie"):
+        tf.Trainer(
+            model=model,
+            args=make_args(max_steps=4),
+            train_dataset=ToyLMDataset(vocab=len(words)),
+            processing_class=tokenizer,
+            callbacks=[callback],
+        )
+    assert callback.pairs == [] and callback.rule == untie.RULES["cancellation"]
+    assert f"no case or word-start variants among the model's {len(words)} embedding rows" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="untie"):  # the rule chosen by name: nothing to say
+        tf.Trainer(
+            model=model,
+            args=make_args(max_steps=4),
+            train_dataset=ToyLMDataset(vocab=len(words)),
+            processing_class=tokenizer,
+            callbacks=[untie.UntieCallback(untie_when="cancellation")],
+        )
+    assert "pair-free rule" not in caplog.text

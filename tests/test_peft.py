@@ -122,6 +122,50 @@ def test_untie_and_tie_refuse_peft_models_and_transformers_adapters():
         untie.untie_embeddings(wrapped)
     with pytest.raises(PeftUnsupported, match="Tie the base model before wrapping"):
         untie.tie_embeddings(wrapped)
+    assert untie.is_tied(wrapped.base_model.model), "a refused call must leave the model as it was"
+
+
+def _transformers_peft_floor() -> str | None:
+    """The PEFT release transformers' own adapter API (`model.add_adapter`) requires, if the installed peft is older.
+
+    transformers 5.24.0 raised `MIN_PEFT_VERSION` to 0.22.0 before peft released it, so `add_adapter` itself raises
+    with every released peft: an upstream refusal, not this library's.
+    """
+    from packaging.version import Version
+    from transformers.integrations import peft as hf_peft
+
+    floor = hf_peft.MIN_PEFT_VERSION
+    return floor if Version(peft.__version__) < Version(floor) else None
+
+
+def _attach_adapter_as_transformers_does(model: tf.PreTrainedModel) -> None:
+    """What `model.add_adapter(LoraConfig(...))` does, through peft's own API: inject the layers, record the config."""
+    config = LoraConfig(**LORA)
+    peft.inject_adapter_in_model(config, model, "default")
+    model._hf_peft_config_loaded = True
+    model.peft_config = {"default": config}
+
+
+def test_untie_and_tie_refuse_transformers_adapters():
+    """A transformers model with an adapter attached is refused like a PeftModel, and left as it was."""
+    with_adapter = tiny_model("gpt2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _attach_adapter_as_transformers_does(with_adapter)
+    for surgery in (untie.untie_embeddings, untie.tie_embeddings):
+        with pytest.raises(PeftUnsupported, match="before wrapping"):
+            surgery(with_adapter)
+    assert untie.is_tied(with_adapter), "a refused call must leave the model as it was"
+
+
+def test_untie_refuses_a_model_given_an_adapter_by_transformers_add_adapter():
+    floor = _transformers_peft_floor()
+    if floor is not None:
+        pytest.skip(
+            f"transformers {tf.__version__} requires peft >= {floor} for model.add_adapter (its MIN_PEFT_VERSION), "
+            f"and peft {peft.__version__} is installed: upstream refuses add_adapter itself; "
+            "test_untie_and_tie_refuse_transformers_adapters covers this library's side"
+        )
     with_adapter = tiny_model("gpt2")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -11,6 +11,8 @@ from untie.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
 CALLBACK = RunSettings("UntieCallback")
 UNTIE_AT_ZERO = RunSettings("UntieCallback", untie_at=0)
 EMULATING = RunSettings("UntieCallback", tying_mode="emulated")
+TIE_FROM_INPUT = RunSettings("UntieCallback", tie_init="input")
+EMULATING_TIE = RunSettings("UntieCallback", tying_mode="emulated", tie_init="mean")
 ASKED_LIVE = RunSettings("UntieCallback", asked_mode="live")
 LOOP = RunSettings("Untier", untie_at=4)
 
@@ -28,11 +30,13 @@ SHARDED_CKPT = SavedFacts("checkpoint-9", untied=False, head_stored=None)
 CASES = [
     # -- the start of a run ----------------------------------------------------------------------------------------
     ("tied model, defaults", TIED, CALLBACK, None, "tied", None, None, False),
-    ("untied model is tied, with a warning", UNTIED, CALLBACK, None, "tied", None, "arrived untied", False),
+    ("untied model, defaults: kept untied, said", UNTIED, CALLBACK, None, "untied", "start", "trains untied", False),
+    ("untied model, tie_init set: tied, said", UNTIED, TIE_FROM_INPUT, None, "tied", None, "tying it", False),
     ("untie_at=0 trains untied", TIED, UNTIE_AT_ZERO, None, "untied", "start", None, False),
     ("a reloaded untie stays untied", MARKED, CALLBACK, None, "untied", "start", None, False),
     ("FSDP2 emulates the tied phase", TIED, EMULATING, None, "emulated", None, None, False),
-    ("untied model under FSDP2: tied, then emulated", UNTIED, EMULATING, None, "emulated", None, "arrived", False),
+    ("untied model under FSDP2, defaults: untied", UNTIED, EMULATING, None, "untied", "start", "arrived", False),
+    ("untied model under FSDP2, tie_init: emulated", UNTIED, EMULATING_TIE, None, "emulated", None, "tying", False),
     ("optimizer built, no change needed", TIED_BUILT, LOOP, None, "tied", None, None, False),
     (
         "optimizer built without the emulated head",

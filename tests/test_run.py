@@ -64,11 +64,18 @@ def _untied_from_its_config():
     return model_class(config)
 
 
-def test_prepare_ties_an_untied_model_and_keeps_it_untied_with_untie_at_zero():
+def test_prepare_ties_an_untied_model_only_when_asked_and_keeps_it_untied_with_untie_at_zero():
+    untied = _untied_from_its_config()
+    head = untied.get_output_embeddings().weight
+    with pytest.warns(UserWarning, match="FakeAdapter: the model arrived untied .* trains untied"):
+        adapter = FakeAdapter(UntieConfig(untie_when=None), model=untied)
+    adapter.begin()  # the defaults never drop a trained matrix
+    assert not is_tied(untied) and untied.get_output_embeddings().weight is head
+    assert adapter.run.untied and adapter.run.untie_reason == "start"
     untied = _untied_from_its_config()
     assert not is_tied(untied)
-    with pytest.warns(UserWarning, match="FakeAdapter: the model arrived untied"):
-        FakeAdapter(UntieConfig(untie_when=None), model=untied)
+    with pytest.warns(UserWarning, match="FakeAdapter: the model arrived untied; tying it"):
+        FakeAdapter(UntieConfig(untie_when=None, tie_init="input"), model=untied)
     assert is_tied(untied)
     kept = _untied_from_its_config()
     adapter = FakeAdapter(UntieConfig(untie_at=0, untie_when=None), model=kept)

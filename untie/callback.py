@@ -62,7 +62,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         metrics_every: int = 50,
         pairs: list[tuple[int, int]] | Literal["auto"] | None = None,
         optimizer_state: OptimizerStateInit = "copy",
-        tie_init: TieInit = "input",
+        tie_init: TieInit | None = None,
         tying_mode: TyingMode = "auto",
         save_at_untie: bool = True,
     ) -> None:
@@ -80,8 +80,9 @@ class UntieCallback(TrainerCallback, ExportableState):
                 tokenizer; ``[]``: none.
             optimizer_state: the untied head's optimizer state: ``"copy"`` (the shared matrix's moments),
                 ``"reset"``, or ``"fresh"`` (the embedding's state is emptied too).
-            tie_init: a model that arrives untied is tied at construction from this matrix: ``"input"``,
-                ``"output"`` or ``"mean"``.
+            tie_init: a model that arrives untied (its head a trained matrix of its own): None (default) keeps
+                it untied from the first step, so nothing trained is dropped; ``"input"``, ``"output"`` or
+                ``"mean"`` ties it at construction from that matrix (or their mean).
             tying_mode: ``"live"`` (one shared parameter), ``"emulated"`` (the head kept equal to the embedding:
                 FSDP2, DeepSpeed) or ``"auto"`` (emulated under FSDP2 and DeepSpeed, else live).
             save_at_untie: ask Trainer for a checkpoint at the untie step.

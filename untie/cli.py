@@ -22,7 +22,8 @@ EXIT_CODES = {
     3: "checkpoint not found: no such folder, no config.json, or the hub could not provide it",
     4: "the model has no input embedding or LM head to tie or untie (try --head)",
     5: "convert built the checkpoint but it did not reload in the requested state (OUT is left untouched)",
-    6: "checkpoint incomplete or damaged: no weights, a missing or truncated file, a stale index, invalid config.json",
+    6: "checkpoint incomplete or damaged: no weights, a missing or truncated file, a stale index, invalid config.json, "
+    "an embedding or head stored with another shape or as integers, an untied head that is not stored",
     7: "OUT cannot be written: read-only, disk full, or a file where a folder must be (OUT is left untouched)",
     8: "the checkpoint ships its own modelling code (auto_map), which untie does not run",
 }

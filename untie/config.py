@@ -46,11 +46,12 @@ class UntieConfig:
             "the head and for the embedding, whose kept moments would otherwise come mostly from the head's role)."
         },
     )
-    tie_init: TieInit = field(
-        default="input",
+    tie_init: TieInit | None = field(
+        default=None,
         metadata={
-            "help": "When the model arrives untied, Trainer's model is tied at construction from this matrix: "
-            "'input', 'output' or 'mean'."
+            "help": "A model that arrives untied (its head a trained matrix of its own): None keeps it untied and "
+            "trains it so from the first step (nothing is dropped); 'input', 'output' or 'mean' ties it at "
+            "construction from that matrix (or their mean), for a tie-then-untie run."
         },
     )
     save_at_untie: bool = field(
@@ -134,8 +135,8 @@ class UntieConfig:
             raise ValueError(f"tying_mode={self.tying_mode!r} is not one of {TYING_MODES}.")
         if self.optimizer_state not in _STATE_INITS:
             raise ValueError(f"optimizer_state={self.optimizer_state!r} is not one of {_STATE_INITS}.")
-        if self.tie_init not in _TIE_INITS:
-            raise ValueError(f"tie_init={self.tie_init!r} is not one of {_TIE_INITS}.")
+        if self.tie_init is not None and self.tie_init not in _TIE_INITS:
+            raise ValueError(f"tie_init={self.tie_init!r} is not one of {_TIE_INITS}, or None (keep it untied).")
 
     @property
     def is_default_rule(self) -> bool:

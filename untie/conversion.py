@@ -17,8 +17,15 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from untie.loading import CheckpointError, OutputNotWritable, open_checkpoint
-from untie.surgery import TieInit, is_tied, other_ties, tie_embeddings, untie_embeddings
+from untie.loading import (
+    CheckpointError,
+    HeadNotStored,
+    OutputNotWritable,
+    check_stored_shapes,
+    open_checkpoint,
+    quiet_transformers,
+)
+from untie.surgery import TieInit, embedding_layout, is_tied, other_ties, tie_embeddings, untie_embeddings
 
 #: Files `save_pretrained` writes itself, or weights in formats the converted folder must not keep.
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
@@ -49,12 +56,20 @@ def convert_checkpoint(
     """Write `source` to `output_dir` untied (`untie=True`) or tied from `init`, then reload it to check the state.
 
     Returns what was done and checked; raises `ConversionFailed` if the reloaded model is not in the new state.
+    Refuses, before anything is written, what `untie inspect` flags: a stored embedding or head of another shape than
+    the config builds or of an integer dtype, and an untied checkpoint that does not store its head, unless the
+    conversion keeps only the embedding (`--tie --init input`): OUT holds the source's trained matrices or, for a
+    tie, their documented combination, never a matrix `from_pretrained` made up.
     """
     source, output_dir = os.fspath(source), os.fspath(output_dir)
     _check_output_dir(source, output_dir, overwrite=overwrite)
     checkpoint = open_checkpoint(source, head=head, revision=revision)
-    model = checkpoint.load()
+    layout = embedding_layout(checkpoint.empty_model)
+    check_stored_shapes(checkpoint, {layout.input_weight, layout.output_weight})
+    model, missing = checkpoint.load()
     was_tied = is_tied(model)
+    if not was_tied and layout.output_weight in missing and (untie or init != "input"):
+        _refuse_unstored_head(source, layout.output_weight, untie=untie, init=init)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "already (un)tied" is reported in the summary instead
         if untie:
@@ -74,24 +89,58 @@ def convert_checkpoint(
     }
     if was_tied != untie:
         summary["notes"].append(f"the model was already {summary['after']}; its config was updated to say so.")
+    summary["notes"] += _new_parameter_notes(model, missing, layout, head_is_embedding=was_tied or not untie)
     # Everything is written into a hidden sibling of OUT and renamed to OUT only once the reload checks pass: a kill,
     # a full disk or a failed check never leaves an OUT that looks finished; the next convert removes what it left.
     summary["notes"] += _remove_leftovers(output_dir)
     staging = _staging_dir(output_dir)
     try:
         try:
-            model.save_pretrained(staging)
+            with quiet_transformers():
+                model.save_pretrained(staging)
             summary["copied_files"] = _copy_side_files(checkpoint, staging)
         except (OSError, SafetensorError) as error:  # safetensors reports ENOSPC / EFBIG as its own error
             raise OutputNotWritable(f"could not write {output_dir}: {error}.") from error
         if verify:
-            summary["checks"], notes = verify_conversion(checkpoint.model_class, staging, model, untied=untie)
+            with quiet_transformers():
+                summary["checks"], notes = verify_conversion(checkpoint.model_class, staging, model, untied=untie)
             summary["notes"] += notes
         _share_like_new_files(staging)
         _replace(staging, output_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return summary
+
+
+def _refuse_unstored_head(source: str, head: str, *, untie: bool, init: str) -> None:
+    """An untied checkpoint without its head: `from_pretrained` made one up, so OUT would store noise as the head."""
+    wanted = "--untie" if untie else f"--tie --init {init}"
+    raise HeadNotStored(
+        f"{source}: its config does not tie the LM head, and {head} is not stored, so from_pretrained initialises it "
+        f"randomly (`untie inspect` calls this head-missing); convert {wanted} would write that random matrix "
+        f"{'as the head' if untie else 'into the shared matrix'}. If the model was trained tied (its config lost the "
+        f"tie), convert with `--tie --init input`: the embedding serves both roles again, and training with "
+        "UntieCallback can untie it later."
+    )
+
+
+def _new_parameter_notes(model, missing: frozenset[str], layout, *, head_is_embedding: bool) -> list[str]:
+    """What `from_pretrained` initialised because the source does not store it (a head class added to a headless
+    checkpoint, `--head masked-lm` on a BertModel): said here, in this library's words, not transformers' load
+    report. `head_is_embedding`: OUT's head is the trained input embedding (tied), whatever the source stored."""
+    notes = []
+    if head_is_embedding and layout.output_weight in missing:
+        notes.append(
+            f"{layout.output_weight} is not stored in the source; in OUT it is the trained input embedding (tied)."
+        )
+    new = sorted(name for name in missing if not (head_is_embedding and name == layout.output_weight))
+    if new:
+        shown = ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else "")
+        notes.append(
+            f"{len(new)} parameter(s) of {type(model).__name__} are not in the source and start newly initialised, "
+            f"as when fine-tuning adds that head: {shown}. OUT stores them as initialised."
+        )
+    return notes
 
 
 def _check_output_dir(source: str, output_dir: str, *, overwrite: bool) -> None:

@@ -136,6 +136,18 @@ def gathered(*params: torch.Tensor) -> Iterator[None]:
         yield
 
 
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's whole shape under every engine, without a collective: the one place the library reads a live
+    parameter's rows and width.
+
+    A DeepSpeed ZeRO-3 parameter holds only its partition between forwards (shape `[0]` when `from_pretrained`
+    built it under `zero.Init`), so its `shape` is not the model's; its whole shape is ZeRO-3's record. FSDP2's
+    DTensor reports its global shape. Dtypes need no helper (a partition keeps its parameter's dtype); values do:
+    read them inside `gathered`.
+    """
+    return _compat.deepspeed_full_shape(param) if _compat.is_deepspeed_partitioned(param) else param.shape
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a distributed tensor (an FSDP2 parameter), of which each rank holds a part."""
     return isinstance(tensor, DTensor)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from untie import _compat
+from untie.distributed import full_shape
 from untie.surgery import _embedding_modules, inner_optimizer, start_state_like
 
 
@@ -33,7 +34,7 @@ def separate_roles(model: nn.Module, owner: str) -> tuple[nn.Module, nn.Module]:
             f"{owner} needs a model whose head has its own parameter; this one is really tied. Call "
             "untie.untie_embeddings(model) first (the head starts as an exact copy of the embedding)."
         )
-    if embedding.weight.shape != head.weight.shape and not _compat.is_deepspeed_partitioned(embedding.weight):
+    if full_shape(embedding.weight) != full_shape(head.weight):
         raise ValueError(
             f"{owner}: the embedding {tuple(embedding.weight.shape)} and the head {tuple(head.weight.shape)} differ "
             "in shape, so they cannot be tied."

@@ -6,10 +6,11 @@ keeps `untie inspect` fast on a 256k-vocabulary checkpoint: nothing else is load
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -51,6 +52,12 @@ class NoEmbeddings(CheckpointError):
 
 class CheckpointUnreadable(CheckpointError):
     """The checkpoint is incomplete or damaged: no weights, a missing or truncated file, a stale index, bad JSON."""
+
+    exit_code = 6
+
+
+class HeadNotStored(CheckpointError):
+    """An untied checkpoint that does not store its LM head: `from_pretrained` initialises it randomly."""
 
     exit_code = 6
 
@@ -110,18 +117,39 @@ class Checkpoint:
         with torch.device("meta"):
             return _compat.build_from_config(self.model_class, self.config)
 
-    def load(self) -> tf.PreTrainedModel:
-        """The model with its weights, as plain `from_pretrained` gives it (stored dtype)."""
+    def load(self) -> tuple[tf.PreTrainedModel, frozenset[str]]:
+        """The model with its weights, as plain `from_pretrained` gives it (stored dtype), and the names of the
+        parameters the checkpoint does not hold (`from_pretrained` initialised them new).
+
+        transformers' own load report and progress bars are silenced: the caller says what is new, in its terms."""
         try:
-            return self.model_class.from_pretrained(
-                self.source, revision=self.revision, dtype="auto", trust_remote_code=False
-            )
+            with quiet_transformers():
+                model, info = self.model_class.from_pretrained(
+                    self.source, revision=self.revision, dtype="auto", trust_remote_code=False, output_loading_info=True
+                )
+            return model, frozenset(info.get("missing_keys", ()))
         except (OSError, RuntimeError, ValueError, SafetensorError) as error:
             if not self.is_local:
                 raise
             raise CheckpointUnreadable(
                 f"{self.source}: from_pretrained could not load the weights ({type(error).__name__}: {error})."
             ) from error
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Within the block, transformers logs errors only and shows no progress bars (public `transformers.utils.logging`
+    API); both settings are restored after it."""
+    logging = tf.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def open_checkpoint(source: str | os.PathLike, head: str = "auto", revision: str | None = None) -> Checkpoint:

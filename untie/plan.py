@@ -52,7 +52,8 @@ class RunSettings:
     """The tied phase's implementation resolved for the engine."""
     asked_mode: Literal["live", "emulated", "auto"] = "auto"
     """`tying_mode` as the user set it: "auto" follows a checkpoint's mode."""
-    tie_init: str = "input"
+    tie_init: str | None = None
+    """How a model that arrives untied is tied; None: it is not, it trains untied (nothing trained is dropped)."""
 
     @property
     def untie_at_zero(self) -> bool:
@@ -111,15 +112,26 @@ def _plan_start(model: ModelFacts, settings: RunSettings) -> StructurePlan:
         # A checkpoint untie untied (T5/BART re-tie on reload at equal values) or an untie at step 0: untied from the
         # start. On an already-untied model this only re-applies the bookkeeping a reload loses.
         plan = StructurePlan("untied", untie_reason="start")
+    elif model.structure == "untied" and settings.tie_init is None:
+        # Its head is a trained matrix of its own: a default run never drops it. Tying it is a setting.
+        plan = StructurePlan(
+            "untied",
+            untie_reason="start",
+            warning=(
+                f"{settings.adapter}: the model arrived untied (its LM head is a matrix of its own), so it trains "
+                "untied from the first step and nothing is tied or dropped. To tie it first and untie it later, pass "
+                "tie_init='input', 'output' or 'mean' (the matrix the tied phase starts from)."
+            ),
+        )
     else:
         warning = None
         if model.structure == "untied":
             warning = (
                 f"{settings.adapter}: the model arrived untied; tying it with tie_init={settings.tie_init!r} (the "
-                "other matrix is dropped). To keep it untied, pass untie_at=0."
+                "other matrix is dropped). To keep it untied, leave tie_init=None."
             )
         target: Structure = "emulated" if settings.tying_mode == "emulated" else "tied"
-        plan = StructurePlan(target, warning=warning, tie_init=settings.tie_init)
+        plan = StructurePlan(target, warning=warning, tie_init=settings.tie_init or "input")
     if model.optimizer_built and _adds_or_drops_a_parameter(model.structure, plan.target):
         return StructurePlan(
             None,

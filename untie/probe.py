@@ -38,7 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.func import functional_call
 
 from untie import _compat
-from untie.distributed import gather_rows, is_sharded, union_rows, world_size
+from untie.distributed import full_shape, gather_rows, is_sharded, union_rows, world_size
 from untie.metrics import (
     Pairs,
     RoleGradients,
@@ -81,7 +81,7 @@ class RoleGradientProbe:
         if emulation is not None:
             # The head has its own parameter, kept equal to the embedding, and the embedding receives the tied
             # gradient; the roles are the same two module uses.
-            if embedding.weight is self.head.weight or _full_shape(embedding.weight) != _full_shape(self.head.weight):
+            if embedding.weight is self.head.weight or full_shape(embedding.weight) != full_shape(self.head.weight):
                 raise ValueError(
                     "RoleGradientProbe(emulation=...) needs a head with its own parameter of the embedding's shape "
                     "(untie.emulation.EmulatedTying); this model is really tied or its matrices differ in shape."
@@ -102,7 +102,7 @@ class RoleGradientProbe:
             )
         self.armed = False
         self.pairs = list(pairs)
-        vocab = _full_shape(self.weight)[0]
+        vocab = full_shape(self.weight)[0]
         if any(not 0 <= token < vocab for pair in self.pairs for token in pair):
             raise ValueError(
                 f"pairs={self.pairs} holds token ids outside the model's vocabulary of {vocab}: pass ids in "
@@ -409,11 +409,6 @@ def _role_gradients(
         output_sq_norm=float(output_sq.clamp_min(0)),
         weight=weight,
     )
-
-
-def _full_shape(param: torch.Tensor) -> torch.Size:
-    """A parameter's whole shape, also while DeepSpeed ZeRO-3 holds only its partition."""
-    return _compat.deepspeed_full_shape(param) if _compat.is_deepspeed_partitioned(param) else param.shape
 
 
 def _device(weight: torch.Tensor, captured: torch.Tensor | None) -> torch.device:

@@ -27,6 +27,7 @@ from untie.checkpoint import install_resume_guard
 from untie.config import UntieConfig
 from untie.distributed import (
     broadcast_decision,
+    full_shape,
     gather_rows,
     gathered,
     is_sharded,
@@ -112,6 +113,9 @@ class UntieRun:
         """Why the structure plan untied the model before training ("start", "checkpoint"), for `begin`."""
         self._grad_sync_handle = None
         self._unmeasured_warned = False
+        self._no_pairs_because: str | None = None
+        self._rule_change_said = False
+        """Why `read_pairs` found no pairs, for the default rule's warning (None: it found some, or never read)."""
 
     # -- before the optimizer exists ----------------------------------------------------------------------------------
     def read_pairs(self, tokenizer, model, asked: bool) -> None:
@@ -125,18 +129,19 @@ class UntieRun:
                 f"{self.owner}(pairs='auto') reads the pairs from the tokenizer: pass it ({self._tokenizer_hint}), or "
                 "list the pairs yourself: pairs=[(id_a, id_b), ...]."
             )
-        rows = model.get_input_embeddings().weight.shape[0] if model is not None else None
+        rows = full_shape(model.get_input_embeddings().weight)[0] if model is not None else None
         pairs = tokenizer_pairs(tokenizer, max_id=rows)
+        within = f" among the model's {rows} embedding rows" if rows is not None else ""
         if pairs:
             shown = ", ".join("/".join(p.tokens) for p in pairs[:6])
             logger.info("untie: pairs='auto' measures %d pairs from the tokenizer (%s, ...)", len(pairs), shown)
         elif asked:
             _compat.warn_in_user_code(
-                f"{self.owner}(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants, so no "
-                "pair is measured. Pass pairs=[(id_a, id_b), ...]."
+                f"{self.owner}(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants{within}, "
+                "so no pair is measured. Pass pairs=[(id_a, id_b), ...]."
             )
         else:
-            logger.info("untie: the tokenizer's vocabulary has no case or word-start variants: no pairs are measured.")
+            self._no_pairs_because = f"the tokenizer's vocabulary has no case or word-start variants{within}"
         self.pairs = [p.ids for p in pairs]
 
     @property
@@ -152,6 +157,16 @@ class UntieRun:
         if self.config.is_default_rule:
             self.rule = default_rule(with_pairs=False)
             self.divergence = DivergenceTrigger(self.rule)
+            if self.config.pairs is not None or self._rule_change_said:
+                return  # pairs=[] is the user's choice; pairs="auto" has warned already
+            self._rule_change_said = True
+            logger.warning(
+                "untie: the default trigger reads no pairs: %s. It uses the pair-free rule (untie_when='cancellation') "
+                "instead of the evidence rule. To measure pairs, pass the tokenizer (%s) or pairs=[(id_a, id_b), ...]; "
+                "untie_when='cancellation' chooses this rule and silences this message.",
+                self._no_pairs_because or "no tokenizer was given",
+                self._tokenizer_hint,
+            )
             return
         raise ValueError(
             f"untie_when.signal={rule.signal!r} reads pairs, and there are none: no tokenizer to read them from "
@@ -457,7 +472,7 @@ class UntieRun:
         # FSDP2: read only the sampled rows of each rank's shard (every rank samples the same rows).
         return sampled_drift_metrics(
             lambda ids: (gather_rows(input_weight, ids), gather_rows(output_weight, ids)),
-            vocab=input_weight.shape[0],
+            vocab=full_shape(input_weight)[0],
             pairs=self.pairs,
             seed=step,
             **_DRIFT_SAMPLE,

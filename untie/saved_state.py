@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from untie.distributed import is_sharded
+from untie.distributed import full_shape, is_sharded
 from untie.surgery import embedding_layout, is_tied
 
 #: Version of the run state's layout (`UntieRun.state_dict()`); 3 is the first shared by both adapters.
@@ -65,7 +65,7 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 def _describe(tensor: torch.Tensor) -> dict[str, Any]:
     sharded = is_sharded(tensor)
     return {
-        "shape": list(tensor.shape),
+        "shape": list(full_shape(tensor)),
         "dtype": str(tensor.dtype).removeprefix("torch."),
         "digest": None if sharded else tensor_digest(tensor),  # a shard's bytes depend on the world size
     }

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.distributed import gathered
+from untie.distributed import full_shape, gathered
 from untie.peft_support import refuse_peft_surgery
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
@@ -118,10 +118,11 @@ def is_tied(model: nn.Module) -> bool:
 
 def _check_shapes(model: nn.Module, layout: EmbeddingLayout) -> None:
     w_in, w_out = model.get_parameter(layout.input_weight), model.get_parameter(layout.output_weight)
-    if w_in.shape != w_out.shape:
+    shape_in, shape_out = full_shape(w_in), full_shape(w_out)
+    if shape_in != shape_out:
         raise ValueError(
-            f"{type(model).__name__}: input embedding {layout.input_weight} has shape {tuple(w_in.shape)} but the "
-            f"LM head {layout.output_weight} has shape {tuple(w_out.shape)}; they cannot share one matrix. "
+            f"{type(model).__name__}: input embedding {layout.input_weight} has shape {tuple(shape_in)} but the "
+            f"LM head {layout.output_weight} has shape {tuple(shape_out)}; they cannot share one matrix. "
             "Resize one of them (model.resize_token_embeddings) or keep this model untied."
         )
 

@@ -136,6 +136,16 @@ def tiny_model(arch: str, seed: int = 0) -> tf.PreTrainedModel:
     return model_class(make_config())
 
 
+def tiny_tokenizer() -> tf.PreTrainedTokenizerBase:
+    """A WordPiece tokenizer of VOCAB entries, the tiny models' vocabulary, with case and word-start variants
+    (`the`/`The`, `the`/`##the`, ...) for `pairs="auto"` and the default trigger to read."""
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    for word in ("the", "and", "of", "to", "in", "is"):
+        words += [word, word.capitalize(), f"##{word}"]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    return tf.BertTokenizer(vocab={word: i for i, word in enumerate(words)})
+
+
 class ToyLMDataset(torch.utils.data.Dataset):
     """Random token sequences with labels = input_ids (every architecture above accepts this batch)."""
 

@@ -75,7 +75,8 @@ class Untier:
         metrics_every: measure every this many optimizer steps (0: never; needs ``untie_when=None``).
         pairs: token-id pairs to measure, "auto" (from `tokenizer`), None ("auto" when a tokenizer is given), [].
         optimizer_state: the untied head's optimizer state: "copy", "reset", or "fresh" (the embedding's too).
-        tie_init: an untied model is tied from this matrix: "input", "output" or "mean".
+        tie_init: an untied model: None (default) keeps it untied from the first step (nothing trained is
+            dropped); "input", "output" or "mean" ties it from that matrix (or their mean).
         tying_mode: "live", "emulated" (FSDP2, DeepSpeed) or "auto".
 
     The settings are the fields of `untie.UntieConfig` (its docs say more) but `save_at_untie`, which is Trainer's.
@@ -94,7 +95,7 @@ class Untier:
         metrics_every: int = 50,
         pairs: list[tuple[int, int]] | Literal["auto"] | None = None,
         optimizer_state: OptimizerStateInit = "copy",
-        tie_init: TieInit = "input",
+        tie_init: TieInit | None = None,
         tying_mode: TyingMode = "auto",
     ) -> None:
         self.model = _unwrap(model)
