@@ -17,8 +17,9 @@ the table is read from it. A table is never edited by hand; a change that alters
 
 Only tables whose numbers are deterministic (same seed, same numbers on a machine kind, whatever the worker count)
 are checked, and CI checks only those that hold on any x86 CPU kind (a chaotic single-seed run's numbers do not:
-float kernels differ between CPU kinds; its page names the kind they are exact on); timings are measurements, dated by the commit and machine written next to them. The tables that are not
-cheap (tens of minutes to hours on 2 cores) are not run by CI: each page names the commit its table was made on, and
+float kernels differ between CPU kinds; its page names the kind they are exact on); timings are measurements,
+dated by the commit and machine written next to them. The tables that are not cheap (tens of minutes to hours on
+2 cores) are not run by CI: each page names the commit its table was made on, and
 `tests/test_docs_tables.py` fails on a results table of README or docs that is not registered here.
 """
 
@@ -63,6 +64,16 @@ def without_columns(*names: str, index: int = 0) -> Callable[[str], str]:
         return "\n".join(kept)
 
     return extract
+
+
+def without_rows(containing: str, extract: Callable[[str], str]) -> Callable[[str], str]:
+    """The table `extract` reads, without its body rows that contain `containing`."""
+
+    def rows(text: str) -> str:
+        lines = extract(text).splitlines()
+        return "\n".join(lines[:2] + [line for line in lines[2:] if containing not in line])
+
+    return rows
 
 
 def nth_table(index: int) -> Callable[[str], str]:
@@ -140,6 +151,8 @@ _MAP_FRESH = (
 )  # fmt: skip
 
 
+#: Words of EXor's claims on the geometry after the untie (scheduled arms), left out of the CI-checked table.
+_AFTER_UNTIE_GEOMETRY = "the geometry moves to the untied pattern"
 #: The EXor quick preset with `scheduled-reset` (its tables in docs/recipes/exor.md).
 _EXOR_QUICK = (_exor("--arms", "untied", "tied", "scheduled", "scheduled-reset", "auto", "--output_dir", "{out}"),)
 
@@ -163,7 +176,9 @@ TABLES: dict[str, Table] = {
         page="docs/recipes/exor.md",
         commands=_EXOR_QUICK,
         output="results.md",
-        extract=without_columns("evidence", index=1),
+        # The verdicts, without the evidence's numbers and without the claims on the geometry after an untie, which
+        # on one seed follow the trajectory and so the CPU kind (they fail with AVX2 kernels: docs/recipes/exor.md).
+        extract=without_rows(_AFTER_UNTIE_GEOMETRY, without_columns("evidence", index=1)),
         cost="cheap",
     ),
     "bookcorpus-quick": Table(

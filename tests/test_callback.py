@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import os
 import types
 
@@ -563,3 +564,23 @@ def test_live_tying_under_fsdp2_or_deepspeed_and_unsupported_engines_are_refused
                 resolve_tying_mode(requested, engine)
     with pytest.raises(RuntimeError, match="Use FSDP2"):
         resolve_tying_mode("auto", "FSDP1")
+
+
+def test_values_not_measured_yet_are_absent_from_the_logs_not_nan(make_args):
+    """While tied, a pair whose symbol has not occurred and the trigger before its first average are NaN in `history`
+    (every measurement kept) and absent from Trainer's logs (what the console, TensorBoard and W&B get)."""
+    from untie.testing import tiny_tokenizer
+
+    callback = untie.UntieCallback(metrics_every=1, untie_at=None)
+    trainer = tf.Trainer(
+        model=tiny_model("gpt2"),
+        args=make_args(max_steps=4, logging_steps=1, per_device_train_batch_size=1),
+        train_dataset=ToyLMDataset(),
+        processing_class=tiny_tokenizer(),
+        callbacks=[callback],
+    )
+    trainer.train()
+    assert any(math.isnan(value) for h in callback.history for value in h.values())  # something was unmeasured
+    logged = [(key, value) for entry in trainer.state.log_history for key, value in entry.items() if "untie/" in key]
+    assert logged and all(math.isfinite(value) for _, value in logged), logged
+    assert all("untie/untie_step" not in entry for entry in trainer.state.log_history)  # never untied: absent

@@ -202,6 +202,30 @@ def test_convert_reports_an_already_converted_model(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def test_a_missing_relative_path_is_not_read_as_a_hub_id(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", "./nope"]) == 3
+    err = capsys.readouterr().err
+    assert "./nope: no such folder" in err and "Repo id" not in err
+
+
+def test_a_hub_id_on_a_machine_that_cannot_reach_the_hub_fails_at_once_naming_it(capsys, monkeypatch):
+    """No half minute of huggingface_hub's retries and warnings: one try to open a connection, then the cache."""
+    from huggingface_hub import constants
+    from launch import free_port
+
+    from untie import loading
+
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert not loading._hub_reachable()
+    assert main(["inspect", "some-org/not-cached-model"]) == 3
+    err = capsys.readouterr().err
+    assert "not in the local Hugging Face cache" in err and "cannot be reached" in err and "Retrying" not in err
+
+
 def test_missing_path_and_file_exit_3(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "nope")]) == 3
     assert "no such folder" in capsys.readouterr().err

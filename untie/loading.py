@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import socket
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -189,11 +190,15 @@ def _config(source: str, revision: str | None) -> tf.PretrainedConfig:
         _refuse_remote_code(source, raw.get("auto_map"))
     elif os.path.exists(source):
         raise CheckpointNotFound(f"{source} is a file; pass the checkpoint folder that contains it.")
-    elif not _HUB_ID.match(source):
+    elif _looks_like_a_path(source) or not _HUB_ID.match(source):
         raise CheckpointNotFound(f"{source}: no such folder (and not a hub id such as `openai-community/gpt2`).")
+    # A hub id on a machine that cannot reach the hub: the cache, or one clear error now, not minutes of retries.
+    offline = not os.path.isdir(source) and not _hub_reachable()
     try:
         # trust_remote_code=False: never run a checkpoint's code, and never prompt on stdout (it would break --json)
-        config = tf.AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=False)
+        config = tf.AutoConfig.from_pretrained(
+            source, revision=revision, trust_remote_code=False, local_files_only=offline
+        )
     except (OSError, ValueError, TypeError, KeyError) as error:
         if "trust_remote_code" in str(error):
             _refuse_remote_code(source, True)
@@ -201,12 +206,47 @@ def _config(source: str, revision: str | None) -> tf.PretrainedConfig:
             raise CheckpointUnreadable(
                 f"{source}/config.json cannot be read by transformers ({type(error).__name__}: {error})."
             ) from error
+        if offline:
+            raise CheckpointNotFound(
+                f"{source}: no such folder, and not in the local Hugging Face cache; the hub "
+                f"({_hub_endpoint()}) cannot be reached from this machine. Pass the path of a checkpoint folder, or "
+                "run where the hub is reachable once to cache it."
+            ) from error
         raise CheckpointNotFound(
             f"{source}: no such folder, and the hub could not provide it ({type(error).__name__}: {error}). Check "
             "the path; for a hub id, check the spelling, your network and `hf auth login` for gated models."
         ) from error
     _refuse_remote_code(source, getattr(config, "auto_map", None))
     return config
+
+
+def _looks_like_a_path(source: str) -> bool:
+    """A path, never a hub id: hub ids do not start with '.', '/' or '~' and hold at most one '/'."""
+    return source.startswith((".", "/", "~", os.sep)) or source.count("/") > 1 or (os.sep != "/" and os.sep in source)
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub's host opens within `timeout` seconds (one try: huggingface_hub retries a
+    failed request for about half a minute). True under HF_HUB_OFFLINE (the hub library then reads its cache itself)
+    and behind a proxy (the proxy, not this machine, reaches the hub)."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
+        return True
+    address = urlsplit(constants.ENDPOINT)
+    try:
+        with socket.create_connection((address.hostname, address.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _refuse_remote_code(source: str, auto_map) -> None:

@@ -441,11 +441,13 @@ class UntieRun:
         self.drop_probe()
 
     def take_latest(self) -> dict[str, float]:
-        """The `untie/*` values to log now: the tying state and the last measurement (once)."""
+        """The `untie/*` values to log now: the tying state and the last measurement (once). A value the run has not
+        measured (a pair whose symbol has not occurred yet, the trigger before its first average: NaN in `history`)
+        is absent, not logged as NaN."""
         logs = {"untie/tied": 0.0 if self.untied else 1.0}
         if self.untie_step is not None:
             logs["untie/untie_step"] = self.untie_step
-        logs.update({f"untie/{k}": v for k, v in self.latest.items()})
+        logs.update({f"untie/{k}": v for k, v in self.latest.items() if not math.isnan(v)})
         self.latest = {}
         return logs
 
