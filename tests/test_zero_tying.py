@@ -55,3 +55,66 @@ def test_autograd_tying_refuses_optimizers_whose_step_scales_with_the_gradient()
 def test_autograd_tying_needs_a_head_of_its_own():
     with pytest.raises(ValueError, match="really tied.*untie_embeddings"):
         ZeroTying(tiny_model("gpt2"))
+
+
+@pytest.mark.parametrize("start, length", [(0, 48 * 16), (37, 300), (16 * 5, 16 * 7), (700, 68), (0, 0)])
+def test_the_tied_rows_are_read_from_any_part_of_zeros_reduced_gradient(start, length, monkeypatch):
+    """`read_tied_rows` at DeepSpeed's step: each rank holds one flat slice of the reduced gradient (not aligned to
+    rows under ZeRO-3 or ZeRO-1/2); the rows it picks and the slice's squared norm, summed over ranks by the
+    all-reduce, are the tied gradient's rows and norm. One process here: the slice is this rank's whole share."""
+    from untie import _compat
+
+    model = tiny_model("gpt2")
+    untie_embeddings(model)
+    tying = ZeroTying(model)
+    reduced = torch.randn(48, 16)  # ZeRO holds the tied gradient / sqrt(2)
+    flat = reduced.reshape(-1)
+    monkeypatch.setattr(_compat, "deepspeed_local_grad", lambda param: (flat[start : start + length], start))
+    ids = torch.tensor([0, 2, 5, 6, 11, 43, 47])
+    rows, sq_norm = tying.read_tied_rows(ids)
+    held = torch.zeros(flat.numel(), dtype=torch.bool)
+    held[start : start + length] = True
+    expected = torch.where(held.reshape(48, 16), reduced, torch.zeros(())) * math.sqrt(2.0)
+    torch.testing.assert_close(rows, expected[ids], rtol=1e-6, atol=0)
+    torch.testing.assert_close(sq_norm.item(), 2.0 * flat[start : start + length].double().square().sum().item())
+    tying.remove()
+
+
+def test_the_step_of_deepspeeds_optimizer_is_wrapped_while_tied_and_restored_after():
+    """On a measuring step the probe reads the gradient at DeepSpeed's optimizer step, before it; `release` takes
+    the wrapper off again and leaves a wrapper set on top of it by someone else in place."""
+    model = tiny_model("gpt2")
+    untie_embeddings(model)
+    calls: list[str] = []
+
+    class DeepSpeedZeroOptimizer:  # stands for ZeRO's optimizer: its class lives in deepspeed.runtime
+        __module__ = "deepspeed.runtime.zero.stage_1_and_2"
+
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self):
+            calls.append("step")
+
+    adam = torch.optim.AdamW(model.parameters())
+    zero = DeepSpeedZeroOptimizer(adam)
+    wrapper = type("DeepSpeedOptimizerWrapper", (), {"optimizer": zero})()  # accelerate's
+    tying = ZeroTying(model)
+    tying.on_optimizer_step = lambda: calls.append("read")
+    tying.attach_optimizer(wrapper)
+    tying.attach_optimizer(wrapper)  # a resumed run attaches again: one wrapper
+    zero.step()
+    tying.capture_if = lambda: True  # a measuring step
+    zero.step()
+    assert calls == ["step", "read", "step"]
+    tying.release()
+    assert "step" not in vars(zero) and "forward" not in vars(model.get_input_embeddings())
+    zero.step()
+    assert calls[-1] == "step" and calls.count("read") == 1
+
+    tying = ZeroTying(model)
+    tying.attach_optimizer(wrapper)
+    ours = zero.step
+    zero.step = theirs = lambda: ours()  # someone wraps it after us
+    tying.release()
+    assert zero.step is theirs

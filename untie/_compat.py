@@ -159,6 +159,36 @@ def deepspeed_full_shape(param: torch.Tensor) -> torch.Size:
     return torch.Size(param.ds_shape)
 
 
+def deepspeed_local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """This rank's part of `param`'s gradient as ZeRO holds it between backward and its optimizer step (reduced over
+    ranks, not yet clipped), and where that part starts in the flattened parameter; None where this rank holds no
+    part of it. No copy of the whole gradient is made.
+
+    ZeRO-3: `deepspeed.utils.safe_get_local_grad` (public) is the flat fp32 partition of rank r, which starts at
+    r * its size (`set_fp32_grad_for_param` slices a full value so). ZeRO-1/2 (and the bf16 optimizer): the fragment
+    `param._hp_mapping` maps, read as `deepspeed.utils.tensor_fragment.get_full_hp_grad` reads it before it
+    all-reduces a (V, d) buffer (no public API gives the local fragment). Checked: deepspeed 0.19.8
+    (`runtime/zero/stage3.py`, `utils/tensor_fragment.py`)."""
+    import torch.distributed as dist
+
+    if is_deepspeed_partitioned(param):
+        from deepspeed.utils import safe_get_local_grad
+
+        local = safe_get_local_grad(param)
+        if local is None:
+            return None
+        rank = dist.get_rank(group=getattr(param, "ds_process_group", None))
+        return local.reshape(-1), rank * local.numel()
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return None
+    fragment = mapping.get_lp_grad_fragment(param._index_in_param_group).reshape(-1)
+    address = mapping.lp_fragment_address
+    if fragment.numel() == param.numel():  # the whole parameter's gradient (as get_full_hp_grad narrows it)
+        fragment = fragment.narrow(0, address.start, address.numel)
+    return fragment, address.start
+
+
 def is_deepspeed_mapped(param: torch.Tensor) -> bool:
     """Whether a ZeRO-1/2 (or bf16) optimizer maps `param` onto its flat fp32 partition: it sets `_hp_mapping` on each
     (`deepspeed.utils.safe_get_full_*` test the same attribute; no public predicate). Checked: deepspeed 0.19.8."""

@@ -126,14 +126,18 @@ class RoleGradientProbe:
         self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
         if self.pairs:
             self._handles.append(self.head.register_forward_hook(self._on_head_forward))
-        #: Under DeepSpeed (`untie.zero_tying.ZeroTying`) the tied gradient never sits in W.grad: the tying's
-        #: autograd function captures it, on measuring steps, and `collect` averages it over ranks.
-        self._captures = hasattr(emulation, "take_tied_gradient")
+        #: Under DeepSpeed (`untie.zero_tying.ZeroTying`) the tied gradient never sits in W.grad, and the engine steps
+        #: inside backward: the tying calls `_read_reduced_gradient` at its optimizer's step, before the step, where
+        #: each rank reads the rows it needs from its part of ZeRO's reduced gradient.
+        self._captures = hasattr(emulation, "read_tied_rows")
         #: Under DeepSpeed: the rows of W this step reads (and the pairs'), kept at the lookup, before the step.
         self._weight_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        #: Under DeepSpeed: the step's role gradients, read at its optimizer step, for `collect`.
+        self._read_at_step: RoleGradients | None = None
         if self._captures:
             emulation.capture_if = lambda: self.armed
             emulation.on_capture_lookup = self._keep_weight_rows
+            emulation.on_optimizer_step = self._read_reduced_gradient
         elif emulation is not None:
             emulation.after_fold.append(self._read_gradient)
 
@@ -270,39 +274,21 @@ class RoleGradientProbe:
     # -- API --------------------------------------------------------------------------------------------------------
     def collect(self) -> RoleGradients | None:
         """The step's role gradients on the rows the signals read, averaged over ranks; None if no backward ran while
-        armed. Call it after the step's last backward and before the optimizer step.
+        armed. Call it after the step's last backward and before the optimizer step (under DeepSpeed, after it: they
+        were read at the step, `_read_reduced_gradient`).
 
         Every rank must call it on the same steps (it all-reduces under torch.distributed).
         """
-        parts, self._input_parts = self._input_parts, []
+        if self._captures:
+            grads, self._read_at_step = self._read_at_step, None
+            if grads is None:  # the engine did not step while armed: an incomplete step, its gaps are not read either
+                self._input_parts, self._sums, self._weight_parts = [], None, []
+            return grads
         backward_sq, self._backward_row_sq = self._backward_row_sq, None
-        captured = self._emulation.take_tied_gradient() if self._captures else None
-        backward_ended = captured is not None if self._captures else backward_sq is not None
-        have = torch.tensor([float(bool(parts) and backward_ended)], device=_device(self.weight, captured))
-        if world_size() > 1:
-            dist.all_reduce(have, op=dist.ReduceOp.MIN)
-        if have.item() != 1.0:
-            self._sums, self._weight_parts = None, []  # an incomplete step: its gaps are not read either
+        rows = self._input_role_rows(backward_sq is not None, self.weight.device)
+        if rows is None:
             return None
-        ids, rows = _merge_rows(parts)
-        if world_size() > 1:  # the union of every rank's rows, averaged as DDP averages W.grad
-            union = union_rows(ids)
-            summed = torch.zeros(len(union), rows.shape[1], dtype=rows.dtype, device=rows.device)
-            summed[torch.searchsorted(union, ids)] = rows
-            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-            ids, rows = union, summed / dist.get_world_size()
-        pair_ids = self._pair_ids.to(ids.device).reshape(-1)
-        all_ids = torch.unique(torch.cat([ids, pair_ids]))  # sorted
-        input_grad = torch.zeros(len(all_ids), rows.shape[1], dtype=rows.dtype, device=rows.device)
-        input_grad[torch.searchsorted(all_ids, ids)] = rows
-
-        if self._captures:  # DeepSpeed: the step's whole tied gradient, before clipping, averaged as ZeRO averages it
-            if world_size() > 1:
-                dist.all_reduce(captured, op=dist.ReduceOp.SUM)
-                captured /= dist.get_world_size()
-            tied = captured[all_ids.to(captured.device)]
-            weight_rows = self._weight_rows(all_ids)
-            return _role_gradients(all_ids, input_grad, tied, _row_sq_norms(captured).double().sum(), weight_rows)
+        all_ids, input_grad = rows
 
         # The optimizer sees W.grad scaled by one factor (clipping, unscaling): take it out again, after checking
         # row by row that nothing else changed it.
@@ -325,6 +311,42 @@ class RoleGradientProbe:
             return RoleGradients(all_ids, input_grad, nan, math.nan, gather_rows(self.weight, all_ids).float())
         tied = gather_rows(self.weight.grad, all_ids).float() / scale_sq.sqrt().float()
         return _role_gradients(all_ids, input_grad, tied, backward_total, gather_rows(self.weight, all_ids).float())
+
+    def _input_role_rows(self, backward_ended: bool, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's input role on the union of every rank's looked-up rows and the pairs' (sorted ids, rows),
+        averaged as DDP averages W.grad; None (on every rank) if some rank ran no backward while armed."""
+        parts, self._input_parts = self._input_parts, []
+        have = torch.tensor([float(bool(parts) and backward_ended)], device=device)
+        if world_size() > 1:
+            dist.all_reduce(have, op=dist.ReduceOp.MIN)
+        if have.item() != 1.0:
+            self._sums, self._weight_parts = None, []  # an incomplete step: its gaps are not read either
+            return None
+        ids, rows = _merge_rows(parts)
+        if world_size() > 1:  # the union of every rank's rows, averaged as DDP averages W.grad
+            union = union_rows(ids)
+            summed = torch.zeros(len(union), rows.shape[1], dtype=rows.dtype, device=rows.device)
+            summed[torch.searchsorted(union, ids)] = rows
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+            ids, rows = union, summed / dist.get_world_size()
+        pair_ids = self._pair_ids.to(ids.device).reshape(-1)
+        all_ids = torch.unique(torch.cat([ids, pair_ids]))  # sorted
+        input_grad = torch.zeros(len(all_ids), rows.shape[1], dtype=rows.dtype, device=rows.device)
+        input_grad[torch.searchsorted(all_ids, ids)] = rows
+        return all_ids, input_grad
+
+    def _read_reduced_gradient(self) -> None:
+        """DeepSpeed, at its optimizer step of a measuring step, before the step changes anything (every rank): the
+        tied gradient on the rows the signals read and its whole squared norm, from ZeRO's reduced gradient, which
+        is averaged over ranks as DDP averages W.grad and not yet clipped (`ZeroTying.read_tied_rows`). What this
+        holds is O(rows read x d): no (V, d) buffer."""
+        rows = self._input_role_rows(True, self.weight.device)
+        if rows is None:
+            return
+        all_ids, input_grad = rows
+        tied, tied_sq_total = self._emulation.read_tied_rows(all_ids)
+        weight_rows = self._weight_rows(all_ids)
+        self._read_at_step = _role_gradients(all_ids, input_grad, tied, tied_sq_total, weight_rows)
 
     def pair_measurements(self, grads: RoleGradients) -> dict[str, float]:
         """The pair measurements of the step's loss positions (all ranks); resets the sums.
@@ -409,10 +431,6 @@ def _role_gradients(
         output_sq_norm=float(output_sq.clamp_min(0)),
         weight=weight,
     )
-
-
-def _device(weight: torch.Tensor, captured: torch.Tensor | None) -> torch.device:
-    return captured.device if captured is not None else weight.device
 
 
 def _row_sq_norms(grad: torch.Tensor | None) -> torch.Tensor | None:

@@ -22,9 +22,12 @@ gradient divided by sqrt(2):
 
 The cost while tied is that of an untied model: the head's parameter, gradient, fp32 master and moments.
 
-`W.grad` never holds the step's tied gradient under ZeRO, so the role-gradient probe (the divergence trigger) reads
-it here: on a measuring step `_TiedPair`'s backward adds each role's whole gradient on this rank into one buffer
-(`capture`), and the lookup hands the probe the rows of W the step reads, before the engine steps.
+`W.grad` never holds the step's tied gradient under ZeRO, and under accelerate the engine steps inside backward, so
+the role-gradient probe (the divergence trigger) reads it here: the tying wraps the step of DeepSpeed's optimizer
+(`attach_optimizer`), and on a measuring step calls the probe there, before the step, when ZeRO holds the gradient
+reduced (averaged over ranks) and not yet clipped; `read_tied_rows` reads the rows the probe needs from this rank's
+part of it, with one (rows, d) all-reduce and one scalar. The lookup hands the probe the rows of W the step reads,
+before the engine steps. A measuring step holds O(rows read x d) more than a plain one, as under DDP and FSDP2.
 
 DeepSpeed's public API does the rest: `deepspeed.zero.register_external_parameter` tells ZeRO-3 that each of the two
 modules reads the other's parameter (so both are gathered for its forward and backward), and
@@ -38,19 +41,22 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from untie import _compat
+from untie.distributed import full_shape
 from untie.emulation import separate_roles
 
+#: Elements of a gradient part whose squared norm is summed at once in float64 (32 MiB of float64).
+_NORM_CHUNK = 1 << 22
 #: Adam-family state entries and the power of the gradient's scale they carry.
 ADAM_MOMENTS = {"exp_avg": 1, "exp_avg_sq": 2}
 
 
 class _TiedPair(torch.autograd.Function):
-    """Forward: the embedding's values. Backward: the gradient divided by sqrt(2), to both matrices (and, on a
-    measuring step, the whole gradient to `ZeroTying.capture`)."""
+    """Forward: the embedding's values. Backward: the gradient divided by sqrt(2), to both matrices."""
 
     @staticmethod
     def forward(ctx, embedding: torch.Tensor, head: torch.Tensor, tying: ZeroTying) -> torch.Tensor:
@@ -59,9 +65,21 @@ class _TiedPair(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        ctx.tying.capture(grad)
         grad = grad / math.sqrt(2.0)
         return grad, grad, None
+
+
+def deepspeed_optimizer(optimizer):
+    """DeepSpeed's own optimizer (ZeRO's, or its bf16 / fp16 wrapper: what its engine steps) inside accelerate's
+    wrappers, or None (the engine steps the client optimizer: ZeRO stage 0)."""
+    inner = optimizer
+    for _ in range(4):
+        if type(inner).__module__.startswith("deepspeed.runtime"):
+            return inner
+        inner = getattr(inner, "optimizer", None)
+        if inner is None:
+            return None
+    return None
 
 
 def zero_stage(param: torch.Tensor) -> int | None:
@@ -112,8 +130,11 @@ class ZeroTying:
         """Whether this is a measuring step (set by `untie.probe.RoleGradientProbe`)."""
         self.on_capture_lookup: Callable[[torch.Tensor, torch.Tensor], None] = lambda ids, weight: None
         """Called with each measuring step's input ids and the (gathered) matrix, before the step changes it."""
-        self._captured: torch.Tensor | None = None
+        self.on_optimizer_step: Callable[[], None] = lambda: None
+        """Called on a measuring step at DeepSpeed's optimizer step, before it: the gradient is reduced, not clipped."""
         self._registered: list[tuple[nn.Module, nn.Parameter]] = []
+        self._stepping: tuple[object, Callable] | None = None
+        """(DeepSpeed's optimizer, the step wrapper set on it), while wrapped."""
         embedding, head = self.embedding, self.head
 
         def tied_lookup(input_ids: torch.Tensor) -> torch.Tensor:
@@ -134,23 +155,40 @@ class ZeroTying:
             return F.linear(hidden, _TiedPair.apply(embedding.weight, head.weight, self), head.bias)
 
         embedding.forward, head.forward = tied_lookup, tied_head
+        self._forwards = (tied_lookup, tied_head)
 
-    def capture(self, grad: torch.Tensor) -> None:
-        """On a measuring step, add one role's whole gradient on this rank (a lookup's or the head's: their sum is the
-        live tied gradient, before DeepSpeed averages it over ranks and partitions it)."""
-        if self.capture_if():
-            grad = grad.detach().float()
-            self._captured = grad.clone() if self._captured is None else self._captured.add_(grad)
+    def read_tied_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tied gradient's rows `ids` (sorted, the same on every rank) as a (len(ids), d) float32 tensor, and its
+        whole squared norm (float64), from ZeRO's reduced gradient of the embedding (the tied gradient / sqrt(2)).
+        Call it at DeepSpeed's optimizer step, before the step (`on_optimizer_step`); every rank must call it.
 
-    def take_tied_gradient(self) -> torch.Tensor | None:
-        """The step's tied gradient captured on this rank (all micro-batches; None if none), and forget it."""
-        captured, self._captured = self._captured, None
-        return captured
+        Each rank reads the rows that fall in its part of the gradient; one (len(ids), d) all-reduce assembles them
+        and one scalar all-reduce sums the norm: no (V, d) buffer on any rank."""
+        weight = self.embedding.weight
+        width = full_shape(weight)[1]
+        rows = torch.zeros(len(ids), width, dtype=torch.float32, device=ids.device)
+        sq_norm = torch.zeros(1, dtype=torch.float64, device=ids.device)
+        part = _compat.deepspeed_local_grad(weight)
+        if part is not None:
+            values, start = part
+            values = values.reshape(-1)
+            for chunk in values.split(_NORM_CHUNK):  # float64 sums, never a float64 copy of the whole part
+                sq_norm += torch.linalg.vector_norm(chunk, dtype=torch.float64).square().to(ids.device)
+            elements = ids.to(values.device).unsqueeze(1) * width + torch.arange(width, device=values.device) - start
+            held = (elements >= 0) & (elements < values.numel())
+            picked = values[elements.clamp(0, max(values.numel() - 1, 0))] if values.numel() else elements.float()
+            rows += torch.where(held, picked.float(), torch.zeros((), device=values.device)).to(rows.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(rows, op=dist.ReduceOp.SUM)
+            dist.all_reduce(sq_norm, op=dist.ReduceOp.SUM)
+        return rows * math.sqrt(2.0), 2.0 * sq_norm[0]
 
     def attach_optimizer(self, optimizer) -> None:
-        """The engine exists: check the optimizer, and under ZeRO-3 tell DeepSpeed that each module reads the other's
-        parameter (idempotent: a resumed run attaches again)."""
+        """The engine exists: check the optimizer, wrap the step of DeepSpeed's optimizer (where a measuring step is
+        read), and under ZeRO-3 tell DeepSpeed that each module reads the other's parameter (idempotent: a resumed run
+        attaches again)."""
         check_optimizer(optimizer)
+        self._wrap_step(optimizer)
         if _compat.is_deepspeed_partitioned(self.embedding.weight) and not self._registered:
             import deepspeed
 
@@ -182,10 +220,35 @@ class ZeroTying:
                     value = value * math.sqrt(2.0) ** power
                 _set_full_state(optimizer, param, key, value)
 
+    def _wrap_step(self, optimizer) -> None:
+        """Call `on_optimizer_step` at the step of DeepSpeed's optimizer on measuring steps, before the step (its
+        engine calls that step inside backward under accelerate, and only at a gradient-accumulation boundary)."""
+        if self._stepping is not None:
+            return
+        stepper = deepspeed_optimizer(optimizer)
+        if stepper is None:
+            return
+        original = stepper.step
+
+        def step(*args, **kwargs):
+            if self.capture_if():
+                self.on_optimizer_step()
+            return original(*args, **kwargs)
+
+        stepper.step = step
+        self._stepping = (stepper, step)
+
     def remove(self) -> None:
-        """Each module reads its own parameter again; ZeRO-3 stops gathering the other's."""
-        for module in (self.embedding, self.head):
-            vars(module).pop("forward", None)
+        """Each module reads its own parameter again; ZeRO-3 stops gathering the other's; DeepSpeed's optimizer steps
+        as before (only this tying's own replacements are removed: a wrapper someone set on top stays)."""
+        for module, forward in ((self.embedding, self._forwards[0]), (self.head, self._forwards[1])):
+            if vars(module).get("forward") is forward:
+                del module.forward
+        if self._stepping is not None:
+            stepper, step = self._stepping
+            if vars(stepper).get("step") is step:
+                del stepper.step
+            self._stepping = None
         if self._registered:
             # Public in deepspeed.runtime.zero.partition_parameters, not re-exported by deepspeed.zero (0.19.8).
             from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
