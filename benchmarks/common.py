@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -81,6 +82,25 @@ def write_results(output_dir: str, results: object, table: str) -> None:
     with open(os.path.join(output_dir, "results.md"), "w") as handle:
         handle.write(table + "\n")
     print(table)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(script: str, ranks: int, *args: str) -> dict:
+    """Run `script args` under `torch.distributed.run` on `ranks` processes (this interpreter); the JSON of the
+    ``RESULT`` line its rank 0 prints (`print_result`)."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
+    return run_worker([*command, f"--master_port={free_port()}", script, *args])
+
+
+def print_result(result: dict | None) -> None:
+    """A worker's result, as `run_worker` reads it (ranks other than 0 pass None and print nothing)."""
+    if result is not None:
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def run_worker(command: list[str]) -> dict:

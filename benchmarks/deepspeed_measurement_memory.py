@@ -19,13 +19,12 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import sys
 from dataclasses import dataclass, field
 
 import torch
 import transformers as tf
-from common import RandomTokens, machine, run_worker, write_results
+from common import RandomTokens, machine, print_result, run_ranks, write_results
 
 import untie
 
@@ -116,25 +115,15 @@ def run_rank(args: BenchmarkArguments) -> dict | None:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
     if args.stage is not None:
-        result = run_rank(args)
-        if result is not None:
-            print("RESULT " + json.dumps(result), flush=True)
+        print_result(run_rank(args))
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     runs = []
     for stage in args.stages:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}"]
-        command += [f"--master_port={free_port()}", __file__, *sys.argv[1:], "--stage", str(stage)]
-        runs.append(run_worker(command))
+        runs.append(run_ranks(__file__, args.ranks, *sys.argv[1:], "--stage", str(stage)))
         print(json.dumps(runs[-1]), flush=True)
     rows = [
         "| ZeRO stage | plain step: peak growth | measuring step: peak growth | measurement's extra peak | "

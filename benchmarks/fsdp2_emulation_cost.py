@@ -22,7 +22,6 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import transformers as tf
-from common import machine, run_worker, write_results
+from common import machine, print_result, run_ranks, write_results
 
 import untie
 
@@ -133,34 +132,15 @@ def run_rank(args: BenchmarkArguments) -> dict | None:
     return result if int(os.environ["RANK"]) == 0 else None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> None:
     (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
     if args.arm is not None:
-        result = run_rank(args)
-        if result is not None:
-            print("RESULT " + json.dumps(result), flush=True)
+        print_result(run_rank(args))
         return
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     for _ in range(args.repeats):
         for arm in ARMS:
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                f"--nproc_per_node={args.ranks}",
-                f"--master_port={free_port()}",
-                __file__,
-                *sys.argv[1:],
-                "--arm",
-                arm,
-            ]
-            result = run_worker(command)
+            result = run_ranks(__file__, args.ranks, *sys.argv[1:], "--arm", arm)
             print(json.dumps(result), flush=True)
             runs[arm].append(result)
     tied_s = statistics.median(r["median_step_s"] for r in runs["tied"])

@@ -151,6 +151,16 @@ _MAP_FRESH = (
 )  # fmt: skip
 
 
+#: The extra memory of a DeepSpeed measuring step, ZeRO-2 and ZeRO-3 on 2 CPU ranks (docs/benchmarks.md).
+_DEEPSPEED_MEMORY = (
+    "python",
+    "benchmarks/deepspeed_measurement_memory.py",
+    "--stages",
+    "2",
+    "3",
+    "--output_dir",
+    "{out}",
+)
 #: Words of EXor's claims on the geometry after the untie (scheduled arms), left out of the CI-checked table.
 _AFTER_UNTIE_GEOMETRY = "the geometry moves to the untied pattern"
 #: The EXor quick preset with `scheduled-reset` (its tables in docs/recipes/exor.md).
@@ -265,6 +275,20 @@ TABLES: dict[str, Table] = {
         output="results.md",
         cost="timing",
     ),
+    # Run from the deepspeed extra's environment (its `python`); the "before" table is the same command run with the
+    # library of the commit its page names, whose measuring step kept the tied gradient in a V x d buffer.
+    **{
+        name: Table(
+            page="docs/benchmarks.md",
+            commands=(_DEEPSPEED_MEMORY,),
+            output="results.md",
+            cost=cost,
+        )
+        for name, cost in (
+            ("deepspeed-measurement-memory", "timing"),
+            ("deepspeed-measurement-memory-before", "record"),
+        )
+    },
     "example-times": Table(
         page="docs/guides/fine-tuning.md",
         commands=(("python", "benchmarks/example_times.py", "--include_quick_start"),),
