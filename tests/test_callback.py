@@ -422,16 +422,23 @@ def test_finetune_tied_checkpoint_untied_from_step_zero(arch, make_args, tmp_pat
     assert all(torch.equal(p, saved[n]) for n, p in _params(reloaded).items() if n in saved)
 
 
-def test_the_default_keeps_an_untied_checkpoint_untied_and_says_so(make_args, tmp_path):
-    """`callbacks=[UntieCallback]` on a third-party untied checkpoint: both trained matrices are kept and train apart
-    from the first step; tying it is a setting (tie_init), never the default."""
+def _third_party_untied_llama(tmp_path) -> tf.PreTrainedModel:
+    """A tiny Llama reloaded from an untied checkpoint whose head differs from its embedding, without this library's
+    untie marker (as a checkpoint trained untied elsewhere)."""
     source = tiny_model("llama")
     untie.untie_embeddings(source)
     with torch.no_grad():
         source.lm_head.weight.mul_(2.0)
     source.save_pretrained(tmp_path / "untied")
     model = type(source).from_pretrained(tmp_path / "untied")
-    model.config.__dict__.pop(untie.surgery.UNTIED_MARKER)  # a third-party untied checkpoint carries no marker
+    model.config.__dict__.pop(untie.surgery.UNTIED_MARKER)
+    return model
+
+
+def test_the_default_keeps_an_untied_checkpoint_untied_and_says_so(make_args, tmp_path):
+    """`callbacks=[UntieCallback]` on a third-party untied checkpoint: both trained matrices are kept and train apart
+    from the first step; tying it is a setting (tie_init), never the default."""
+    model = _third_party_untied_llama(tmp_path)
     head = model.lm_head.weight.detach().clone()
     with pytest.warns(UserWarning, match="arrived untied .* trains untied from the first step"):
         trainer = tf.Trainer(
@@ -446,13 +453,7 @@ def test_the_default_keeps_an_untied_checkpoint_untied_and_says_so(make_args, tm
 
 @pytest.mark.parametrize("init", ["input", "output", "mean"])
 def test_callback_ties_an_untied_checkpoint(init, make_args, tmp_path):
-    source = tiny_model("llama")
-    untie.untie_embeddings(source)
-    with torch.no_grad():
-        source.lm_head.weight.mul_(2.0)
-    source.save_pretrained(tmp_path / "untied")
-    model = type(source).from_pretrained(tmp_path / "untied")
-    model.config.__dict__.pop(untie.surgery.UNTIED_MARKER)  # a third-party untied checkpoint carries no marker
+    model = _third_party_untied_llama(tmp_path)
     w_in, w_out = model.model.embed_tokens.weight.detach().clone(), model.lm_head.weight.detach().clone()
     with pytest.warns(UserWarning, match="arrived untied; tying it"):
         trainer = tf.Trainer(

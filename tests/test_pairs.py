@@ -105,13 +105,7 @@ def test_the_default_reads_pairs_when_trainer_has_a_tokenizer(tokenizers, make_a
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
     callback = untie.UntieCallback()
     with caplog.at_level("WARNING", logger="untie"):
-        tf.Trainer(
-            model=model,
-            args=make_args(max_steps=4),
-            train_dataset=ToyLMDataset(vocab=len(tokenizer)),
-            processing_class=tokenizer if with_tokenizer else None,
-            callbacks=[callback],
-        )
+        _build_trainer(model, make_args, tokenizer if with_tokenizer else None, callback)
     if with_tokenizer:
         assert callback.pairs == [p.ids for p in tokenizer_pairs(tokenizer)]
         assert callback.rule == callback.divergence.rule == untie.RULES["evidence"]
@@ -172,22 +166,22 @@ def test_the_default_says_when_the_tokenizer_gives_no_pairs(make_args, caplog):
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(words), n_embd=16, n_layer=1, n_head=2))
     callback = untie.UntieCallback()
     with caplog.at_level("WARNING", logger="untie"):
-        tf.Trainer(
-            model=model,
-            args=make_args(max_steps=4),
-            train_dataset=ToyLMDataset(vocab=len(words)),
-            processing_class=tokenizer,
-            callbacks=[callback],
-        )
+        _build_trainer(model, make_args, tokenizer, callback)
     assert callback.pairs == [] and callback.rule == untie.RULES["cancellation"]
     assert f"no case or word-start variants among the model's {len(words)} embedding rows" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="untie"):  # the rule chosen by name: nothing to say
-        tf.Trainer(
-            model=model,
-            args=make_args(max_steps=4),
-            train_dataset=ToyLMDataset(vocab=len(words)),
-            processing_class=tokenizer,
-            callbacks=[untie.UntieCallback(untie_when="cancellation")],
-        )
+        _build_trainer(model, make_args, tokenizer, untie.UntieCallback(untie_when="cancellation"))
     assert "pair-free rule" not in caplog.text
+
+
+def _build_trainer(model, make_args, tokenizer, callback) -> tf.Trainer:
+    """A 4-step Trainer on random tokens of the model's vocabulary, with `tokenizer` as its processing_class."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return tf.Trainer(
+        model=model,
+        args=make_args(max_steps=4),
+        train_dataset=ToyLMDataset(vocab=vocab),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )

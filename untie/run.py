@@ -114,8 +114,8 @@ class UntieRun:
         self._grad_sync_handle = None
         self._unmeasured_warned = False
         self._no_pairs_because: str | None = None
-        self._rule_change_said = False
         """Why `read_pairs` found no pairs, for the default rule's warning (None: it found some, or never read)."""
+        self._rule_change_said = False
 
     # -- before the optimizer exists ----------------------------------------------------------------------------------
     def read_pairs(self, tokenizer, model, asked: bool) -> None:
