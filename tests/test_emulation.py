@@ -164,3 +164,18 @@ def test_divergence_trigger_in_emulated_mode_measures_and_fires_like_live_tying(
 def test_emulated_mode_refuses_an_unknown_tying_mode():
     with pytest.raises(ValueError, match="tying_mode='shared'"):
         untie.UntieConfig(tying_mode="shared")
+
+
+def test_a_run_that_ends_tied_takes_its_hooks_off_the_optimizer(make_args, tmp_path):
+    """Emulated tying mirrors the head after every optimizer step while the run lasts; once Trainer's run is over
+    (on_train_end) the optimizer steps without it."""
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback(untie_at=None, untie_when=None, tying_mode="emulated", metrics_every=0)
+    trainer = tf.Trainer(model=model, args=make_args(max_steps=4), train_dataset=ToyLMDataset(64), callbacks=[callback])
+    trainer.train()
+    head = model.get_output_embeddings().weight
+    assert torch.equal(head, model.get_input_embeddings().weight) and not untie.is_tied(model)  # emulated to the end
+    with torch.no_grad():
+        head.zero_()
+    trainer.optimizer.step()  # no gradients: nothing moves, and no mirror copies the embedding into the head any more
+    assert not head.any()

@@ -114,6 +114,9 @@ def test_the_step_of_deepspeeds_optimizer_is_wrapped_while_tied_and_restored_aft
 
     tying = ZeroTying(model)
     tying.attach_optimizer(wrapper)
+    tying.detach_optimizer()  # the run is over while still tied: the forwards stay, the optimizer steps as before
+    assert "step" not in vars(zero) and "forward" in vars(model.get_input_embeddings())
+    tying.attach_optimizer(wrapper)  # another run on the same model wraps it again
     ours = zero.step
     zero.step = theirs = lambda: ours()  # someone wraps it after us
     tying.release()

@@ -146,6 +146,10 @@ class EmulatedTying:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.detach_optimizer()
+
+    def detach_optimizer(self) -> None:
+        """Take `attach_optimizer`'s hooks off the optimizer (the run is over; `attach_optimizer` puts them back)."""
         for handle in (self._step_handle, self._state_dict_handle):
             if handle is not None:
                 handle.remove()

@@ -439,6 +439,8 @@ class UntieRun:
             self._grad_sync_handle.remove()
             self._grad_sync_handle = None
         self.drop_probe()
+        if self.emulation is not None:  # a run that ends tied: the optimizer is the run's, its hooks go with it
+            self.emulation.detach_optimizer()
 
     def take_latest(self) -> dict[str, float]:
         """The `untie/*` values to log now: the tying state and the last measurement (once). A value the run has not

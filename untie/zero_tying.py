@@ -244,11 +244,7 @@ class ZeroTying:
         for module, forward in ((self.embedding, self._forwards[0]), (self.head, self._forwards[1])):
             if vars(module).get("forward") is forward:
                 del module.forward
-        if self._stepping is not None:
-            stepper, step = self._stepping
-            if vars(stepper).get("step") is step:
-                del stepper.step
-            self._stepping = None
+        self.detach_optimizer()
         if self._registered:
             # Public in deepspeed.runtime.zero.partition_parameters, not re-exported by deepspeed.zero (0.19.8).
             from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
@@ -256,6 +252,15 @@ class ZeroTying:
             for module, param in self._registered:
                 unregister_external_parameter(module, param)
             self._registered = []
+
+    def detach_optimizer(self) -> None:
+        """DeepSpeed's optimizer steps as before `attach_optimizer` (the run is over; `attach_optimizer` wraps it
+        again). Only this tying's own wrapper comes off: one someone set on top of it stays."""
+        if self._stepping is not None:
+            stepper, step = self._stepping
+            if vars(stepper).get("step") is step:
+                del stepper.step
+            self._stepping = None
 
 
 def _torch_optimizer_holding(optimizer, param: torch.Tensor) -> torch.optim.Optimizer | None:
