@@ -121,3 +121,21 @@ def test_the_step_of_deepspeeds_optimizer_is_wrapped_while_tied_and_restored_aft
     zero.step = theirs = lambda: ours()  # someone wraps it after us
     tying.release()
     assert zero.step is theirs
+
+
+def test_a_removed_probe_stops_listening_to_the_tying():
+    """The probe sets three listeners on the tying; once removed (after the untie, or at close) none is left."""
+    from untie.probe import RoleGradientProbe
+
+    model = tiny_model("gpt2")
+    untie_embeddings(model)
+    tying = ZeroTying(model)
+    probe = RoleGradientProbe(model, pairs=[(3, 5)], emulation=tying)
+    probe.armed = True
+    assert tying.capture_if() and tying.on_optimizer_step == probe._read_reduced_gradient
+    probe.remove()
+    probe.armed = True  # the removed probe's state no longer reaches the tying
+    assert not tying.capture_if()
+    assert tying.on_optimizer_step != probe._read_reduced_gradient
+    assert tying.on_capture_lookup != probe._keep_weight_rows
+    tying.remove()

@@ -129,12 +129,12 @@ class RoleGradientProbe:
         #: Under DeepSpeed (`untie.zero_tying.ZeroTying`) the tied gradient never sits in W.grad, and the engine steps
         #: inside backward: the tying calls `_read_reduced_gradient` at its optimizer's step, before the step, where
         #: each rank reads the rows it needs from its part of ZeRO's reduced gradient.
-        self._captures = hasattr(emulation, "read_tied_rows")
+        self._reads_at_step = hasattr(emulation, "read_tied_rows")
         #: Under DeepSpeed: the rows of W this step reads (and the pairs'), kept at the lookup, before the step.
         self._weight_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: Under DeepSpeed: the step's role gradients, read at its optimizer step, for `collect`.
         self._read_at_step: RoleGradients | None = None
-        if self._captures:
+        if self._reads_at_step:
             emulation.capture_if = lambda: self.armed
             emulation.on_capture_lookup = self._keep_weight_rows
             emulation.on_optimizer_step = self._read_reduced_gradient
@@ -279,7 +279,7 @@ class RoleGradientProbe:
 
         Every rank must call it on the same steps (it all-reduces under torch.distributed).
         """
-        if self._captures:
+        if self._reads_at_step:
             grads, self._read_at_step = self._read_at_step, None
             if grads is None:  # the engine did not step while armed: an incomplete step, its gaps are not read either
                 self._input_parts, self._sums, self._weight_parts = [], None, []
@@ -386,6 +386,8 @@ class RoleGradientProbe:
         self._handles = []
         if self._emulation is not None and self._read_gradient in self._emulation.after_fold:
             self._emulation.after_fold.remove(self._read_gradient)
+        if self._reads_at_step:
+            self._emulation.stop_listening()
         self.armed = False
         self._input_parts, self._backward_row_sq, self._sums = [], None, None
 

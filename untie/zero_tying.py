@@ -38,7 +38,7 @@ Checked: deepspeed 0.19.8 (ZeRO-1, 2 and 3 on 2 CPU ranks, gloo; `tests/test_dee
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,17 +69,23 @@ class _TiedPair(torch.autograd.Function):
         return grad, grad, None
 
 
+def _wrapped(optimizer) -> Iterator:
+    """`optimizer` and the optimizers it wraps, outermost first: accelerate's wrapper -> DeepSpeed's optimizer (ZeRO's,
+    or its bf16 / fp16 one) -> the torch optimizer it steps."""
+    inner = optimizer
+    for _ in range(4):
+        yield inner
+        nested = getattr(inner, "optimizer", None)
+        if nested is None or nested is inner:
+            return
+        inner = nested
+
+
 def deepspeed_optimizer(optimizer):
     """DeepSpeed's own optimizer (ZeRO's, or its bf16 / fp16 wrapper: what its engine steps) inside accelerate's
     wrappers, or None (the engine steps the client optimizer: ZeRO stage 0)."""
-    inner = optimizer
-    for _ in range(4):
-        if type(inner).__module__.startswith("deepspeed.runtime"):
-            return inner
-        inner = getattr(inner, "optimizer", None)
-        if inner is None:
-            return None
-    return None
+    ours = (inner for inner in _wrapped(optimizer) if type(inner).__module__.startswith("deepspeed.runtime"))
+    return next(ours, None)
 
 
 def zero_stage(param: torch.Tensor) -> int | None:
@@ -93,14 +99,9 @@ def check_optimizer(optimizer) -> None:
     """Refuse an optimizer whose step is not invariant to the gradient's scale: `ZeroTying` feeds each matrix the
     tied gradient divided by sqrt(2), which only the Adam family (Adam, AdamW, DeepSpeed's FusedAdam and CPUAdam)
     turns into the tied step."""
-    inner = optimizer
-    for _ in range(4):  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the torch optimizer it steps
+    for inner in _wrapped(optimizer):
         if "adam" in type(inner).__name__.lower() and "zero" not in type(inner).__name__.lower():
             return
-        nested = getattr(inner, "optimizer", None)
-        if nested is None or nested is inner:
-            break
-        inner = nested
     raise ValueError(
         f"untie under DeepSpeed ties the two roles in autograd, which trains exactly as tied only with an Adam-family "
         f"optimizer (Adam, AdamW, DeepSpeed's FusedAdam / CPUAdam); this run's is {type(inner).__name__}. Use AdamW "
@@ -125,13 +126,14 @@ class ZeroTying:
                 f"{type(self.embedding).__name__} and {type(self.head).__name__}. Train it with DDP or FSDP2."
             )
         self.active = True
-        self.after_fold: list = []  # the interface of EmulatedTying (its probe listens there; this one's captures)
-        self.capture_if: Callable[[], bool] = lambda: False
+        self.after_fold: list = []  # the interface of EmulatedTying (its probe listens there; this one's is below)
+        self.capture_if: Callable[[], bool]
         """Whether this is a measuring step (set by `untie.probe.RoleGradientProbe`)."""
-        self.on_capture_lookup: Callable[[torch.Tensor, torch.Tensor], None] = lambda ids, weight: None
+        self.on_capture_lookup: Callable[[torch.Tensor, torch.Tensor], None]
         """Called with each measuring step's input ids and the (gathered) matrix, before the step changes it."""
-        self.on_optimizer_step: Callable[[], None] = lambda: None
+        self.on_optimizer_step: Callable[[], None]
         """Called on a measuring step at DeepSpeed's optimizer step, before it: the gradient is reduced, not clipped."""
+        self.stop_listening()
         self._registered: list[tuple[nn.Module, nn.Parameter]] = []
         self._stepping: tuple[object, Callable] | None = None
         """(DeepSpeed's optimizer, the step wrapper set on it), while wrapped."""
@@ -157,6 +159,12 @@ class ZeroTying:
         embedding.forward, head.forward = tied_lookup, tied_head
         self._forwards = (tied_lookup, tied_head)
 
+    def stop_listening(self) -> None:
+        """No probe listens: no step measures (the probe sets the three listeners, and calls this when removed)."""
+        self.capture_if = lambda: False
+        self.on_capture_lookup = lambda ids, weight: None
+        self.on_optimizer_step = lambda: None
+
     def read_tied_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tied gradient's rows `ids` (sorted, the same on every rank) as a (len(ids), d) float32 tensor, and its
         whole squared norm (float64), from ZeRO's reduced gradient of the embedding (the tied gradient / sqrt(2)).
@@ -168,16 +176,15 @@ class ZeroTying:
         width = full_shape(weight)[1]
         rows = torch.zeros(len(ids), width, dtype=torch.float32, device=ids.device)
         sq_norm = torch.zeros(1, dtype=torch.float64, device=ids.device)
-        part = _compat.deepspeed_local_grad(weight)
-        if part is not None:
-            values, start = part
+        values, start = _compat.deepspeed_local_grad(weight) or (torch.empty(0), 0)
+        if values.numel():
             values = values.reshape(-1)
             for chunk in values.split(_NORM_CHUNK):  # float64 sums, never a float64 copy of the whole part
                 sq_norm += torch.linalg.vector_norm(chunk, dtype=torch.float64).square().to(ids.device)
             elements = ids.to(values.device).unsqueeze(1) * width + torch.arange(width, device=values.device) - start
             held = (elements >= 0) & (elements < values.numel())
-            picked = values[elements.clamp(0, max(values.numel() - 1, 0))] if values.numel() else elements.float()
-            rows += torch.where(held, picked.float(), torch.zeros((), device=values.device)).to(rows.device)
+            picked = values[elements.clamp(0, values.numel() - 1)].float()
+            rows += torch.where(held, picked, torch.zeros((), device=values.device)).to(rows.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(rows, op=dist.ReduceOp.SUM)
             dist.all_reduce(sq_norm, op=dist.ReduceOp.SUM)
@@ -266,14 +273,8 @@ class ZeroTying:
 def _torch_optimizer_holding(optimizer, param: torch.Tensor) -> torch.optim.Optimizer | None:
     """The torch optimizer inside accelerate's and DeepSpeed's wrappers whose state is keyed by `param` (ZeRO stage 0,
     where the engine steps the client optimizer on the model's own parameters)."""
-    inner = optimizer
-    for _ in range(4):
-        if isinstance(inner, torch.optim.Optimizer) and param in inner.state:
-            return inner
-        inner = getattr(inner, "optimizer", None)
-        if inner is None:
-            return None
-    return None
+    holders = (inner for inner in _wrapped(optimizer) if isinstance(inner, torch.optim.Optimizer))
+    return next((inner for inner in holders if param in inner.state), None)
 
 
 def _full_state(optimizer, param: torch.Tensor, key: str) -> torch.Tensor | None:
