@@ -1,6 +1,6 @@
 """Training throughput of the BookCorpus recipe's arms on the offline corpus, as ratios to the tied arm.
 
-Runs `recipes/bookcorpus.py --arm <arm>` for tied, untied, scheduled and auto, each in a fresh subprocess, `--repeats`
+Runs `recipes/bookcorpus.py --arms <arm>` for tied, untied, scheduled and auto, each in a fresh subprocess, `--repeats`
 times in alternating order (a shared machine's speed drifts; alternating spreads the drift over the arms), and
 reports each arm's median tokens/s (training steps only, from the recipe's ThroughputMeter) and its ratio to the
 tied arm's median. tied and untied are plain Trainer; scheduled and auto add UntieCallback, so their ratios hold
@@ -36,7 +36,7 @@ class ThroughputArguments:
 
 def run_arm(arm: str, repeat: int, args: ThroughputArguments) -> float:
     out = os.path.join(args.output_dir, f"repeat{repeat}")
-    cmd = [sys.executable, str(RECIPE), "--arm", arm, "--output_dir", out, "--overwrite", "--disable_tqdm",
+    cmd = [sys.executable, str(RECIPE), "--arms", arm, "--output_dir", out, "--overwrite", "--disable_tqdm",
            "--max_steps", str(args.max_steps), "--eval_steps", str(args.max_steps), *args.extra.split()]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(Path(out, "arms", f"{arm}.json").read_text())["tokens_per_second"]

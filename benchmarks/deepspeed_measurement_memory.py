@@ -1,13 +1,12 @@
 """The extra memory of a measuring step under DeepSpeed ZeRO: the divergence trigger's reading of the tied gradient.
 
 Launches `torchrun --nproc_per_node <ranks>` once per ZeRO stage; each rank trains, through Trainer with a DeepSpeed
-config, a one-block GPT-2 whose vocabulary and width make the embedding most of the model (`--vocab`, `--width`),
-tied in autograd under DeepSpeed (`untie.zero_tying`), with `UntieCallback` measuring every `--metrics_every` steps
-and never untying. A step's peak is read per rank as the growth of the process's peak resident memory
-(`ru_maxrss`) over the step: after the plain steps that precede it, a measuring step grows it only by what the
-measurement adds on top of a plain step's peak. Reports per stage, on rank 0: the largest growth of a plain step
-after the first two, of a measuring step, the difference as the measurement's extra peak, and that as a share of the
-embedding's fp32 bytes (V x d x 4).
+config, a one-block GPT-2 whose vocabulary and width make the embedding most of the model (`--vocab`, `--width`), tied
+in autograd under DeepSpeed (`untie.engines.zero_tying`), with `UntieCallback` measuring every `--metrics_every` steps
+and never untying. A step's peak is read per rank as the growth of the process's peak resident memory (`ru_maxrss`) over
+the step: after the plain steps that precede it, a measuring step grows it only by what the measurement adds on top of a
+plain step's peak. Reports per stage, on rank 0: the largest growth of a plain step after the first two, of a measuring
+step, the difference as the measurement's extra peak, and that as a share of the embedding's fp32 bytes (V x d x 4).
 
     DS_ACCELERATOR=cpu python benchmarks/deepspeed_measurement_memory.py --stages 2 3
 

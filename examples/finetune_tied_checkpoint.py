@@ -18,7 +18,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.inspection import describe
+from untie.checkpoints.inspection import describe
 from untie_recipes.offline import shakespeare_blocks, small_checkpoint
 
 

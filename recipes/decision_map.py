@@ -5,6 +5,7 @@ default trigger, across widths, token budgets and seeds; write the per-cell tabl
     python recipes/decision_map.py --preset quick      # a minutes-long map on the shipped text: a check that it runs
     python recipes/decision_map.py --report_only       # table and figure from the runs finished so far
     python recipes/decision_map.py --widths 64 --seeds 7 --budgets 500   # one cell, other seeds
+    python recipes/decision_map.py --optimizer_state fresh   # untying arms with other settings (any UntieConfig flag)
 
 Finished runs are kept under ``--output_dir/records`` and skipped by a rerun, so the map spreads over sittings; an
 interrupted tied or untied run resumes from its last checkpoint. No arm sees a token twice: the largest budget must
@@ -18,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import transformers as tf
 from tqdm.auto import tqdm
 
+from untie import UntieConfig
+from untie_recipes.arguments import parse
 from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, default_cache_dir, load_corpus
 from untie_recipes.tasks.decision_map.report import unit_complete, write_report
 from untie_recipes.tasks.decision_map.runs import MapContext, run_unit, steps_of_unit
@@ -49,11 +51,6 @@ class MapArguments:
     cache_dir: str | None = field(
         default=None, metadata={"help": "corpus cache (default $UNTIE_CACHE or ~/.cache/untie)"}
     )
-    optimizer_state: str = field(
-        default="copy",
-        metadata={"help": "optimizer state at the untie of the auto arm and the branches: 'copy' (the default "
-                  "UntieCallback()'s), 'reset' or 'fresh'; the tied and untied runs are shared by every value"},
-    )  # fmt: skip
     report_only: bool = field(default=False, metadata={"help": "write the report from the finished runs only"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress line"})
 
@@ -63,8 +60,6 @@ class MapArguments:
         for key, value in PRESETS[self.preset].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        if self.optimizer_state not in ("copy", "reset", "fresh"):
-            raise SystemExit(f"--optimizer_state {self.optimizer_state!r}: choose 'copy', 'reset' or 'fresh'.")
         unknown = sorted(set(self.widths) - set(MODEL_SHAPES))
         if unknown:
             raise SystemExit(f"--widths {unknown}: choose among {sorted(MODEL_SHAPES)}.")
@@ -81,7 +76,7 @@ def setup_for(args: MapArguments, width: int, seed: int) -> TrainingSetup:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    (args,) = tf.HfArgumentParser(MapArguments).parse_args_into_dataclasses(args=argv)
+    (args, config), _explicit = parse((MapArguments, UntieConfig), argv)  # lists: --seeds 1 2 3, as every recipe
     args.resolve()
     output_dir = Path(args.output_dir)
     corpus = load_corpus(tuple(args.sources), Path(args.cache_dir) if args.cache_dir else default_cache_dir())
@@ -93,7 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"see tokens twice. Lower --budgets (at most {len(corpus.train) // args.batch_size} steps) or "
             "--batch_size."
         )
-    ctx = MapContext(corpus, tuple(args.budgets), output_dir, optimizer_state=args.optimizer_state)
+    ctx = MapContext(corpus, tuple(args.budgets), output_dir, untie=config)
     units_wanted = [(w, s) for w in args.widths for s in args.seeds]
     units: dict[tuple[int, int], dict[str, RunRecord]] = {}
     if not args.report_only:
@@ -118,9 +113,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"d{width} seed {seed}: not finished ({len(records)} runs recorded), left out", file=sys.stderr)
         if not units:
             raise SystemExit(f"No finished (width, seed) in {output_dir}/records: run the map first.")
-    settings = {**asdict(args), "train_blocks": len(corpus.train), "validation_blocks": len(corpus.validation),
-                "block": BLOCK, "torch": torch.__version__}  # fmt: skip
-    suffix = "" if args.optimizer_state == "copy" else f"-{args.optimizer_state}"
+    settings = {**asdict(args), "optimizer_state": config.optimizer_state, "untie": config.to_json_dict(),
+                "train_blocks": len(corpus.train), "validation_blocks": len(corpus.validation), "block": BLOCK,
+                "torch": torch.__version__}  # fmt: skip
+    suffix = ctx.label.replace("+", "-")
     table = write_report(output_dir, units, tuple(args.budgets), args.batch_size * BLOCK, settings, suffix)
     print((output_dir / f"results{suffix}.md").read_text())
     print(f"Wrote {output_dir}/results{suffix}.json, .md and figures/decision-map{suffix}.png", file=sys.stderr)

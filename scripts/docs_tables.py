@@ -223,7 +223,7 @@ TABLES: dict[str, Table] = {
     ),
     "exor-paper-gap-rule": Table(
         page="docs/guides/trigger.md",
-        commands=(_exor("--preset", "paper", "--trigger_rule", "gap"),),
+        commands=(_exor("--preset", "paper", "--untie_when", "gap"),),
         output="results.md",
         cost="record",
     ),

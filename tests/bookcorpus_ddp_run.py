@@ -10,17 +10,17 @@ import torch
 import transformers as tf
 import worker_exit
 
-from untie_recipes import bookcorpus as recipe
+from untie_recipes.tasks.bookcorpus.setup import resolve
+from untie_recipes.tasks.bookcorpus.training import prepare_data, train_arm
 
 
 def main(out_dir: str) -> None:
     tf.logging.set_verbosity_error()
-    argv = ["--output_dir", out_dir, "--arm", "scheduled", "--max_steps", "8", "--untie_at", "4", "--eval_steps", "8",
+    argv = ["--output_dir", out_dir, "--arms", "scheduled", "--max_steps", "8", "--untie_at", "4", "--eval_steps", "8",
             "--batch_size", "8", "--max_train_samples", "256", "--max_eval_samples", "32",
             "--disable_tqdm"]  # fmt: skip
-    (args,) = tf.HfArgumentParser(recipe.BookCorpusArguments).parse_args_into_dataclasses(args=argv)
-    args = args.resolved()
-    record, trainer = recipe.train_arm("scheduled", args, recipe.prepare_data(args))
+    setup = resolve(argv)
+    record, trainer = train_arm("scheduled", setup, prepare_data(setup))
     model = trainer.model
     torch.save(
         {

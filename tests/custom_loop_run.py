@@ -17,10 +17,11 @@ import torch.distributed as dist
 import transformers as tf
 import worker_exit
 from accelerate import Accelerator
+from footprint import foreign_installs, foreign_installs_kept, library_leftovers
 from torch.nn.parallel import DistributedDataParallel
 
 import untie
-import untie.run
+import untie.core.run
 from untie.testing import ToyLMDataset, tiny_model
 
 STEPS, MICRO_BATCHES, UNTIE_AT, SAVE_AT = 10, 2, 4, (3, 6)
@@ -34,6 +35,7 @@ def batch(step: int, micro: int, rank: int) -> torch.Tensor:
 
 def train(accelerator: Accelerator, out_dir: str, name: str, resume_from: str | None = None) -> None:
     model = _no_dropout(tiny_model("gpt2"))
+    foreign = foreign_installs(model)  # someone else's hooks, installed before the run: they must survive it
     untier = untie.Untier(
         model,
         max_steps=STEPS,
@@ -68,8 +70,10 @@ def train(accelerator: Accelerator, out_dir: str, name: str, resume_from: str | 
             accelerator.save_state(os.path.join(out_dir, f"state-{step}"))
     extra = {"distributed_type": accelerator.distributed_type.name, "untie_reason": untier.untie_reason}
     extra.update(global_step=untier.global_step, history=untier.history, logged=logged)
-    dump(accelerator.unwrap_model(model), untier, os.path.join(out_dir, f"{name}-rank{rank}.pt"), **extra)
     untier.close()
+    extra["leftovers"] = library_leftovers(model=model, optimizer=optimizer, accelerator=accelerator)
+    extra["foreign_kept"] = foreign_installs_kept(foreign)
+    dump(accelerator.unwrap_model(model), untier, os.path.join(out_dir, f"{name}-rank{rank}.pt"), **extra)
     accelerator.free_memory()
 
 
@@ -78,6 +82,7 @@ def train_plain_ddp(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = _no_dropout(tiny_model("gpt2"))
+    foreign = foreign_installs(model)
     untier = untie.Untier(model, max_steps=STEPS, untie_when=None, untie_at=UNTIE_AT, metrics_every=2, pairs=[(3, 4)])
     wrapped = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=5e-3, weight_decay=0.1)
@@ -92,8 +97,15 @@ def train_plain_ddp(out_dir: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
         untier.step()
-    dump(model, untier, os.path.join(out_dir, f"plain-rank{rank}.pt"))
     untier.close()
+    leftovers = library_leftovers(model=wrapped, optimizer=optimizer)
+    dump(
+        model,
+        untier,
+        os.path.join(out_dir, f"plain-rank{rank}.pt"),
+        leftovers=leftovers,
+        foreign_kept=foreign_installs_kept(foreign),
+    )
 
 
 def dump(model, untier, path: str, **extra) -> None:
@@ -123,7 +135,7 @@ def main(out_dir: str, mode: str) -> None:
         return
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO_BATCHES)
     if mode == "nosync":  # negative control: without the head's gradient sync the ranks drift apart
-        untie.run.sync_grads_across_ranks = lambda param: None
+        untie.core.run.sync_grads_across_ranks = lambda param: None
         train(accelerator, out_dir, "nosync")
         return
     train(accelerator, out_dir, "run")

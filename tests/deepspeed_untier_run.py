@@ -25,6 +25,7 @@ import worker_exit
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 from deepspeed_cpu import fix_process_index
+from footprint import foreign_installs, foreign_installs_kept, library_leftovers
 
 import untie
 from untie.testing import TINY_MODELS, ToyLMDataset
@@ -55,7 +56,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 
 def full_matrices(model) -> dict[str, torch.Tensor]:
-    from untie.distributed import gathered
+    from untie.engines.distributed import gathered
 
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     with gathered(embedding, head):  # ZeRO-3: every rank gathers
@@ -87,6 +88,7 @@ def main() -> None:
             message = str(error)
         torch.save({"error": message}, os.path.join(out, f"untier-z{stage}-{run}-rank{accelerator.process_index}.pt"))
         worker_exit.finish()
+    foreign = foreign_installs(model) if run == "trigger" else None  # someone else's, before the run: kept
     if run != "tied":
         state = run if run in ("reset", "fresh") else "copy"
         schedule = {"untie_at": None, "untie_when": RULE, "metrics_every": 2, "pairs": [(3, 5), (7, 40)]}
@@ -130,6 +132,8 @@ def main() -> None:
         result.update(untie_step=untier.untie_step, reason=untier.untie_reason, tying_mode=untier.tying_mode)
         result["history"] = untier.history
         untier.close()
+        result["leftovers"] = library_leftovers(model=model, optimizer=optimizer, accelerator=accelerator)
+        result["foreign_kept"] = foreign_installs_kept(foreign) if foreign is not None else {}
     torch.save(result, os.path.join(out, f"untier-z{stage}-{run}-rank{accelerator.process_index}.pt"))
     worker_exit.finish()
 

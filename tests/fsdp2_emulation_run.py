@@ -15,11 +15,12 @@ import sys
 import torch
 import torch.distributed as dist
 import worker_exit
+from footprint import foreign_installs, foreign_installs_kept, library_leftovers
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import untie
-from untie.emulation import EmulatedTying
+from untie.engines.emulation import EmulatedTying
 from untie.testing import ToyLMDataset, tiny_model
 
 STEPS, RELEASE_STEP, MICRO_BATCHES = 12, 7, 2
@@ -33,6 +34,7 @@ def main(out_dir: str, mode: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = tiny_model("gpt2")
+    foreign = foreign_installs(model)  # someone else's hooks, installed before the run: they must survive it
     emulation = untier = None
     if mode == "emulated":
         untie.untie_embeddings(model)
@@ -42,14 +44,7 @@ def main(out_dir: str, mode: str) -> None:
             model, max_steps=STEPS, untie_when=None, untie_at=RELEASE_STEP, tying_mode="emulated", metrics_every=0
         )
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    for block in model.transformer.h:
-        fully_shard(block)
-    if mode in ("emulated", "untier"):
-        fully_shard(embedding)
-        fully_shard([model.transformer.ln_f, head], reshard_after_forward=False)
-    else:
-        fully_shard([model.transformer.ln_f, embedding, head], reshard_after_forward=False)
-    fully_shard(model)
+    shard(model, separate_head=mode in ("emulated", "untier"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3, weight_decay=0.1)
     if emulation is not None:
         emulation.attach_optimizer(optimizer)
@@ -76,8 +71,14 @@ def main(out_dir: str, mode: str) -> None:
             if emulation is not None:
                 emulation.release(optimizer)
             at_release = {"embedding": full(embedding.weight), "head": full(head.weight)}
+    teardown = {}
+    if untier is not None:
+        untier.close()
+        teardown = {"leftovers": library_leftovers(model=model, optimizer=optimizer)}
+        teardown.update(foreign_kept=foreign_installs_kept(foreign), ends_tied=run_that_ends_tied())
     torch.save(
         {
+            **teardown,
             "losses": losses,
             "norms": norms,
             "at_release": at_release,
@@ -88,6 +89,39 @@ def main(out_dir: str, mode: str) -> None:
         },
         os.path.join(out_dir, f"{mode}-rank{rank}.pt"),
     )
+
+
+def shard(model, separate_head: bool) -> None:
+    """accelerate's FSDP2 layouts: tied (embedding and head in one group) or untied (the embedding alone)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    for block in model.transformer.h:
+        fully_shard(block)
+    if separate_head:
+        fully_shard(embedding)
+        fully_shard([model.transformer.ln_f, head], reshard_after_forward=False)
+    else:
+        fully_shard([model.transformer.ln_f, embedding, head], reshard_after_forward=False)
+    fully_shard(model)
+
+
+def run_that_ends_tied() -> dict:
+    """An Untier run that ends still tied (emulated, measuring): what its close() leaves on the sharded model."""
+    model = tiny_model("gpt2")
+    foreign = foreign_installs(model)
+    untier = untie.Untier(model, max_steps=2, untie_when=None, untie_at=None, tying_mode="emulated", metrics_every=1)
+    shard(model, separate_head=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    untier.start(optimizer)
+    ids = ToyLMDataset(n=8).ids[:4]
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        untier.step()
+    measured = [h["step"] for h in untier.history]
+    untier.close()
+    leftovers = library_leftovers(model=model, optimizer=optimizer)
+    return {"measured": measured, "leftovers": leftovers, "foreign_kept": foreign_installs_kept(foreign)}
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 import untie
-from untie.metrics import role_signals_on_rows
-from untie.probe import RoleGradientProbe
+from untie.signals.metrics import role_signals_on_rows
+from untie.signals.probe import RoleGradientProbe
 from untie.testing import ToyLMDataset, tiny_model
 
 UNTIE_AT, MAX_STEPS, SAVE_STEPS = 6, 10, 4

@@ -15,7 +15,7 @@ import transformers as tf
 from conftest import assert_reloads_untied, assert_resumed_equals, training_args
 
 import untie
-from untie.emulation import EmulatedTying
+from untie.engines.emulation import EmulatedTying
 from untie.testing import ToyLMDataset, tiny_model
 
 if os.environ.get("UNTIE_REQUIRE_BITSANDBYTES"):

@@ -14,6 +14,8 @@ import torch
 from launch import torchrun
 
 from untie_recipes import bookcorpus as recipe
+from untie_recipes.tasks.bookcorpus.report import load_records
+from untie_recipes.tasks.bookcorpus.setup import resolve
 
 WITH_LINE = ["--max_steps", "12", "--eval_steps", "6", "--untie_at", "4", "--auto_deadline", "8", "--metrics_every",
              "2", "--batch_size", "16", "--max_train_samples", "400", "--max_eval_samples", "64",
@@ -58,7 +60,7 @@ def test_every_arm_trains_and_reports(all_arms):
 
 def test_history_has_every_eval_and_arms_share_the_start(all_arms):
     out, *_ = all_arms
-    records = {r["arm"]: r for r in recipe.load_records(str(out))}
+    records = {r["arm"]: r for r in load_records(str(out))}
     for record in records.values():
         assert [e["step"] for e in record["history"]["eval"]] == [0, 6, 12]
     start = {arm: r["history"]["eval"][0]["loss"] for arm, r in records.items()}
@@ -81,7 +83,7 @@ def test_finished_arms_are_reused_and_reported_again(all_arms):
     record = out / "arms" / "tied.json"
     before = record.stat().st_mtime_ns
     os.remove(out / "results.md")
-    results = recipe.main(["--output_dir", str(out), "--arm", "tied", *SHORT])  # already finished: not retrained
+    results = recipe.main(["--output_dir", str(out), "--arms", "tied", *SHORT])  # already finished: not retrained
     assert record.stat().st_mtime_ns == before and len(results["arms"]) == 4
     assert (out / "results.md").exists()
     assert len(recipe.main(["--output_dir", str(out), "--report_only"])["arms"]) == 4
@@ -91,8 +93,8 @@ def test_causal_variant_on_local_text_files(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("\n".join(f"the man and the dog went to the hill number {i} ." for i in range(600)))
     out = tmp_path / "clm"
-    results = recipe.main(["--output_dir", str(out), "--objective", "clm", "--arm", "tied,scheduled", "--twins", "dh",
-                           "--data_files", str(text), "--max_length", "32", *SHORT])  # fmt: skip
+    results = recipe.main(["--output_dir", str(out), "--objective", "clm", "--arms", "tied", "scheduled",
+                           "--twins", "dh", "--data_files", str(text), "--max_length", "32", *SHORT])  # fmt: skip
     arms = {a["arm"]: a for a in results["arms"]}
     assert set(arms) == {"tied", "scheduled"} and arms["scheduled"]["untie_step"] == 4
     assert arms["tied"]["dataset"] == "local" and arms["tied"]["objective"] == "clm"
@@ -101,8 +103,8 @@ def test_causal_variant_on_local_text_files(tmp_path):
 
 
 def test_bad_arguments_fail_before_training(tmp_path):
-    with pytest.raises(ValueError, match="--arm"):
-        recipe.main(["--output_dir", str(tmp_path), "--arm", "tied,sometimes"])
+    with pytest.raises(ValueError, match="Unknown arm 'sometimes'"):
+        recipe.main(["--output_dir", str(tmp_path), "--arms", "tied", "sometimes"])
     with pytest.raises(ValueError, match="--objective"):
         recipe.main(["--output_dir", str(tmp_path), "--objective", "seq2seq"])
     with pytest.raises(ValueError, match="--max_steps"):
@@ -125,12 +127,25 @@ def test_scheduled_arm_under_two_process_ddp(tmp_path):
 
 
 def test_the_quick_preset_sizes_a_causal_lm_as_the_documented_run_and_flags_still_win():
-    mlm = recipe.BookCorpusArguments().resolved()
-    assert (mlm.max_steps, mlm.batch_size, mlm.cosine_steps, mlm.metrics_every) == (1_800, 64, 600, 50)
-    clm = recipe.BookCorpusArguments(objective="clm").resolved()
-    assert (clm.max_steps, clm.batch_size, clm.cosine_steps, clm.metrics_every) == (400, 16, 400, 25)
-    assert (clm.learning_rate, clm.eval_steps, clm.twins) == (mlm.learning_rate, mlm.eval_steps, mlm.twins)
-    flags = recipe.BookCorpusArguments(objective="clm", max_steps=1_000, metrics_every=10).resolved()
-    assert (flags.max_steps, flags.metrics_every, flags.batch_size) == (1_000, 10, 16)
-    paper = recipe.BookCorpusArguments(preset="paper", objective="clm").resolved()
-    assert (paper.max_steps, paper.batch_size, paper.metrics_every) == (-1, 128, 50)
+    def sizes(*argv: str) -> tuple:
+        setup = resolve(list(argv))
+        training = setup.training
+        return (training.max_steps, setup.args.batch_size, setup.args.cosine_steps, setup.untie.metrics_every), setup
+
+    mlm, mlm_setup = sizes()
+    assert mlm == (1_800, 64, 600, 50)
+    clm, clm_setup = sizes("--objective", "clm")
+    assert clm == (400, 16, 400, 25)
+    assert clm_setup.training.learning_rate == mlm_setup.training.learning_rate
+    assert (clm_setup.training.eval_steps, clm_setup.args.twins) == (
+        mlm_setup.training.eval_steps,
+        mlm_setup.args.twins,
+    )
+    flags, flags_setup = sizes("--objective", "clm", "--max_steps", "1000", "--metrics_every", "10")
+    assert (flags[0], flags[3], flags[1]) == (1_000, 10, 16)
+    assert flags_setup.training.per_device_train_batch_size == 16  # --batch_size, from the preset
+    paper, _ = sizes("--preset", "paper", "--objective", "clm")
+    assert (paper[0], paper[1], paper[3]) == (-1, 128, 50)
+    # Trainer's flags work as they are: they win over the recipe's defaults and its preset.
+    _, trainer_flags = sizes("--per_device_train_batch_size", "4", "--logging_steps", "7", "--report_to", "none")
+    assert (trainer_flags.training.per_device_train_batch_size, trainer_flags.training.logging_steps) == (4, 7)

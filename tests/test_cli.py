@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie import inspection
+from untie.checkpoints import inspection
 from untie.cli import EXIT_CODES, main
 from untie.testing import tiny_model
 
@@ -85,7 +85,7 @@ def test_inspect_drift_is_one_for_identical_spaces_and_low_for_unrelated_ones(tm
     model.save_pretrained(tmp_path / "unrelated")
     unrelated = _inspect(capsys, tmp_path / "unrelated")["drift"]
     assert unrelated["knn_overlap"] < 0.4 and unrelated["cka"] < 0.6
-    assert unrelated["knn_overlap_chance"] == pytest.approx(untie.metrics.knn_overlap_chance(10, 48))
+    assert unrelated["knn_overlap_chance"] == pytest.approx(untie.signals.metrics.knn_overlap_chance(10, 48))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert", "t5"])
@@ -214,7 +214,7 @@ def test_a_hub_id_on_a_machine_that_cannot_reach_the_hub_fails_at_once_naming_it
     from huggingface_hub import constants
     from launch import free_port
 
-    from untie import loading
+    from untie.checkpoints import loading
 
     monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -338,8 +338,8 @@ def test_the_cli_head_choices_and_the_lazy_exports_match_the_library():
     import importlib
 
     import untie
+    from untie.checkpoints.loading import HEADS
     from untie.cli import HEAD_CHOICES
-    from untie.loading import HEADS
 
     assert tuple(HEADS) == HEAD_CHOICES
     assert sorted(untie.__all__) == sorted(untie._EXPORTS)

@@ -12,8 +12,8 @@ import torch
 import transformers as tf
 
 import untie
-from untie import conversion
-from untie.checkpoint import checkpoint_is_untied
+from untie.checkpoints import conversion
+from untie.checkpoints.checkpoint import checkpoint_is_untied
 from untie.cli import main
 from untie.testing import tiny_model
 
@@ -296,7 +296,7 @@ def test_json_prints_one_object_on_every_kind_of_error(tmp_path, capsys, monkeyp
     def bug(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("untie.inspection.describe", bug)
+    monkeypatch.setattr("untie.checkpoints.inspection.describe", bug)
     report = _json_error(capsys, "inspect", tmp_path / "m")
     assert report["exit_code"] == 1 and "RuntimeError: a bug" in report["error"]
 

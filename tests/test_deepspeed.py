@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1-3 on 2 CPU ranks (gloo): the tied phase in autograd (`untie.zero_tying`), the untie through
+"""DeepSpeed ZeRO 1-3 on 2 CPU ranks (gloo): the tied phase in autograd (`untie.engines.zero_tying`), the untie through
 DeepSpeed's API, resume before and after it, and the saved model, through Trainer (`deepspeed=`) and through `Untier` in
 an accelerate loop.
 
@@ -19,7 +19,7 @@ import torch
 from launch import torchrun
 
 import untie
-from untie.pairs import tokenizer_pairs
+from untie.signals.pairs import tokenizer_pairs
 from untie.testing import VOCAB, tiny_tokenizer
 
 if not os.environ.get("UNTIE_REQUIRE_DEEPSPEED"):
@@ -79,7 +79,8 @@ def test_trainer_under_zero_after_the_untie_equals_a_live_untie_under_ddp(traine
     assert not torch.equal(rank0["head"], rank0["embedding"])  # the head trained on its own
     for name in ("head", "embedding"):
         assert torch.equal(rank0[name], rank1[name])
-        # Within 2.6e-5 measured: eps acts sqrt(2) larger in the tied phase (untie.zero_tying), on rarely seen rows.
+        # Within 2.6e-5 measured: eps acts sqrt(2) larger in the tied phase (untie.engines.zero_tying), on rarely seen
+        # rows.
         torch.testing.assert_close(rank0[name], reference["final"][name], rtol=0, atol=1e-4)
 
 
@@ -286,3 +287,16 @@ def test_untier_trigger_under_zero_measures_the_same_signals_on_every_stage_and_
         for mine, first in zip(rank0["history"], reference["history"], strict=True):
             for key, value in first.items():
                 assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), (stage, key)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_untier_close_under_zero_leaves_only_the_structure(untier_runs, stage):
+    """After close(), the DeepSpeed engine, its optimizer wrappers and the Accelerator carry nothing of the library's
+    (no step wrapper, no replaced forward, no ZeRO-3 external parameter, no save / load hook), and a forward hook and
+    a forward someone set before the run are still in place."""
+    _, runs = untier_runs
+    for run in ("full", "resume-4", "resume-8", "reset", "fresh", "trigger"):
+        for rank in runs[stage, run]:
+            assert rank["leftovers"] == [], (run, rank["leftovers"])
+    for rank in runs[stage, "trigger"]:
+        assert rank["foreign_kept"] and all(rank["foreign_kept"].values()), rank["foreign_kept"]

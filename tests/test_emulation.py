@@ -1,4 +1,5 @@
-"""Emulated tying (untie.emulation): a separate head that trains exactly as if tied, then forks like a live untie."""
+"""Emulated tying (untie.engines.emulation): a separate head that trains exactly as if tied, then forks like a live
+untie."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import torch
 import transformers as tf
 
 import untie
-from untie.emulation import EmulatedTying
-from untie.probe import RoleGradientProbe
+from untie.engines.emulation import EmulatedTying
+from untie.signals.probe import RoleGradientProbe
 from untie.testing import ToyLMDataset, tiny_model
 
 # Weight decay, gradient clipping that bites (max_grad_norm below every step's norm) and gradient accumulation.

@@ -14,6 +14,10 @@ import torch
 from launch import torchrun
 
 from untie_recipes import exor as recipe
+from untie_recipes import schedules
+from untie_recipes.tasks.exor import claims as exor_claims
+from untie_recipes.tasks.exor import data, setup, training
+from untie_recipes.tasks.exor import report as exor_report
 
 WITH_LINE = ["--max_steps", "40", "--record_every", "10", "--eval_every", "20", "--untie_at", "20"]
 WITH_LINE += ["--metrics_every", "10"]  # the job's progress line on stderr (untie_recipes.progress)
@@ -112,9 +116,9 @@ def test_report_survives_runs_that_untie_at_different_steps_or_never(short_run, 
         never["history"][series] = never["history"][series][:-1]  # one entry fewer, as a run without the untie log
     tied_43 = json.loads(json.dumps(next(r for r in records if r["arm"] == "tied")))
     tied_43["seed"] = 43
-    claims = recipe.report([*records, never, tied_43], str(tmp_path))
+    claims = exor_report.report([*records, never, tied_43], str(tmp_path))
     assert claims and (tmp_path / "figures" / "main-transformer-curves.png").stat().st_size > 0
-    steps, values = recipe.aligned([auto, never], "train", lambda e: e["loss"])
+    steps, values = exor_report.aligned([auto, never], "train", lambda e: e["loss"])
     assert len(steps) == len(auto["history"]["train"]) and np.isnan(values[1, -1]) and not np.isnan(values[0, -1])
 
 
@@ -150,24 +154,22 @@ def test_report_only_reports_the_finished_runs_and_trains_nothing(short_run, tmp
 
 
 def test_runs_are_reproducible_from_the_seed(tmp_path):
-    args = recipe.ExorArguments(output_dir=str(tmp_path), max_steps=15, record_every=5, eval_every=5).resolved()
-    spec = recipe.RunSpec("ndh", "mixer", "scheduled", 43)
-    args = recipe.replace(args, untie_at=5, disable_tqdm=True)
-    first = recipe.train_run(spec, args, str(tmp_path / "a"))
-    second = recipe.train_run(spec, args, str(tmp_path / "b"))
+    flags = "--max_steps 15 --record_every 5 --eval_every 5 --untie_at 5 --disable_tqdm".split()
+    settings = setup.resolve(["--output_dir", str(tmp_path), *flags])
+    spec = training.RunSpec("ndh", "mixer", "scheduled", 43)
+    first = training.train_run(spec, settings, str(tmp_path / "a"))
+    second = training.train_run(spec, settings, str(tmp_path / "b"))
     assert first["history"]["geometry"] == second["history"]["geometry"]
     assert first["final_loss"] == second["final_loss"] and first["untie_step"] == 5
 
 
 def test_auto_arm_unties_when_its_trigger_fires_and_is_the_tied_arm_before(tmp_path):
-    args = recipe.ExorArguments(output_dir=str(tmp_path), max_steps=20, record_every=5, eval_every=10).resolved()
     # A rule that holds at every measurement (cosine < 2), patience 2, a measurement every 5 steps: fires at step 10.
-    args = recipe.replace(
-        args, metrics_every=5, trigger_signal="cosine", trigger_threshold=2.0, trigger_smoothing=0.0,
-        trigger_warmup=0, trigger_patience=2, disable_tqdm=True,
-    )  # fmt: skip
-    auto = recipe.train_run(recipe.RunSpec("ndh", "transformer", "auto", 42), args, str(tmp_path))
-    tied = recipe.train_run(recipe.RunSpec("ndh", "transformer", "tied", 42), args, str(tmp_path))
+    rule = '{"signal": "cosine", "threshold": 2.0, "smoothing": 0.0, "warmup": 0, "patience": 2}'
+    flags = "--max_steps 20 --record_every 5 --eval_every 10 --metrics_every 5 --disable_tqdm".split()
+    settings = setup.resolve(["--output_dir", str(tmp_path), *flags, "--untie_when", rule])
+    auto = training.train_run(training.RunSpec("ndh", "transformer", "auto", 42), settings, str(tmp_path))
+    tied = training.train_run(training.RunSpec("ndh", "transformer", "tied", 42), settings, str(tmp_path))
     assert (auto["untie_step"], auto["untie_reason"], auto["trigger_step"]) == (10, "trigger", 10)
     assert (tied["untie_step"], tied["trigger_step"]) == (None, None)
     signals = auto["history"]["signals"]
@@ -188,8 +190,10 @@ def _record(variant, arm, seed, loss, accuracy=0.7, trigger_step=None):
 def _auto_claims(records):
     """claims_for_auto's verdicts (dicts with claim, holds, evidence), in the order it states them."""
     claims = []
-    arms = {(v, a): recipe.group(records, variant=v, arm=a) for v in recipe.VARIANTS for a in recipe.ARMS}
-    recipe.claims_for_auto("transformer", arms, lambda *args, **kw: claims.append(recipe.claim_record(*args, **kw)))
+    arms = {(v, a): exor_claims.group(records, variant=v, arm=a) for v in data.VARIANTS for a in setup.ARMS}
+    exor_claims.claims_for_auto(
+        "transformer", arms, lambda *args, **kw: claims.append(exor_claims.claim_record(*args, **kw))
+    )
     return claims
 
 
@@ -234,12 +238,14 @@ def test_claims_compare_arms_on_the_seeds_they_share():
             _record("main", "untied", seed, 0.52),
             _record("main", "tied", seed, 0.68),
         ]
-    auto, untied = recipe.on_common_seeds(recipe.group(records, arm="auto"), recipe.group(records, arm="untied"))
+    auto, untied = exor_claims.on_common_seeds(
+        exor_claims.group(records, arm="auto"), exor_claims.group(records, arm="untied")
+    )
     assert [r["seed"] for r in auto] == list(SEEDS) and [r["seed"] for r in untied] == list(SEEDS)
     (main_loss,) = [c for c in _auto_claims(records) if "auto (main)" in c["claim"]]
     assert main_loss["holds"] is True and "auto 0.5300" in main_loss["evidence"]
     assert "seeds 42, 43, 44)" in main_loss["evidence"]
-    assert recipe.on_common_seeds(recipe.group(records, arm="auto"), []) == [[], []]
+    assert exor_claims.on_common_seeds(exor_claims.group(records, arm="auto"), []) == [[], []]
 
 
 def test_loss_and_accuracy_claims_on_too_few_seeds_are_reported_not_tested():
@@ -253,8 +259,11 @@ def test_loss_and_accuracy_claims_on_too_few_seeds_are_reported_not_tested():
     assert main_loss["holds"] is None and main_loss["evidence"].startswith("not tested on 2 seed(s)")
     assert "auto 0.8550" in main_loss["evidence"]  # the numbers are still reported
     # A geometry or trigger claim (no outcome_seeds) is tested on any number of seeds.
-    assert recipe.claim_record("geometry", True, "d/d(0,2): ...")["holds"] is True
-    assert recipe.claim_record("loss", False, "loss ...", outcome_seeds=recipe.MIN_SEEDS_FOR_OUTCOMES)["holds"] is False
+    assert exor_claims.claim_record("geometry", True, "d/d(0,2): ...")["holds"] is True
+    assert (
+        exor_claims.claim_record("loss", False, "loss ...", outcome_seeds=exor_claims.MIN_SEEDS_FOR_OUTCOMES)["holds"]
+        is False
+    )
 
 
 def _geometry_record(arm, input_01, output_01):
@@ -272,7 +281,7 @@ def _geometry_record(arm, input_01, output_01):
 )
 def test_scheduled_geometry_claim_asks_for_the_untied_pattern(input_01, output_01, holds):
     tied = [_geometry_record("tied", 0.7, 0.7)]
-    text, verdict, evidence = recipe.scheduled_geometry_claim(
+    text, verdict, evidence = exor_claims.scheduled_geometry_claim(
         "transformer", "scheduled", 75_000, [_geometry_record("scheduled", input_01, output_01)], tied
     )
     assert verdict is holds and "step 75000" in text and f"input 0-1 {input_01:.3f} vs 0.700" in evidence
@@ -282,7 +291,7 @@ def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():
     param = torch.nn.Parameter(torch.zeros(1))
     ours = torch.optim.SGD([param], lr=5e-4)
     theirs = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=5e-4)
-    ours_schedule = recipe.periodic_cosine(ours, 5e-4, 1e-5, 100)
+    ours_schedule = schedules.periodic_cosine(ours, 5e-4, 1e-5, 100)
     theirs_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(theirs, T_max=100, eta_min=1e-5)
     for _ in range(350):  # past T_max: down to 1e-5 at 100, back up to 5e-4 at 200, down again
         assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], rel=1e-6, abs=1e-12)
@@ -291,7 +300,7 @@ def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():
 
 def test_bad_arguments_fail_early(tmp_path):
     with pytest.raises(ValueError, match="not a known signal"):
-        recipe.main(["--output_dir", str(tmp_path), "--arms", "auto", "--trigger_signal", "loss", *SHORT])
+        recipe.main(["--output_dir", str(tmp_path), "--arms", "auto", "--untie_when", '{"signal": "loss"}', *SHORT])
     with pytest.raises(ValueError, match="Unknown arm 'frozen'"):
         recipe.main(["--output_dir", str(tmp_path), "--arms", "frozen"])
     with pytest.raises(ValueError, match="Unknown preset"):
@@ -340,7 +349,7 @@ def test_full_batch_epochs_do_not_pile_up_dataloader_references(tmp_path):
     # GradientState is a process-wide singleton: compare the growth during each run.
     without = run([])
     assert without[-1] - without[0] > 30  # the upstream behaviour worked around (drop the workaround once this fails)
-    with_workaround = run([recipe.ReleaseFinishedEpochs()])
+    with_workaround = run([training.ReleaseFinishedEpochs()])
     assert max(with_workaround) - with_workaround[0] <= 1
 
 

@@ -61,6 +61,15 @@ def test_untier_custom_fsdp2_loop_equals_live_tying_until_the_untie_and_the_emul
     assert torch.equal(untier["head"], untier_rank1["head"])
 
 
+def test_untier_close_under_fsdp2_leaves_only_the_structure(runs):
+    """After close(), untied at RELEASE_STEP or still tied (emulated, measuring), the sharded model and the optimizer
+    carry nothing of the library's, and someone else's forward hook and forward are still in place."""
+    for rank in runs["untier"]:
+        for run in (rank, rank["ends_tied"]):
+            assert run["leftovers"] == [] and all(run["foreign_kept"].values()), (run["leftovers"], run["foreign_kept"])
+        assert rank["ends_tied"]["measured"] == [1, 2]  # the probe was on until close
+
+
 # -- Trainer + accelerate FSDP2 (fsdp_config={"version": 2}) with UntieCallback -------------------------------------
 TRAINER_WORKER = os.path.join(os.path.dirname(__file__), "fsdp2_trainer_run.py")
 UNTIE_AT = 6
@@ -129,7 +138,7 @@ def test_fsdp2_save_model_and_tied_phase_checkpoints_keep_both_matrices_and_relo
 
 
 def test_fsdp2_drift_metrics_after_the_untie_read_the_shards_and_agree_across_ranks(trainer_runs):
-    from untie.metrics import pair_distances
+    from untie.signals.metrics import pair_distances
 
     _, runs = trainer_runs
     rank0, rank1 = runs["emulated"]
@@ -182,10 +191,10 @@ SHARDED_PROBE = """
 import os, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 import untie
-from untie.probe import RoleGradientProbe
+from untie.signals.probe import RoleGradientProbe
 from untie.testing import tiny_model
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-from untie.emulation import EmulatedTying
+from untie.engines.emulation import EmulatedTying
 for arch in ("gpt2", "gemma"):
     model = untie.untie_embeddings(tiny_model(arch))
     emulation = EmulatedTying(model)

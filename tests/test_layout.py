@@ -162,3 +162,38 @@ def test_no_function_of_the_library_or_the_recipes_is_over_80_lines():
                     if length > 80:
                         long.append(f"{path.name}:{node.lineno} {node.name} ({length} lines)")
     assert not long, long
+
+
+def test_the_public_api_is_declared_once_and_its_generated_parts_match():
+    """`untie.PUBLIC_API` is the one list: `__all__`, the type-checking imports and docs/api.md are generated from it
+    (scripts/public_api.py), every name resolves to its module's object, and the API reference shows exactly these."""
+    script = PACKAGE.parent / "scripts" / "public_api.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    declared = [name for _section, _module, names in untie.PUBLIC_API for name in names]
+    assert len(declared) == len(set(declared)) and sorted(untie.__all__) == sorted(declared)
+    for _section, module, names in untie.PUBLIC_API:
+        for name in names:
+            assert getattr(untie, name) is getattr(importlib.import_module(module), name), name
+    documented = re.findall(r"^::: untie\.[\w.]+\.(\w+)$", (PACKAGE.parent / "docs" / "api.md").read_text(), re.M)
+    assert sorted(documented) == sorted(declared)
+    assert {"EmbeddingLayout", "was_untied", "RULES", "TokenPair", "PeftUnsupported", "UntieError"} <= set(declared)
+
+
+def test_every_refusal_of_the_library_is_an_untie_error():
+    """One base exception: every exception class the library defines (but the CLI's private usage error) is an
+    `untie.UntieError`, and keeps the built-in type it had (ValueError, RuntimeError) for code that caught that."""
+    classes = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = "untie." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                value = getattr(importlib.import_module(module), node.name)
+                if isinstance(value, type) and issubclass(value, BaseException):
+                    classes.append(value)
+    assert len(classes) >= 10
+    assert all(issubclass(cls, untie.UntieError) for cls in classes), [
+        c for c in classes if not issubclass(c, untie.UntieError)
+    ]
+    assert issubclass(untie.UntieStateError, ValueError) and issubclass(untie.PeftUnsupported, ValueError)

@@ -1,4 +1,4 @@
-"""untie.metrics on hand-built matrices with known answers, and the role-gradient probe on real models."""
+"""untie.signals.metrics on hand-built matrices with known answers, and the role-gradient probe on real models."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import transformers
 
 import untie
-import untie.probe
-from untie.metrics import (
+import untie.signals.probe
+from untie.signals.metrics import (
     drift_metrics,
     knn_overlap,
     learned_z,
@@ -24,7 +24,7 @@ from untie.metrics import (
     summarize_pair_metrics,
     targets_from_gradient,
 )
-from untie.probe import RoleGradientProbe
+from untie.signals.probe import RoleGradientProbe
 from untie.testing import TINY_MODELS, ToyLMDataset, conditional_gaps, cross_entropy_sums, role_signals, tiny_model
 
 
@@ -436,7 +436,7 @@ def test_probe_holds_no_logits_until_backward_and_a_kept_logits_head_measures_th
     measured = []
     for keep_logits in (False, True):
         if keep_logits:  # the path of any non-linear head (or one FSDP2 manages)
-            monkeypatch.setattr(untie.probe, "FSDPModule", torch.nn.Linear)
+            monkeypatch.setattr(untie.signals.probe, "FSDPModule", torch.nn.Linear)
         probe = RoleGradientProbe(model, pairs=PAIRS)
         probe.armed = True
         out = model(input_ids=ids, labels=ids)

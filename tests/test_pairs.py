@@ -11,7 +11,7 @@ from tokenizers import ByteLevelBPETokenizer, SentencePieceBPETokenizer
 
 import untie
 from untie.cli import main
-from untie.pairs import tokenizer_family, tokenizer_pairs
+from untie.signals.pairs import tokenizer_family, tokenizer_pairs
 from untie.testing import ToyLMDataset
 from untie_recipes.tasks.bookcorpus.data import OFFLINE_CORPUS, load_tokenizer
 

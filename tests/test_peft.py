@@ -9,7 +9,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.peft_support import PeftUnsupported
+from untie.structure.peft_support import PeftUnsupported
 from untie.testing import ToyLMDataset, tiny_model
 
 peft = pytest.importorskip("peft")  # in the `test` extra: installed wherever the suite runs

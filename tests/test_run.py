@@ -1,5 +1,5 @@
 """`UntieRun`, the run object both adapters drive, on its own: a fake adapter (a plain loop calling the documented
-sequence: prepare, restore, begin, then arm / measure / end_of_step per optimizer step) with no Trainer and no
+phases: attach, start, then arm / measure / end_of_step per optimizer step) with no Trainer and no
 accelerate. Covers prepare, arming and measuring, the trigger, the deadline, the untie, the saved state and its
 restore, and the structure a resumed model must have."""
 
@@ -11,22 +11,24 @@ import math
 import pytest
 import torch
 
+import untie
 from untie import UntieConfig, Untier
-from untie.plan import SavedFacts
-from untie.run import SAVED_ATTRIBUTES, Adapter, UntieRun
-from untie.saved_state import UntieStateError
-from untie.surgery import is_tied, tie_embeddings, untie_embeddings
+from untie.checkpoints.saved_state import UntieStateError, weights_fingerprint
+from untie.core.run import SAVED_ATTRIBUTES, Adapter, RunOrderError, UntieRun
+from untie.structure.plan import SavedFacts
+from untie.structure.surgery import is_tied, tie_embeddings, untie_embeddings
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 
 class FakeAdapter:
-    """The smallest adapter: one micro-batch per optimizer step, the calls in the order `untie.run` documents."""
+    """The smallest adapter: one micro-batch per optimizer step, the calls in the order `untie.core.run` documents."""
 
     def __init__(self, config: UntieConfig, model=None, tying_mode: str = "live") -> None:
         self.model = model if model is not None else tiny_model("llama")
+        if tying_mode == "emulated":
+            config = config.replace(tying_mode="emulated")
         self.run = UntieRun(config, Adapter("FakeAdapter", "FakeAdapter(tokenizer=...)"))
-        self.run.tying_mode = tying_mode
-        self.run.prepare(self.model)
+        self.run.attach(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.data = ToyLMDataset(n=8)
         self.step = 0
@@ -34,8 +36,11 @@ class FakeAdapter:
 
     def begin(self, saved: dict | None = None, step: int = 0, max_steps: int = 20) -> None:
         self.step = step
-        self.run.restore(saved or {}, step)
-        self.run.begin(self.model, self.optimizer, step, max_steps)
+        state = None
+        if saved:  # a saved run's attributes, in the state layout both adapters save
+            state = self.run.state_dict(step, weights=weights_fingerprint(self.model))
+            state["attributes"].update(saved)
+        self.run.start(self.optimizer, step, max_steps, state)
 
     def train(self, steps: int) -> list[float]:
         losses = []
@@ -48,7 +53,7 @@ class FakeAdapter:
             self.run.measure(step)
             self.optimizer.step()
             self.optimizer.zero_grad()
-            reason = self.run.end_of_step(self.model, self.optimizer, step)
+            reason = self.run.end_of_step(step)
             if reason:
                 self.reasons[step] = reason
             self.step = step
@@ -258,3 +263,28 @@ def test_untier_start_and_resume_are_separate_and_the_run_announces_itself_once(
         untier.step()
     assert len([w for w in caught if "leaves the divergence trigger" in str(w.message)]) == 1
     assert untier.global_step == 14
+
+
+def test_the_phases_are_enforced_in_one_place_and_a_call_out_of_order_names_the_order():
+    """attach, then start, then the steps: a step before start, a start after a step, or an attach mid-run raise
+    RunOrderError (an UntieError and a RuntimeError); a run may start again before its first step (a resume)."""
+    run = UntieRun(UntieConfig(untie_at=4, untie_when=None, metrics_every=2))
+    with pytest.raises(RunOrderError, match=r"start\(\) in phase 'new'.*attach \(before the optimizer\), start"):
+        run.start(None, 0, 8)
+    model = tiny_model("llama")
+    run.attach(model)
+    with pytest.raises(RunOrderError, match=r"end_of_step\(\) in phase 'attached'"):
+        run.end_of_step(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run.start(optimizer, 0, 8)
+    run.start(optimizer, 0, 8)  # again before the first step: a custom loop resuming in place
+    run.arm(1)
+    run.end_of_step(1)
+    with pytest.raises(RunOrderError, match="has taken steps; it cannot start again"):
+        run.start(optimizer, 1, 8)
+    with pytest.raises(RunOrderError, match=r"attach\(\) in phase 'started'"):
+        run.attach(model)
+    assert isinstance(RunOrderError("x"), untie.UntieError) and issubclass(RunOrderError, RuntimeError)
+    run.close()
+    with pytest.raises(RunOrderError, match=r"arm\(\) in phase 'closed'"):
+        run.arm(2)

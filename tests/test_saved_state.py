@@ -12,8 +12,8 @@ import torch
 from accelerate import Accelerator
 
 import untie
-import untie.untier
-from untie.saved_state import STATE_FILE, UntieStateError
+import untie.adapters.untier
+from untie.checkpoints.saved_state import STATE_FILE, UntieStateError
 from untie.testing import ToyLMDataset, tiny_model
 
 STEPS, UNTIE_AT = 10, 6
@@ -101,7 +101,7 @@ def test_a_save_killed_while_overwriting_a_folder_is_refused_by_name_or_resumes_
 
     monkeypatch.setattr(accelerate.checkpointing, "save", killed_save)
     if point == "before-untie-state":
-        monkeypatch.setattr(untie.untier, "write_state_file", killed_write)
+        monkeypatch.setattr(untie.adapters.untier, "write_state_file", killed_write)
     with pytest.raises(Killed):
         _run(saves={save_step: folder}, stop=save_step)
     monkeypatch.undo()

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 import untie
-from untie.surgery import add_param_like
+from untie.structure.surgery import add_param_like
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 ARCHS = sorted(TINY_MODELS)

@@ -14,8 +14,8 @@ import torch
 import transformers as tf
 
 import untie
+from untie.signals.triggers import DivergenceTrigger
 from untie.testing import ToyLMDataset, tiny_model
-from untie.triggers import DivergenceTrigger
 
 
 def _feed(trigger, values, signal="cancellation", start=1):
@@ -192,7 +192,7 @@ def test_deadline_unties_when_the_trigger_stays_quiet(make_args):
 
 
 def test_nan_signals_never_untie(make_args, monkeypatch):
-    monkeypatch.setattr(untie.run, "role_signals_on_rows", lambda *a, **k: {"cosine": math.nan})
+    monkeypatch.setattr(untie.core.run, "role_signals_on_rows", lambda *a, **k: {"cosine": math.nan})
     rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=1)
     callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=1)
     trainer, _ = _train(make_args(), callback)
@@ -202,7 +202,7 @@ def test_nan_signals_never_untie(make_args, monkeypatch):
 
 def test_measurements_that_see_no_backward_warn_once_and_never_untie(make_args, monkeypatch):
     """The probe's hooks never run (a frozen matrix, or hooks a stale torch.compile graph does not call): say so."""
-    monkeypatch.setattr(untie.probe.RoleGradientProbe, "_on_embedding_forward", lambda *args, **kwargs: None)
+    monkeypatch.setattr(untie.signals.probe.RoleGradientProbe, "_on_embedding_forward", lambda *args, **kwargs: None)
     rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=1)  # any value fires
     callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=1)
     with pytest.warns(UserWarning, match="ran no backward through the tied matrix") as caught:

@@ -120,6 +120,8 @@ def test_accelerate_ddp_loop_unties_mid_run_and_ranks_stay_bit_identical(acceler
         assert torch.equal(value, rank1["params"][name]), name
     steps = [step for step, logs in rank0["logged"]]
     assert steps == [2, 4, 6, 8, 10] and rank0["logged"][1][1]["untie/untie_step"] == 4  # what step() returns to log
+    for rank in (rank0, rank1):  # close() took every install off the DDP model, the optimizer and the Accelerator
+        assert rank["leftovers"] == [] and all(rank["foreign_kept"].values()), (rank["leftovers"], rank["foreign_kept"])
 
 
 @pytest.mark.parametrize("resumed", ["resume-3", "resume-6"])
@@ -146,6 +148,8 @@ def test_plain_pytorch_ddp_loop_unties_mid_run_and_ranks_stay_bit_identical(tmp_
     torchrun("custom_loop_run.py", tmp_path, "plain")
     rank0, rank1 = (torch.load(tmp_path / f"plain-rank{r}.pt") for r in (0, 1))
     assert rank0["untie_step"] == rank1["untie_step"] == 4 and not rank0["tied"]
+    for rank in (rank0, rank1):  # close() took every install off (the head's gradient sync too)
+        assert rank["leftovers"] == [] and all(rank["foreign_kept"].values()), (rank["leftovers"], rank["foreign_kept"])
     assert not torch.equal(rank0["output"], rank0["input"])
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name

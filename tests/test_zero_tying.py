@@ -1,4 +1,4 @@
-"""`untie.zero_tying` without DeepSpeed: the autograd tie that DeepSpeed's tied phase uses, on one process.
+"""`untie.engines.zero_tying` without DeepSpeed: the autograd tie that DeepSpeed's tied phase uses, on one process.
 
 The DeepSpeed runs themselves (ZeRO 1-3, Trainer and Untier, 2 ranks) are in test_deepspeed.py.
 """
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from untie.surgery import untie_embeddings
+from untie.engines.zero_tying import ZeroTying, check_optimizer
+from untie.structure.surgery import untie_embeddings
 from untie.testing import ToyLMDataset, tiny_model
-from untie.zero_tying import ZeroTying, check_optimizer
 
 
 def _loss(model) -> torch.Tensor:
@@ -125,7 +125,7 @@ def test_the_step_of_deepspeeds_optimizer_is_wrapped_while_tied_and_restored_aft
 
 def test_a_removed_probe_stops_listening_to_the_tying():
     """The probe sets three listeners on the tying; once removed (after the untie, or at close) none is left."""
-    from untie.probe import RoleGradientProbe
+    from untie.signals.probe import RoleGradientProbe
 
     model = tiny_model("gpt2")
     untie_embeddings(model)
@@ -138,4 +138,95 @@ def test_a_removed_probe_stops_listening_to_the_tying():
     assert not tying.capture_if()
     assert tying.on_optimizer_step != probe._read_reduced_gradient
     assert tying.on_capture_lookup != probe._keep_weight_rows
+    tying.remove()
+
+
+def _twin_runs(steps: int = 3):
+    """A live-tied model and its ZeRO autograd-tied twin (no DeepSpeed: a plain AdamW), trained on one batch."""
+    tied = tiny_model("gpt2")
+    tied.eval()
+    emulated = tiny_model("gpt2")
+    emulated.eval()
+    untie_embeddings(emulated)
+    tying = ZeroTying(emulated)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-12) for m in (tied, emulated)]
+    for _ in range(steps):
+        for model, optimizer in zip((tied, emulated), optimizers, strict=True):
+            _loss(model).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return tied, emulated, tying, optimizers
+
+
+@pytest.mark.parametrize("optimizer_state", ["copy", "reset", "fresh"])
+def test_release_rescales_the_moments_to_live_tyings_or_zeroes_them(optimizer_state):
+    """While tied each matrix's Adam moments are live tying's scaled by 1/sqrt(2) (first) and 1/2 (second); the untie
+    makes them the live untie's: `copy` both rescaled to the shared matrix's, `reset` the head's zeroed, `fresh`
+    both."""
+    tied, emulated, tying, (live_adam, zero_adam) = _twin_runs()
+    shared = live_adam.state[tied.get_input_embeddings().weight]
+    embedding, head = emulated.get_input_embeddings().weight, emulated.get_output_embeddings().weight
+    for param in (embedding, head):
+        state = zero_adam.state[param]
+        torch.testing.assert_close(state["exp_avg"] * math.sqrt(2.0), shared["exp_avg"], rtol=1e-4, atol=1e-9)
+        torch.testing.assert_close(state["exp_avg_sq"] * 2.0, shared["exp_avg_sq"], rtol=1e-4, atol=1e-12)
+    tying.release(zero_adam, optimizer_state=optimizer_state)
+    zeroed = {"copy": (), "reset": ("head",), "fresh": ("head", "embedding")}[optimizer_state]
+    for name, param in (("embedding", embedding), ("head", head)):
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = zero_adam.state[param][key]
+            if name in zeroed:
+                assert not value.any(), (name, key)
+            else:
+                torch.testing.assert_close(value, shared[key], rtol=1e-4, atol=1e-12, msg=f"{name} {key}")
+    assert "forward" not in vars(emulated.get_input_embeddings())  # each module reads its own parameter again
+
+
+def test_the_probe_reads_at_deepspeeds_step_what_it_reads_under_live_tying(monkeypatch):
+    """The probe's DeepSpeed path, in one process: the tying wraps the step of DeepSpeed's optimizer (a stand-in
+    whose class lives in deepspeed.runtime), and the probe reads the tied rows there from the reduced gradient (as
+    ZeRO-1/2 hold it on one rank: the embedding's gradient, the tied one / sqrt(2)). Its role signals and pair
+    measurements equal the live-tied probe's on the same batch."""
+    from untie import _compat
+    from untie.signals.metrics import role_signals_on_rows
+    from untie.signals.probe import RoleGradientProbe
+
+    monkeypatch.setattr(_compat, "deepspeed_local_grad", lambda p: None if p.grad is None else (p.grad.reshape(-1), 0))
+
+    class DeepSpeedZeroOptimizer:  # stands for ZeRO's optimizer: its class lives in deepspeed.runtime
+        __module__ = "deepspeed.runtime.zero.stage_1_and_2"
+
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self):
+            self.optimizer.step()
+
+    pairs = [(3, 5)]
+    tied = tiny_model("gpt2")
+    tied.eval()
+    live = RoleGradientProbe(tied, pairs=pairs)
+    live.armed = True
+    _loss(tied).backward()
+    live_grads = live.collect()
+    live_signals = {**role_signals_on_rows(live_grads, pairs=pairs), **live.pair_measurements(live_grads)}
+
+    emulated = tiny_model("gpt2")
+    emulated.eval()
+    untie_embeddings(emulated)
+    tying = ZeroTying(emulated)
+    zero = DeepSpeedZeroOptimizer(torch.optim.AdamW(emulated.parameters()))
+    tying.attach_optimizer(zero)
+    probe = RoleGradientProbe(emulated, pairs=pairs, emulation=tying)
+    probe.armed = True
+    _loss(emulated).backward()
+    zero.step()  # the engine's step: the probe reads the reduced gradient here, before the step
+    grads = probe.collect()
+    signals = {**role_signals_on_rows(grads, pairs=pairs), **probe.pair_measurements(grads)}
+    assert signals.keys() == live_signals.keys()
+    for key, value in live_signals.items():
+        assert math.isclose(signals[key], value, rel_tol=1e-4, abs_tol=1e-6) or (
+            math.isnan(value) and math.isnan(signals[key])
+        ), (key, signals[key], value)
+    probe.remove()
     tying.remove()

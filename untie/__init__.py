@@ -9,30 +9,43 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-#: Public name -> the module that defines it.
-_EXPORTS = {
-    "UntieCallback": "untie.callback",
-    "checkpoint_is_untied": "untie.checkpoint",
-    "install_resume_guard": "untie.checkpoint",
-    "prepare_for_resume": "untie.checkpoint",
-    "UntieConfig": "untie.config",
-    "tokenizer_pairs": "untie.pairs",
-    "UntieStateError": "untie.saved_state",
-    "EmbeddingLayout": "untie.surgery",
-    "embedding_layout": "untie.surgery",
-    "is_tied": "untie.surgery",
-    "tie_embeddings": "untie.surgery",
-    "untie_embeddings": "untie.surgery",
-    "was_untied": "untie.surgery",
-    "RULES": "untie.triggers",
-    "UntieWhen": "untie.triggers",
-    "Untier": "untie.untier",
-}
-__all__ = [  # the keys of _EXPORTS (a test checks it)
+#: The public API, declared once: (the section of docs/api.md, the module that defines them, the names). `__all__`,
+#: the type-checking imports below and docs/api.md are generated from it: `python scripts/public_api.py --write`
+#: (tests/test_layout.py runs `--check`).
+PUBLIC_API = (
+    ("Trainer", "untie.adapters.callback", ("UntieCallback",)),
+    ("Settings", "untie.config", ("UntieConfig",)),
+    ("Custom training loops", "untie.adapters.untier", ("Untier",)),
+    ("The divergence trigger", "untie.signals.triggers", ("UntieWhen", "RULES")),
+    ("Pairs from the tokenizer", "untie.signals.pairs", ("tokenizer_pairs", "TokenPair")),
+    (
+        "Surgery",
+        "untie.structure.surgery",
+        ("untie_embeddings", "tie_embeddings", "is_tied", "was_untied", "embedding_layout", "EmbeddingLayout"),
+    ),
+    (
+        "Checkpoints",
+        "untie.checkpoints.checkpoint",
+        ("checkpoint_is_untied", "prepare_for_resume", "install_resume_guard"),
+    ),
+    ("Errors", "untie.errors", ("UntieError",)),
+    ("Errors", "untie.checkpoints.saved_state", ("UntieStateError",)),
+    ("Errors", "untie.structure.peft_support", ("PeftUnsupported",)),
+)
+#: Public name -> the module that defines it (from `PUBLIC_API`).
+_EXPORTS = {name: module for _section, module, names in PUBLIC_API for name in names}
+__version__ = "0.1.0"
+
+# -- generated from PUBLIC_API by scripts/public_api.py: do not edit by hand ------------------------------------------
+# fmt: off
+__all__ = [
     "RULES",
     "EmbeddingLayout",
+    "PeftUnsupported",
+    "TokenPair",
     "UntieCallback",
     "UntieConfig",
+    "UntieError",
     "UntieStateError",
     "UntieWhen",
     "Untier",
@@ -46,17 +59,29 @@ __all__ = [  # the keys of _EXPORTS (a test checks it)
     "untie_embeddings",
     "was_untied",
 ]
-__version__ = "0.1.0"
 
 if TYPE_CHECKING:  # for type checkers and the API reference: the same names, imported eagerly
-    from untie.callback import UntieCallback
-    from untie.checkpoint import checkpoint_is_untied, install_resume_guard, prepare_for_resume
-    from untie.config import UntieConfig
-    from untie.pairs import tokenizer_pairs
-    from untie.saved_state import UntieStateError
-    from untie.surgery import EmbeddingLayout, embedding_layout, is_tied, tie_embeddings, untie_embeddings, was_untied
-    from untie.triggers import RULES, UntieWhen
-    from untie.untier import Untier
+    from untie.adapters.callback import UntieCallback as UntieCallback
+    from untie.adapters.untier import Untier as Untier
+    from untie.checkpoints.checkpoint import checkpoint_is_untied as checkpoint_is_untied
+    from untie.checkpoints.checkpoint import install_resume_guard as install_resume_guard
+    from untie.checkpoints.checkpoint import prepare_for_resume as prepare_for_resume
+    from untie.checkpoints.saved_state import UntieStateError as UntieStateError
+    from untie.config import UntieConfig as UntieConfig
+    from untie.errors import UntieError as UntieError
+    from untie.signals.pairs import TokenPair as TokenPair
+    from untie.signals.pairs import tokenizer_pairs as tokenizer_pairs
+    from untie.signals.triggers import RULES as RULES
+    from untie.signals.triggers import UntieWhen as UntieWhen
+    from untie.structure.peft_support import PeftUnsupported as PeftUnsupported
+    from untie.structure.surgery import EmbeddingLayout as EmbeddingLayout
+    from untie.structure.surgery import embedding_layout as embedding_layout
+    from untie.structure.surgery import is_tied as is_tied
+    from untie.structure.surgery import tie_embeddings as tie_embeddings
+    from untie.structure.surgery import untie_embeddings as untie_embeddings
+    from untie.structure.surgery import was_untied as was_untied
+# fmt: on
+# -- end of generated ------------------------------------------------------------------------------------------------
 
 
 def __getattr__(name: str):

@@ -11,12 +11,13 @@ import sys
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
-# -- transformers: tied-weights declarations -------------------------------------------------------------------------
+# -- transformers: tied-weights declarations ---------------------------------------------------------------------------
 # `PreTrainedModel._tied_weights_keys` (class attribute, {target: source} since transformers 5.0) declares the ties
 # that `tie_weights()` re-applies; `all_tied_weights_keys` is its expanded per-instance cache, rebuilt by
 # `get_expanded_tied_weights_keys(all_submodels=True)`. No public API removes one entry (the head's) from an
@@ -50,7 +51,7 @@ def clear_instance_tied_keys(module: nn.Module) -> None:
 def refresh_tied_keys_cache(model: nn.Module) -> None:
     """Rebuild `model.all_tied_weights_keys` after the mapping changed (what `save_pretrained` / loading read)."""
     if hasattr(model, "get_expanded_tied_weights_keys"):
-        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+        model.all_tied_weights_keys = model.get_expanded_tied_weights_keys(all_submodels=True)  # type: ignore[operator]  # undeclared upstream attribute
 
 
 def expanded_tied_keys(model: nn.Module) -> set[str]:
@@ -58,21 +59,21 @@ def expanded_tied_keys(model: nn.Module) -> set[str]:
     return set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-# -- transformers: model classes -------------------------------------------------------------------------------------
+# -- transformers: model classes ---------------------------------------------------------------------------------------
 def build_from_config(model_class: type, config: Any) -> nn.Module:
     """`model_class._from_config(config)`: a model built from its config without loading weights (the public
     `AutoModel*.from_config` needs an Auto class; this builds any class, e.g. on the meta device).
     Checked: transformers 5.12.1 and 5.23.0 (CI)."""
-    return model_class._from_config(config)
+    return model_class._from_config(config)  # type: ignore[attr-defined]  # undeclared upstream attribute
 
 
 def auto_class_mapping(auto_class: type) -> Any:
     """`AutoModel*._model_mapping`: {config class: model class}, to find a checkpoint's head class without building
     it (no public lookup exists). Checked: transformers 5.12.1 and 5.23.0 (CI)."""
-    return auto_class._model_mapping
+    return auto_class._model_mapping  # type: ignore[attr-defined]  # undeclared upstream attribute
 
 
-# -- transformers: Trainer's callback handler ------------------------------------------------------------------------
+# -- transformers: Trainer's callback handler --------------------------------------------------------------------------
 def find_caller(accept: Callable[[Any], bool], skip: int = 2, depth: int = 8) -> Any:
     """The nearest `self` among the calling frames (from `skip` frames up) that `accept` takes, or None.
 
@@ -81,7 +82,7 @@ def find_caller(accept: Callable[[Any], bool], skip: int = 2, depth: int = 8) ->
     (`sys._getframe`); the callers are `CallbackHandler.call_event` and `Trainer.__init__`. Checked:
     transformers 5.12.1 and 5.23.0 (CI) on CPython 3.11.
     """
-    frame = sys._getframe(skip)
+    frame: FrameType | None = sys._getframe(skip)
     for _ in range(depth):
         if frame is None:
             return None
@@ -110,7 +111,8 @@ def warn_in_user_code(message: str, category: type[Warning] = UserWarning) -> No
     (Trainer's event loop, accelerate's hooks), however deep the call: the line the user wrote, which no fixed
     `stacklevel` finds from both adapters. Frame walking is CPython behaviour (`sys._getframe`); `skip_file_prefixes`
     does the same from Python 3.12 only. Checked: CPython 3.10-3.13."""
-    frame, level = sys._getframe(1), 2  # level 1 is this function, 2 its caller
+    frame: FrameType | None = sys._getframe(1)
+    level = 2  # level 1 is this function, 2 its caller
     while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in LIBRARY_PACKAGES:
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
@@ -124,7 +126,7 @@ def move_callback_first(handler: Any, callback: Any) -> None:
     handler.callbacks.insert(0, callback)
 
 
-# -- accelerate: whether a PartialState exists ------------------------------------------------------------------------
+# -- accelerate: whether a PartialState exists -------------------------------------------------------------------------
 def partial_state_exists() -> bool:
     """Whether accelerate's `PartialState` was initialised in this process, without initialising it.
 
@@ -137,7 +139,7 @@ def partial_state_exists() -> bool:
     return bool(PartialState._shared_state)
 
 
-# -- DeepSpeed: partitioned parameters -------------------------------------------------------------------------------
+# -- DeepSpeed: partitioned parameters ---------------------------------------------------------------------------------
 def is_deepspeed_partitioned(param: torch.Tensor) -> bool:
     """Whether `param` is a parameter DeepSpeed ZeRO-3 has partitioned: ZeRO-3 gives each one an `ds_id` attribute
     (deepspeed.runtime.zero.partition_parameters; there is no public predicate). Checked: deepspeed 0.19.8."""
@@ -150,13 +152,13 @@ def deepspeed_needs_gather(param: torch.Tensor) -> bool:
     which ZeRO-3 refuses. `ds_status` is ZeRO-3's own bookkeeping (no public predicate). Checked: deepspeed 0.19.8."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    return param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+    return param.ds_status == ZeroParamStatus.NOT_AVAILABLE  # type: ignore[attr-defined]  # undeclared upstream attribute
 
 
 def deepspeed_full_shape(param: torch.Tensor) -> torch.Size:
     """A ZeRO-3 partitioned parameter's whole shape (`ds_shape`; its `shape` is its partition's). Checked: deepspeed
     0.19.8."""
-    return torch.Size(param.ds_shape)
+    return torch.Size(param.ds_shape)  # type: ignore[attr-defined]  # undeclared upstream attribute
 
 
 def deepspeed_local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -182,7 +184,7 @@ def deepspeed_local_grad(param: torch.Tensor) -> tuple[torch.Tensor, int] | None
     mapping = getattr(param, "_hp_mapping", None)
     if mapping is None:
         return None
-    fragment = mapping.get_lp_grad_fragment(param._index_in_param_group).reshape(-1)
+    fragment = mapping.get_lp_grad_fragment(param._index_in_param_group).reshape(-1)  # type: ignore[attr-defined]  # undeclared upstream attribute
     address = mapping.lp_fragment_address
     if fragment.numel() == param.numel():  # the whole parameter's gradient (as get_full_hp_grad narrows it)
         fragment = fragment.narrow(0, address.start, address.numel)
@@ -219,7 +221,7 @@ def sparse_embedding_gradient(module: nn.Module):
         module.sparse = sparse
 
 
-# -- torch: autograd engine ------------------------------------------------------------------------------------------
+# -- torch: autograd engine --------------------------------------------------------------------------------------------
 def queue_autograd_callback(callback: Callable[[], None]) -> None:
     """Run `callback` when the current backward pass ends (`Variable._execution_engine.queue_callback`; DDP and
     FSDP2 finalise their gradients the same way, and there is no public equivalent). Must be called during
@@ -227,7 +229,7 @@ def queue_autograd_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-# -- bitsandbytes: state buffers and per-parameter overrides ---------------------------------------------------------
+# -- bitsandbytes: state buffers and per-parameter overrides -----------------------------------------------------------
 # bitsandbytes' optimizers (subclasses of `bitsandbytes.optim.optimizer.Optimizer8bit`) allocate state through
 # `get_state_buffer(p, dtype)` (paged memory for the paged optimizers on CUDA) and read per-parameter overrides
 # (`optim_bits`, ...) from the process-wide `GlobalOptimManager`: `pid2config` keyed by id(param), `index2config`
@@ -244,13 +246,13 @@ def state_buffer_copy(optimizer: torch.optim.Optimizer, param: nn.Parameter, val
     """A copy of `value`, one of a parameter's state tensors, for `param`: allocated the way `optimizer` allocates
     `param`'s state when it is shaped like it (bitsandbytes' paged buffers stay paged), else a plain clone."""
     if is_bitsandbytes_optimizer(optimizer) and value.shape == param.shape:
-        return optimizer.get_state_buffer(param, dtype=value.dtype).copy_(value)
+        return optimizer.get_state_buffer(param, dtype=value.dtype).copy_(value)  # type: ignore[attr-defined]  # undeclared upstream attribute
     return value.clone()
 
 
 def bitsandbytes_override(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict | None:
     """The per-parameter config bitsandbytes applies to `param` (by parameter, else by module), None if none."""
-    manager = optimizer.mng
+    manager = optimizer.mng  # type: ignore[attr-defined]  # undeclared upstream attribute
     config = manager.pid2config.get(id(param))
     if config is None:
         for module, attr, module_config in getattr(manager, "module_weight_config_triple", ()):
@@ -266,7 +268,7 @@ def share_bitsandbytes_override(optimizer: torch.optim.Optimizer, *, new: nn.Par
         return
     config = bitsandbytes_override(optimizer, like)
     if config is not None:
-        optimizer.mng.pid2config[id(new)] = dict(config)
+        optimizer.mng.pid2config[id(new)] = dict(config)  # type: ignore[attr-defined]  # undeclared upstream attribute
 
 
 def reindex_bitsandbytes_overrides(optimizer: torch.optim.Optimizer) -> None:
@@ -274,7 +276,7 @@ def reindex_bitsandbytes_overrides(optimizer: torch.optim.Optimizer) -> None:
     (a stale position entry would give a moved parameter another's config); nothing for other optimizers."""
     if not is_bitsandbytes_optimizer(optimizer):
         return
-    manager = optimizer.mng
+    manager = optimizer.mng  # type: ignore[attr-defined]  # undeclared upstream attribute
     for group_index, group in enumerate(optimizer.param_groups):
         for param_index, param in enumerate(group["params"]):
             config = manager.pid2config.get(id(param))

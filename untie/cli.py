@@ -11,8 +11,9 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Literal
 
-#: The `--head` choices (`untie.loading.HEADS` maps each to its Auto class; a test keeps the two in step).
+#: The `--head` choices (`untie.checkpoints.loading.HEADS` maps each to its Auto class; a test keeps the two in step).
 HEAD_CHOICES = ("causal-lm", "masked-lm", "seq2seq-lm")
 
 EXIT_CODES = {
@@ -155,7 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _CommandLineError as error:
         return _fail(str(error), 2, as_json, usage=parser.format_usage())
     command = args.command
-    from untie.loading import CheckpointError  # torch and transformers: only once a command runs
+    from untie.checkpoints.loading import CheckpointError  # torch and transformers: only once a command runs
 
     try:
         if command == "inspect":
@@ -186,14 +187,15 @@ def _fail(message: str, exit_code: int, as_json: bool, usage: str = "") -> int:
 
 
 def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from untie.inspection import describe, format_report
+    from untie.checkpoints.inspection import describe, format_report
 
-    pairs = [] if args.pairs != ["auto"] else "auto"
-    for item in args.pairs if pairs != "auto" else ():
+    listed: list[tuple[int | str, int | str]] = []
+    for item in args.pairs if args.pairs != ["auto"] else ():
         parts = item.split(":")
         if len(parts) != 2 or not all(parts):
             parser.error(f"--pairs {item!r}: write each pair as A:B (token ids or tokens), e.g. 464:262 or king:queen")
-        pairs.append(tuple(parts))
+        listed.append((parts[0], parts[1]))
+    pairs: list[tuple[int | str, int | str]] | Literal["auto"] = "auto" if args.pairs == ["auto"] else listed
     report = describe(
         args.source,
         head=args.head,
@@ -210,7 +212,7 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from untie.conversion import convert_checkpoint
+    from untie.checkpoints.conversion import convert_checkpoint
 
     summary = convert_checkpoint(
         args.source,

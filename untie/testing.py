@@ -4,12 +4,13 @@ of the library's measurements."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import transformers as tf
 
-from untie.metric_keys import pair_key
-from untie.metrics import (
+from untie.signals.metric_keys import pair_key
+from untie.signals.metrics import (
     Pairs,
     RoleGradients,
     cross_entropy_sums_from_target_logits,
@@ -21,7 +22,7 @@ VOCAB = 48
 HIDDEN = 16
 
 # Shared sizes of the Llama-family decoders below.
-_DECODER = dict(
+_DECODER: dict[str, Any] = dict(
     num_hidden_layers=1,
     num_attention_heads=2,
     num_key_value_heads=2,
@@ -102,7 +103,7 @@ TINY_MODELS = {
             d_kv=8,
             d_ff=32,
             vocab_size=VOCAB,
-            decoder_start_token_id=0,
+            decoder_start_token_id=0,  # type: ignore[call-arg]  # a PreTrainedConfig keyword T5Config passes on
             pad_token_id=0,
             eos_token_id=1,
         ),
@@ -164,8 +165,8 @@ class ToyLMDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Dense reference metrics: the measurements of `untie.metrics` from whole (V, d) gradients and (N, V) logits, which
+# --------------------------------------------------------------------------------------------------------------- Dense
+# reference metrics: the measurements of `untie.signals.metrics` from whole (V, d) gradients and (N, V) logits, which
 # the tests check the probe's row-wise forms against (the library itself never materialises these).
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -177,8 +178,8 @@ def role_signals(
     pairs: Pairs = (),
     sample_rows: int = 256,
 ) -> dict[str, float]:
-    """`untie.metrics.role_signals_on_rows` (which defines the signals) from the two dense (V, d) role gradients of a
-    tied matrix: the reference the tests check the probe's row-wise measurement against."""
+    """`untie.signals.metrics.role_signals_on_rows` (which defines the signals) from the two dense (V, d) role
+    gradients of a tied matrix: the reference the tests check the probe's row-wise measurement against."""
     if pairs and weight is None:
         raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
     grads = RoleGradients.from_dense(input_grad, output_grad, weight, pairs)

@@ -7,12 +7,14 @@ interrupted auto run or branch restarts (from its start or its branch point)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from untie import Untier, untie_embeddings
+from untie import UntieConfig, Untier, untie_embeddings
 from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
 from untie_recipes.tasks.decision_map.training import (
     Recorder,
@@ -43,13 +45,28 @@ class MapContext:
     corpus: TokenizedCorpus
     budgets: tuple[int, ...]
     output_dir: Path
-    optimizer_state: str = "copy"
-    """The optimizer state at the untie (`untie.UntieConfig.optimizer_state`) of the auto arm and the branches; the
-    tied and untied runs do not untie and are shared by every value."""
+    untie: UntieConfig = field(default_factory=UntieConfig)
+    """The auto arm's settings (`UntieConfig()`, the default, unless the command line changed some); the branches
+    untie with its optimizer state. The tied and untied runs do not untie and are shared by every value."""
+
+    @property
+    def optimizer_state(self) -> str:
+        return self.untie.optimizer_state
+
+    @property
+    def label(self) -> str:
+        """What tells this map's untying arms from the default's: "" for `UntieConfig()`, "+fresh" for another
+        optimizer state, "+cfg<digest>" for other settings (their JSON's first 8 hex digits of SHA-256)."""
+        label = "" if self.optimizer_state == "copy" else f"+{self.optimizer_state}"
+        others = {**self.untie.to_json_dict(), "optimizer_state": "copy"}
+        if others != UntieConfig().to_json_dict():
+            digest = hashlib.sha256(json.dumps(others, sort_keys=True).encode()).hexdigest()[:8]
+            label += f"+cfg{digest}"
+        return label
 
     def arm(self, base: str) -> str:
-        """The record name of an arm that unties ("auto", "untie@N"): suffixed by a non-default optimizer state."""
-        return base if self.optimizer_state == "copy" else f"{base}+{self.optimizer_state}"
+        """The record name of an arm that unties ("auto", "untie@N"), with this map's `label`."""
+        return base + self.label
 
     def load_records(self, setup: TrainingSetup) -> dict[str, RunRecord]:
         """The finished records of one (width, seed) for this optimizer state, keyed by their arms' plain names."""
@@ -118,10 +135,11 @@ def _plain_run(ctx: MapContext, setup: TrainingSetup, arm: str, progress: Progre
 
 
 def auto_run(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> RunRecord:
-    """The default `Untier` (trigger with the tokenizer's pairs, deadline at 30%) over the largest budget."""
+    """`Untier` with the map's settings (by default `UntieConfig()`: the trigger with the tokenizer's pairs, the
+    deadline at 30%) over the largest budget."""
     corpus = ctx.corpus
     model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=True)
-    untier = Untier(model, max_steps=ctx.max_budget, tokenizer=corpus.tokenizer, optimizer_state=ctx.optimizer_state)
+    untier = Untier(model, config=ctx.untie, max_steps=ctx.max_budget, tokenizer=corpus.tokenizer)
     optimizer, scheduler = build_optimizer(model, setup)
     untier.start(optimizer)
     recorder = Recorder(model, optimizer, scheduler, corpus.validation, ctx.budgets, {}, progress)

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-from untie.saved_state import tensor_digest
-from untie.triggers import resolve_step
+from untie.checkpoints.saved_state import tensor_digest
+from untie.signals.triggers import resolve_step
 
 
 @dataclass(frozen=True)

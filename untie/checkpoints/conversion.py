@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
-from untie.loading import (
+from untie.checkpoints.loading import (
     CheckpointError,
     HeadNotStored,
     OutputNotWritable,
@@ -25,7 +25,16 @@ from untie.loading import (
     open_checkpoint,
     quiet_transformers,
 )
-from untie.surgery import TieInit, embedding_layout, is_tied, other_ties, tie_embeddings, untie_embeddings
+from untie.config import TieInit
+from untie.structure.surgery import (
+    embedding_layout,
+    input_weight,
+    is_tied,
+    other_ties,
+    output_weight,
+    tie_embeddings,
+    untie_embeddings,
+)
 
 #: Files `save_pretrained` writes itself, or weights in formats the converted folder must not keep.
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".gguf")
@@ -194,7 +203,7 @@ def _remove_leftovers(output_dir: str) -> list[str]:
     """Remove the staging (`.OUT.partial-*`) and replaced (`.OUT.old-*`) folders that a killed convert into OUT left
     beside it; a convert still running on this host keeps its own. Returns a note per folder found."""
     parent, name = os.path.split(os.path.abspath(output_dir))
-    notes = []
+    notes: list[str] = []
     try:
         entries = os.listdir(parent)
     except OSError:
@@ -272,7 +281,8 @@ def _replace(staging: str, output_dir: str) -> None:
 
 def verify_conversion(model_class, output_dir: str, converted, *, untied: bool) -> tuple[list[str], list[str]]:
     """Reload `output_dir` with plain `from_pretrained` and check its state survives tie_weights() and a resize."""
-    checks, notes = [], []
+    checks: list[str] = []
+    notes: list[str] = []
     reloaded = model_class.from_pretrained(output_dir, dtype="auto", trust_remote_code=False)
     state = "untied" if untied else "tied"
     loader = "plain from_pretrained"
@@ -308,16 +318,16 @@ def verify_conversion(model_class, output_dir: str, converted, *, untied: bool) 
         )
     _expect(is_tied(reloaded) != untied, f"{loader} loads it {state}", checks)
     _expect(_same_embeddings(reloaded, converted), "the reloaded embedding and head equal the converted ones", checks)
-    head_before = reloaded.get_output_embeddings().weight.detach().clone()
+    head_before = output_weight(reloaded).detach().clone()
     reloaded.tie_weights()
     _expect(is_tied(reloaded) != untied, f"still {state} after tie_weights()", checks)
-    head_after = reloaded.get_output_embeddings().weight
+    head_after = output_weight(reloaded)
     _expect(torch.equal(head_after, head_before), "head values unchanged by tie_weights()", checks)
     vocab = head_before.shape[0]
     reloaded.resize_token_embeddings(vocab + 8, mean_resizing=False)
     _expect(is_tied(reloaded) != untied, f"still {state} after resize_token_embeddings()", checks)
     _expect(
-        torch.equal(reloaded.get_output_embeddings().weight[:vocab], head_before),
+        torch.equal(output_weight(reloaded)[:vocab], head_before),
         "head rows unchanged by resize_token_embeddings()",
         checks,
     )
@@ -332,8 +342,8 @@ def _expect(condition: bool, what: str, checks: list[str]) -> None:
 
 def _same_embeddings(first, second) -> bool:
     pairs = [
-        (first.get_input_embeddings().weight, second.get_input_embeddings().weight),
-        (first.get_output_embeddings().weight, second.get_output_embeddings().weight),
+        (input_weight(first), input_weight(second)),
+        (output_weight(first), output_weight(second)),
     ]
     return all(torch.equal(a.detach().cpu(), b.detach().cpu()) for a, b in pairs)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from untie.metric_keys import metric_key, pair_key, split_metric_key  # noqa: F401 (re-exported)
+from untie.signals.metric_keys import metric_key, pair_key, split_metric_key  # noqa: F401 (re-exported)
 
 Pairs = Sequence[tuple[int, int]]
 
@@ -133,9 +133,9 @@ def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: i
       0: they agree on the pair's distance. A semantically but not conditionally equivalent pair builds tension.
 
     Every signal reads G_out only on T and the pairs' rows, and its norm, so these rows are all it needs (what
-    `untie.probe.RoleGradientProbe` keeps); `untie.testing.role_signals` is the same from the two dense (V, d) role
-    gradients, the reference the tests check it against. Non-finite gradients give NaN signals (a trigger ignores
-    them).
+    `untie.signals.probe.RoleGradientProbe` keeps); `untie.testing.role_signals` is the same from the two dense
+    (V, d) role gradients, the reference the tests check it against. Non-finite gradients give NaN signals (a trigger
+    ignores them).
     """
     g_in, g_out = grads.input_grad.float(), grads.output_grad.float()
     # A row of T is one where the input role is nonzero (a looked-up padding row gets no gradient, as densely).

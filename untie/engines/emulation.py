@@ -17,15 +17,19 @@ same fork as a live untie. The extra memory while tied is the head's parameter a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from untie import _compat
-from untie.distributed import full_shape
-from untie.surgery import _embedding_modules, inner_optimizer, start_state_like
+from untie.config import OptimizerStateInit
+from untie.engines.distributed import full_shape
+from untie.registry import Registry
+from untie.structure.surgery import _embedding_modules, inner_optimizer, start_state_like
 
 
-def separate_roles(model: nn.Module, owner: str) -> tuple[nn.Module, nn.Module]:
+def separate_roles(model: nn.Module, owner: str) -> tuple[Any, Any]:
     """The model's embedding and head modules, refused unless the head has its own parameter of the embedding's
     shape (what an emulation of tying keeps equal to the embedding)."""
     embedding, head = _embedding_modules(model)
@@ -49,21 +53,23 @@ class EmulatedTying:
     Hooks are registered on the modules, so they survive `fully_shard` and DDP, which keep the module objects.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, registry: Registry | None = None) -> None:
+        self.embedding: Any
+        self.head: Any
         self.embedding, self.head = separate_roles(model, "EmulatedTying")
         self.active = True
         self._fold_queued = False
-        self._handles = [
-            module.register_forward_hook(self._on_lookup)
-            for module in model.modules()
-            if module is not self.head and getattr(module, "weight", None) is self.embedding.weight
-        ]
-        self._step_handle = None
-        self._state_dict_handle = None
+        #: Every hook it installs, with its removal: a child of the run's registry, so that closing the run closes it.
+        self.registry = registry.child("emulated tying") if registry is not None else Registry("emulated tying")
+        for module in model.modules():
+            if module is not self.head and getattr(module, "weight", None) is self.embedding.weight:
+                self.registry.hook("emulated tying: lookup forward hook", module.register_forward_hook(self._on_lookup))
+        self._on_optimizer: Registry | None = None
+        """The optimizer hooks of `attach_optimizer` (None while detached)."""
         #: Called after every fold, when the embedding holds the step's tied gradient so far (the probe reads it).
         self.after_fold: list = []
 
-    # -- hooks ------------------------------------------------------------------------------------------------------
+    # -- hooks ---------------------------------------------------------------------------------------------------------
     def _on_lookup(self, module, args, output) -> None:
         if self.active and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(self._queue_fold)
@@ -102,7 +108,7 @@ class EmulatedTying:
             with torch.no_grad():
                 self.head.weight.copy_(self.embedding.weight)
 
-    # -- API --------------------------------------------------------------------------------------------------------
+    # -- API -----------------------------------------------------------------------------------------------------------
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Mirror the head after each step of `optimizer`, and start it equal to the embedding.
 
@@ -110,9 +116,13 @@ class EmulatedTying:
         checkpoint (see `_add_head_state`) is dropped again, as the head has none while tied.
         """
         inner = inner_optimizer(optimizer)
-        if self._step_handle is None:
-            self._step_handle = inner.register_step_post_hook(self.mirror_weights)
-            self._state_dict_handle = inner.register_state_dict_post_hook(self._add_head_state)
+        if self._on_optimizer is None:
+            self._on_optimizer = self.registry.child("optimizer")
+            self._on_optimizer.hook(
+                "emulated tying: mirror after step", inner.register_step_post_hook(self.mirror_weights)
+            )
+            hook = inner.register_state_dict_post_hook(self._add_head_state)
+            self._on_optimizer.hook("emulated tying: head state in state_dict", hook)
         inner.state.pop(self.head.weight, None)
         self.mirror_weights()
 
@@ -131,7 +141,9 @@ class EmulatedTying:
                 state[head] = state[embedding]
         return state_dict
 
-    def release(self, optimizer: torch.optim.Optimizer | None = None, optimizer_state: str = "copy") -> None:
+    def release(
+        self, optimizer: torch.optim.Optimizer | None = None, optimizer_state: OptimizerStateInit = "copy"
+    ) -> None:
         """Untie: stop folding and mirroring; the head's optimizer state starts as a copy of the embedding's or empty.
 
         Call it between optimizer steps (the head was mirrored by the last one). Nothing is copied into the weights,
@@ -143,14 +155,12 @@ class EmulatedTying:
             start_state_like(optimizer, new=self.head.weight, like=self.embedding.weight, state=optimizer_state)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.detach_optimizer()
+        """Take every hook off, the model's and the optimizer's."""
+        self.registry.close()
+        self._on_optimizer = None
 
     def detach_optimizer(self) -> None:
         """Take `attach_optimizer`'s hooks off the optimizer (the run is over; `attach_optimizer` puts them back)."""
-        for handle in (self._step_handle, self._state_dict_handle):
-            if handle is not None:
-                handle.remove()
-        self._step_handle = self._state_dict_handle = None
+        if self._on_optimizer is not None:
+            self._on_optimizer.close()
+            self._on_optimizer = None

@@ -6,9 +6,11 @@ runs the reporting integrations before user callbacks. Each of these is met here
 
 * `find_handler` / `find_trainer`: the caller that holds the callback, found among the calling frames;
 * `move_first`: the callback ahead of the reporting integrations, so that `untie/*` reaches them;
-* `checking_resume`: `trainer.train` wrapped to see the checkpoint folder before Trainer loads it;
-* `preparing`: `trainer.model_init` wrapped to prepare each model it builds;
-* `leave_setup` / `prepared_setup`: what `on_init_end` prepared, kept on the model for an instance Trainer builds later;
+* `wrap_train`: `trainer.train` wrapped, for the Trainer's life, so that each call enters the UntieCallback the
+  Trainer holds then (`UntieCallback.train_call`) before Trainer builds or loads anything: the checkpoint folder is
+  seen before Trainer loads it, and the model of a later call (or each model `model_init` builds) is attached;
+* `train_entry`: that wrapper, found on a Trainer (the run of the call under way, for a callback Trainer re-creates);
+* `preparing`: `trainer.model_init` wrapped, for one `train()` call, to attach each model it builds;
 * `add_to_log_history`: the `untie/*` values in `trainer.state.log_history` too.
 
 The private upstream names these rely on are in `untie._compat`, with the versions checked.
@@ -20,37 +22,14 @@ import functools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from untie import _compat
-from untie.emulation import EmulatedTying
+from untie.registry import Registry
 
 logger = logging.getLogger(__name__)
-
-#: The model attribute where `on_init_end` leaves what it prepared, for a callback that Trainer re-creates later.
-SETUP_ATTR = "_untie_callback_setup"
-
-
-@dataclass
-class Setup:
-    """What `UntieCallback.on_init_end` prepared on a model, for an instance that did not see that event."""
-
-    tying_mode: str
-    emulation: EmulatedTying | None
-    pairs: list[tuple[int, int]]
-
-
-def leave_setup(model, setup: Setup) -> None:
-    """Record on the model what was prepared (read back by `prepared_setup`)."""
-    setattr(model, SETUP_ATTR, setup)
-
-
-def prepared_setup(model) -> Setup | None:
-    """What an `UntieCallback` prepared on `model`, or None if none did."""
-    return getattr(model, SETUP_ATTR, None)
 
 
 def find_handler(callback: TrainerCallback, handler_of: Callable = lambda caller: caller):
@@ -80,21 +59,47 @@ def move_first(callback: TrainerCallback) -> None:
     _compat.move_callback_first(handler, callback)
 
 
-def checking_resume(trainer, before_resume: Callable) -> Callable:
-    """`trainer.train`, calling `before_resume(trainer, folder)` with the checkpoint folder it will resume from (None
-    when it does not resume) before anything is built or loaded."""
-    train = trainer.train
+class TrainEntry:
+    """`trainer.train` wrapped (see `wrap_train`); `active` is the callback whose `train()` call is under way."""
 
-    @functools.wraps(train)
-    def train_checking_resume(resume_from_checkpoint=None, *args, **kwargs):
+    def __init__(self, trainer, callback_class: type, registry: Registry) -> None:
+        self.trainer, self.callback_class, self.registry = trainer, callback_class, registry
+        self.original = trainer.train
+        self.active = None
+        functools.update_wrapper(self, self.original)
+
+    def __call__(self, resume_from_checkpoint=None, *args, **kwargs):
+        trainer = self.trainer
+        callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, self.callback_class)), None)
+        if callback is None:  # the callback was removed (trainer.remove_callback): the Trainer is plain again
+            self.registry.close()
+            return self.original(resume_from_checkpoint, *args, **kwargs)
         folder = resume_from_checkpoint
         if folder is True:
             output_dir = trainer.args.output_dir
             folder = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
-        before_resume(trainer, os.fspath(folder) if folder else None)
-        return train(resume_from_checkpoint, *args, **kwargs)
+        self.active = callback
+        try:
+            with callback.train_call(trainer, os.fspath(folder) if folder else None):
+                return self.original(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.active = None
 
-    return train_checking_resume
+
+def wrap_train(trainer, callback_class: type, registry: Registry) -> None:
+    """Wrap `trainer.train` (once per Trainer, for its life: each call is one run, and hyperparameter_search calls it
+    once per trial) so that each call enters the `callback_class` instance the Trainer holds then. The wrapper takes
+    itself off (`registry`) at the first call that finds no such callback."""
+    if train_entry(trainer) is None:
+        registry.replace(
+            "Trainer.train entry (the Trainer's life)", trainer, "train", TrainEntry(trainer, callback_class, registry)
+        )
+
+
+def train_entry(trainer) -> TrainEntry | None:
+    """The `TrainEntry` wrapping `trainer.train`, or None."""
+    entry = vars(trainer).get("train") if trainer is not None else None
+    return entry if isinstance(entry, TrainEntry) else None
 
 
 def preparing(model_init: Callable, prepare: Callable) -> Callable:

@@ -4,14 +4,14 @@ A model trains in one of three structures:
 
 * ``"tied"``: one shared parameter (live tying);
 * ``"emulated"``: the LM head has its own parameter, kept equal to the embedding and trained with the tied gradient
-  (`untie.emulation.EmulatedTying`: FSDP2's tied phase);
+  (`untie.engines.emulation.EmulatedTying`: FSDP2's tied phase);
 * ``"untied"``: two independent parameters.
 
 Which one it needs depends on three things only: what the model is now (`ModelFacts`), the run's settings
 (`RunSettings`) and, on resume, what the checkpoint says about the run that wrote it (`SavedFacts`). This module turns
 them into a `StructurePlan`: the target structure, the reason an untied target is untied, a warning to give, or a
 refusal that names the fix. It is pure (plain values in, a plain value out, no torch), so every case is a row of
-`tests/test_plan.py`; `untie.run.UntieRun.apply_plan` carries the plan out on the model (and the optimizer, once it
+`tests/test_plan.py`; `untie.core.run.UntieRun.apply_plan` carries the plan out on the model (and the optimizer, once it
 exists). Every adapter asks it: the run's start (`UntieRun.prepare`), a Trainer resume before anything loads
 (`UntieRun.match_saved`), `Untier.load_state_dict` / `accelerator.load_state` (with the optimizer built), and
 `untie.prepare_for_resume`.
@@ -22,12 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from untie.config import TieInit
+
 Structure = Literal["tied", "emulated", "untied"]
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the model is, read off it (`untie.run.model_facts`)."""
+    """What the model is, read off it (`untie.core.run.model_facts`)."""
 
     structure: Structure
     marked_untied: bool = False
@@ -36,6 +38,8 @@ class ModelFacts:
     """A PEFT model (or a transformers model with an adapter): PEFT owns both matrices."""
     config_says_untied: bool = False
     """Its config says untied (the marker or ``tie_word_embeddings=False``); read for PEFT models."""
+    sharded: bool = False
+    """Its embedding is already sharded (FSDP2's `fully_shard` ran): no parameter can be added any more."""
     optimizer_built: bool = False
     """The optimizer (and any wrapper) exists: a change that adds or removes a parameter can no longer happen."""
 
@@ -52,7 +56,7 @@ class RunSettings:
     """The tied phase's implementation resolved for the engine."""
     asked_mode: Literal["live", "emulated", "auto"] = "auto"
     """`tying_mode` as the user set it: "auto" follows a checkpoint's mode."""
-    tie_init: str | None = None
+    tie_init: TieInit | None = None
     """How a model that arrives untied is tied; None: it is not, it trains untied (nothing trained is dropped)."""
 
     @property
@@ -84,10 +88,10 @@ class StructurePlan:
     call_order: bool = False
     """The refusal is about the order of the user's calls (raised as `RuntimeError`), not about the checkpoint or
     the settings (`ValueError`)."""
-    tie_init: str = "input"
+    tie_init: TieInit = "input"
     """The matrix an untied model is tied from, where the plan ties one."""
     check_peft: bool = False
-    """A PEFT model: `untie.peft_support.check_peft_run` decides (with `keep_untied`); the structure stays."""
+    """A PEFT model: `untie.structure.peft_support.check_peft_run` decides (with `keep_untied`); the structure stays."""
     keep_untied: bool = False
 
 
@@ -132,6 +136,17 @@ def _plan_start(model: ModelFacts, settings: RunSettings) -> StructurePlan:
             )
         target: Structure = "emulated" if settings.tying_mode == "emulated" else "tied"
         plan = StructurePlan(target, warning=warning, tie_init=settings.tie_init or "input")
+    if model.sharded and model.structure == "tied" and plan.target == "emulated":
+        return StructurePlan(
+            None,
+            refusal=(
+                f"{settings.adapter}: the model is already sharded (fully_shard / accelerator.prepare) and still tied: "
+                "emulated tying gives the head its own parameter before sharding. Create the "
+                f"{settings.adapter} before fully_shard, before building the optimizer and before accelerator.prepare; "
+                "then call untier.start(optimizer)."
+            ),
+            call_order=True,
+        )
     if model.optimizer_built and _adds_or_drops_a_parameter(model.structure, plan.target):
         return StructurePlan(
             None,

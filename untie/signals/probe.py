@@ -20,26 +20,29 @@ detached W with sparse gradients, so it stays O(|T| d) too. The extra memory of 
 plus the logits' rows processed a few at a time when pairs are measured.
 
 Given symbol ``pairs``, the probe also sums, over the positions that carry a loss (those whose logits receive a
-gradient), their conditional gaps (`untie.metrics.pair_gap_sums_from_log_probs`), the evidence the targets give
-against their conditional equivalence (`untie.metrics.pair_evidence_sums`), and the cross-entropy that tells a model
-that has learned from an untrained one (`untie.metrics.learned_z`). The targets are read off the logits' gradient
-(`untie.metrics.targets_from_gradient`), so neither the batch nor the loss code is needed.
+gradient), their conditional gaps (`untie.signals.metrics.pair_gap_sums_from_log_probs`), the evidence the targets give
+against their conditional equivalence (`untie.signals.metrics.pair_evidence_sums`), and the cross-entropy that tells a
+model that has learned from an untrained one (`untie.signals.metrics.learned_z`). The targets are read off the logits'
+gradient (`untie.signals.metrics.targets_from_gradient`), so neither the batch nor the loss code is needed.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from untie import _compat
-from untie.distributed import full_shape, gather_rows, is_sharded, union_rows, world_size
-from untie.metrics import (
+from untie.engines.distributed import full_shape, gather_rows, is_sharded, union_rows, world_size
+from untie.registry import Registry
+from untie.signals.metrics import (
     Pairs,
     RoleGradients,
     cross_entropy_sums_from_target_logits,
@@ -49,7 +52,7 @@ from untie.metrics import (
     pair_gap_sums_from_log_probs,
     targets_from_gradient,
 )
-from untie.surgery import _embedding_modules
+from untie.structure.surgery import _embedding_modules
 
 logger = logging.getLogger("untie")
 
@@ -63,7 +66,7 @@ _SCALE_TOLERANCE = 1e-4
 
 class RoleGradientProbe:
     """Hooks on a tied (or emulated-tied) model's embedding and head that, while ``armed``, measure the two role
-    gradients of the shared matrix on the rows that carry information (`untie.metrics.RoleGradients`).
+    gradients of the shared matrix on the rows that carry information (`untie.signals.metrics.RoleGradients`).
 
     The gradients accumulate over the micro-batches of an optimizer step, like ``W.grad`` does. Call `collect` after
     the step's last backward (before the optimizer step; after clipping is fine) to get them, averaged over ranks as
@@ -72,11 +75,13 @@ class RoleGradientProbe:
     Args:
         model: a tied model, or with ``emulation`` the model whose tying it emulates.
         pairs: token-id pairs whose conditional gaps and evidence are measured too.
-        emulation: the model's `untie.emulation.EmulatedTying`: the embedding then holds the tied gradient once
+        emulation: the model's `untie.engines.emulation.EmulatedTying`: the embedding then holds the tied gradient once
             the head's gradient is folded into it, which is when the probe reads it.
+        registry: the run's `untie.core.registry.Registry`: the probe's hooks go in a child of it, so that closing
+            the run takes them off too.
     """
 
-    def __init__(self, model: nn.Module, pairs: Pairs = (), emulation=None) -> None:
+    def __init__(self, model: nn.Module, pairs: Pairs = (), emulation=None, registry: Registry | None = None) -> None:
         embedding, self.head = _embedding_modules(model)
         if emulation is not None:
             # The head has its own parameter, kept equal to the embedding, and the embedding receives the tied
@@ -84,7 +89,8 @@ class RoleGradientProbe:
             if embedding.weight is self.head.weight or full_shape(embedding.weight) != full_shape(self.head.weight):
                 raise ValueError(
                     "RoleGradientProbe(emulation=...) needs a head with its own parameter of the embedding's shape "
-                    "(untie.emulation.EmulatedTying); this model is really tied or its matrices differ in shape."
+                    "(untie.engines.emulation.EmulatedTying); this model is really tied or its matrices differ in "
+                    "shape."
                 )
         elif embedding.weight is not self.head.weight:
             raise ValueError(
@@ -123,25 +129,29 @@ class RoleGradientProbe:
         self._sums: torch.Tensor | None = None
         #: Which pair symbols have occurred as input in any measured step so far.
         self._seen = torch.zeros(len(self.pairs), 2, dtype=torch.bool)
-        self._handles = [m.register_forward_hook(self._on_embedding_forward, with_kwargs=True) for m in self.lookups]
+        #: Every hook and listener the probe installs, with its removal (`remove` takes them all off).
+        self.registry = registry.child("probe") if registry is not None else Registry("probe")
+        for module in self.lookups:
+            hook = module.register_forward_hook(self._on_embedding_forward, with_kwargs=True)
+            self.registry.hook("probe: lookup forward hook", hook)
         if self.pairs:
-            self._handles.append(self.head.register_forward_hook(self._on_head_forward))
-        #: Under DeepSpeed (`untie.zero_tying.ZeroTying`) the tied gradient never sits in W.grad, and the engine steps
-        #: inside backward: the tying calls `_read_reduced_gradient` at its optimizer's step, before the step, where
-        #: each rank reads the rows it needs from its part of ZeRO's reduced gradient.
+            self.registry.hook("probe: head forward hook", self.head.register_forward_hook(self._on_head_forward))
+        #: Under DeepSpeed (`untie.engines.zero_tying.ZeroTying`) the tied gradient never sits in W.grad, and the
+        #: engine steps inside backward: the tying calls `_read_reduced_gradient` at its optimizer's step, before the
+        #: step, where each rank reads the rows it needs from its part of ZeRO's reduced gradient.
         self._reads_at_step = hasattr(emulation, "read_tied_rows")
         #: Under DeepSpeed: the rows of W this step reads (and the pairs'), kept at the lookup, before the step.
         self._weight_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: Under DeepSpeed: the step's role gradients, read at its optimizer step, for `collect`.
         self._read_at_step: RoleGradients | None = None
         if self._reads_at_step:
-            emulation.capture_if = lambda: self.armed
-            emulation.on_capture_lookup = self._keep_weight_rows
-            emulation.on_optimizer_step = self._read_reduced_gradient
+            emulation.listen(lambda: self.armed, self._keep_weight_rows, self._read_reduced_gradient)
+            self.registry.add("probe: ZeRO tying's listeners", emulation.stop_listening)
         elif emulation is not None:
             emulation.after_fold.append(self._read_gradient)
+            self.registry.add("probe: after-fold listener", lambda: emulation.after_fold.remove(self._read_gradient))
 
-    # -- hooks ------------------------------------------------------------------------------------------------------
+    # -- hooks ---------------------------------------------------------------------------------------------------------
     def _on_embedding_forward(self, module, args, kwargs, output) -> None:
         if self.armed and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._on_lookup_grad(module, args, kwargs, grad))
@@ -256,22 +266,24 @@ class RoleGradientProbe:
         """
         vocab = grad.shape[-1]
         index = self._pair_ids.to(grad.device)
-        carries, targets = [], []
+        carry_parts, target_parts = [], []
         for chunk in grad.reshape(-1, vocab).split(max(1, _LOGIT_CHUNK // vocab)):
-            carries.append(chunk.ne(0).any(dim=1))
-            targets.append(targets_from_gradient(chunk))
-        carries, targets = torch.cat(carries), torch.cat(targets)
+            carry_parts.append(chunk.ne(0).any(dim=1))
+            target_parts.append(targets_from_gradient(chunk))
+        carries, targets = torch.cat(carry_parts), torch.cat(target_parts)
         if logits is not None:
             flat_logits = logits.reshape(-1, vocab)
             log_norm, pair_log_probs = _row_summaries(flat_logits, index)
             target_logit = flat_logits.gather(1, targets.unsqueeze(1)).squeeze(1).float()
         else:
+            assert target_logits is not None
             module, hidden = target_logits
-            target_logit = _linear_rows(module, hidden.reshape(-1, hidden.shape[-1]), targets)
+            target_logit = _linear_rows(cast(nn.Linear, module), hidden.reshape(-1, hidden.shape[-1]), targets)
+        assert log_norm is not None and pair_log_probs is not None
         sums = _pair_sums(log_norm, pair_log_probs, target_logit, targets, carries, index)
         self._sums = sums if self._sums is None else self._sums.add_(sums)
 
-    # -- API --------------------------------------------------------------------------------------------------------
+    # -- API -----------------------------------------------------------------------------------------------------------
     def collect(self) -> RoleGradients | None:
         """The step's role gradients on the rows the signals read, averaged over ranks; None if no backward ran while
         armed. Call it after the step's last backward and before the optimizer step (under DeepSpeed, after it: they
@@ -289,11 +301,13 @@ class RoleGradientProbe:
         if rows is None:
             return None
         all_ids, input_grad = rows
+        assert backward_sq is not None and self.weight.grad is not None  # `rows` needs a backward that ran
 
         # The optimizer sees W.grad scaled by one factor (clipping, unscaling): take it out again, after checking
         # row by row that nothing else changed it.
         grad = self.weight.grad
         now_sq = _row_sq_norms(grad)
+        assert now_sq is not None
         totals = torch.stack([backward_sq.double().sum(), now_sq.double().sum()])
         if is_sharded(self.weight):
             dist.all_reduce(totals, op=dist.ReduceOp.SUM)
@@ -351,11 +365,11 @@ class RoleGradientProbe:
     def pair_measurements(self, grads: RoleGradients) -> dict[str, float]:
         """The pair measurements of the step's loss positions (all ranks); resets the sums.
 
-        * ``gap/<a-b>``: the pair's conditional gap (`untie.metrics.pair_gap_sums_from_log_probs`), in nats;
+        * ``gap/<a-b>``: the pair's conditional gap (`untie.signals.metrics.pair_gap_sums_from_log_probs`), in nats;
         * ``evidence/<a-b>``: the step's evidence against the pair's conditional equivalence
-          (`untie.metrics.pair_evidence_sums`), in nats (0 when neither symbol was a target);
+          (`untie.signals.metrics.pair_evidence_sums`), in nats (0 when neither symbol was a target);
         * ``learned_z``: how far the step's cross-entropy lies below that of an uninformed prediction, in standard
-          errors (`untie.metrics.learned_z`).
+          errors (`untie.signals.metrics.learned_z`).
 
         ``grads`` is the step's `collect` result: its nonzero input rows are the tokens some rank looked up. A pair
         with a symbol that has not occurred as input in any measured step yet is NaN (a symbol the model never reads
@@ -381,13 +395,8 @@ class RoleGradientProbe:
         return measured
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._emulation is not None and self._read_gradient in self._emulation.after_fold:
-            self._emulation.after_fold.remove(self._read_gradient)
-        if self._reads_at_step:
-            self._emulation.stop_listening()
+        """Take every hook and listener off (`registry`)."""
+        self.registry.close()
         self.armed = False
         self._input_parts, self._backward_row_sq, self._sums = [], None, None
 
@@ -440,7 +449,7 @@ def _row_sq_norms(grad: torch.Tensor | None) -> torch.Tensor | None:
     contiguous rows (a float32 result, accumulated in float32; their sum is taken in float64)."""
     if grad is None:
         return None
-    local = (grad.to_local() if is_sharded(grad) else grad).detach()
+    local = (cast(DTensor, grad).to_local() if is_sharded(grad) else grad).detach()
     return torch.linalg.vector_norm(local, dim=1, dtype=torch.float32).square()
 
 
@@ -482,7 +491,7 @@ def _pair_sums(
     index: torch.Tensor,
 ) -> torch.Tensor:
     """The pair sums of a micro-batch (see `RoleGradientProbe._sums`) over the rows that carry a loss, from the
-    rows' summaries: `untie.metrics`' gap, evidence and cross-entropy sums, concatenated."""
+    rows' summaries: `untie.signals.metrics`' gap, evidence and cross-entropy sums, concatenated."""
     log_a, log_b = pair_log_probs[..., 0], pair_log_probs[..., 1]
     gap_total, gap_weight = pair_gap_sums_from_log_probs(log_a, log_b, carries)
     evidence_total, _ = pair_evidence_sums_from_log_odds(log_a - log_b, targets, index, carries)

@@ -8,23 +8,21 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from untie import _compat
-from untie.distributed import full_shape, gathered
-from untie.peft_support import refuse_peft_surgery
+from untie.config import OPTIMIZER_STATES, TIE_INITS, OptimizerStateInit, TieInit
+from untie.engines.distributed import full_shape, gathered
+from untie.structure.peft_support import refuse_peft_surgery
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
 #: where the `tie_word_embeddings` flag cannot record it (T5 and BART share that flag with encoder/decoder ties).
 UNTIED_MARKER = "untied_output_embeddings"
 
-TieInit = Literal["input", "output", "mean"]
-StateInit = Literal["copy", "reset", "fresh"]
-_TIE_INITS = ("input", "output", "mean")
-_STATE_INITS = ("copy", "reset", "fresh")
+StateInit = OptimizerStateInit
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,18 @@ class EmbeddingLayout:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _embedding_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+def input_weight(model: Any) -> nn.Parameter:
+    """The input embedding's weight: the shared matrix while tied (`model` a Hugging Face model)."""
+    return model.get_input_embeddings().weight
+
+
+def output_weight(model: Any) -> nn.Parameter:
+    """The LM head's weight: the input embedding's own parameter while tied."""
+    return model.get_output_embeddings().weight
+
+
+def _embedding_modules(model: Any) -> tuple[Any, Any]:
+    """The input embedding and the LM head modules (each a module with a `weight` parameter)."""
     if not hasattr(model, "get_input_embeddings") or not hasattr(model, "get_output_embeddings"):
         raise TypeError(
             f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no get_input_embeddings / "
@@ -308,8 +317,8 @@ def untie_embeddings(
     On a model that is already untied this only re-applies the bookkeeping (idempotent, with a warning), which is
     what a reloaded T5/BART checkpoint needs before `tie_weights()` / `resize_token_embeddings()`.
     """
-    if optimizer_state not in _STATE_INITS:
-        raise ValueError(f"optimizer_state={optimizer_state!r} is not one of {_STATE_INITS}.")
+    if optimizer_state not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer_state={optimizer_state!r} is not one of {OPTIMIZER_STATES}.")
     refuse_peft_surgery(model, "untie")
     _refuse_packed_weights(model, "untie")
     layout = embedding_layout(model)
@@ -349,7 +358,8 @@ def _refuse_packed_weights(model: nn.Module, action: str) -> None:
     """Refuse an embedding or head whose weight is not a tensor: a dynamically quantized module
     (`torch.ao.quantization.quantize_dynamic`) packs it as int8 behind a `weight()` method, which no one can tie,
     untie or train (is_tied() would call such a model untied, and surgery would return without a word)."""
-    roles = (("LM head", model.get_output_embeddings()), ("input embedding", model.get_input_embeddings()))
+    embedding, head = _embedding_modules(model)
+    roles = (("LM head", head), ("input embedding", embedding))
     for role, module in roles:
         if module is not None and not isinstance(getattr(module, "weight", None), torch.Tensor):
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
@@ -373,8 +383,8 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
     keeps its trained values. The config is updated so the model saves and reloads tied. Call this before the
     optimizer is built: the dropped head's parameter would otherwise stay in the optimizer.
     """
-    if init not in _TIE_INITS:
-        raise ValueError(f"init={init!r} is not one of {_TIE_INITS}: choose which matrix the tied weight starts from.")
+    if init not in TIE_INITS:
+        raise ValueError(f"init={init!r} is not one of {TIE_INITS}: choose which matrix the tied weight starts from.")
     refuse_peft_surgery(model, "tie")
     _refuse_packed_weights(model, "tie")
     layout = embedding_layout(model)
@@ -399,7 +409,7 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
             alias_param.requires_grad_(bias.requires_grad)
     _mark_tied(model)
     if hasattr(model, "tie_weights"):
-        model.tie_weights()
+        model.tie_weights()  # type: ignore[operator]  # a PreTrainedModel's method
     if not is_tied(model):  # models without a declared mapping: tie by hand
         _set(model, layout.output_weight, w_in)
     return model

@@ -15,10 +15,17 @@ from typing import Any, Literal
 
 import torch
 
-from untie.loading import Checkpoint, check_stored_shapes, open_checkpoint, read_tensor, stored_keys, stored_name
-from untie.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances, pair_key
-from untie.pairs import tokenizer_pairs
-from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied
+from untie.checkpoints.loading import (
+    Checkpoint,
+    check_stored_shapes,
+    open_checkpoint,
+    read_tensor,
+    stored_keys,
+    stored_name,
+)
+from untie.signals.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances, pair_key
+from untie.signals.pairs import tokenizer_pairs
+from untie.structure.surgery import UNTIED_MARKER, embedding_layout, input_weight, is_tied, output_weight
 
 #: Default sample sizes: about a second per measure on 2 CPU cores at 256k x 4096.
 SAMPLE = {"queries": 512, "pool": 8192, "rows": 2048, "k": 10}
@@ -36,8 +43,8 @@ def describe(
     """A JSON-ready report on checkpoint `source` (folder or hub id): tying, names, shapes, flags, drift if untied.
 
     `pairs` are token pairs (ids, or tokens the checkpoint's tokenizer maps to one id each) whose distances are
-    reported in both spaces; "auto" reads them from the checkpoint's tokenizer (`untie.pairs.tokenizer_pairs`).
-    `sample` overrides `SAMPLE` (queries, pool, rows, k).
+    reported in both spaces; "auto" reads them from the checkpoint's tokenizer (`untie.tokenizer_pairs`). `sample`
+    overrides `SAMPLE` (queries, pool, rows, k).
     """
     unknown = set(sample) - set(SAMPLE)
     if unknown:
@@ -168,14 +175,15 @@ def _read_embeddings(checkpoint: Checkpoint, model, layout, declared_tied: bool)
 
 
 def _load_embeddings(checkpoint: Checkpoint):
-    model, info = checkpoint.model_class.from_pretrained(
-        checkpoint.source, revision=checkpoint.revision, dtype="auto", output_loading_info=True
+    loaded: Any = checkpoint.model_class.from_pretrained(  # (model, info) with output_loading_info=True
+        checkpoint.source, revision=checkpoint.revision or "main", dtype="auto", output_loading_info=True
     )
+    model, info = loaded
     layout = embedding_layout(model)
     missing = set(info.get("missing_keys", ()))
-    input_weight = model.get_input_embeddings().weight.detach()
-    output_weight = None if is_tied(model) else model.get_output_embeddings().weight.detach()
-    return input_weight, output_weight, layout.output_weight not in missing, layout.output_bias not in missing
+    embedding = input_weight(model).detach()
+    head = None if is_tied(model) else output_weight(model).detach()
+    return embedding, head, layout.output_weight not in missing, layout.output_bias not in missing
 
 
 def _entry(name: str, weight: torch.Tensor) -> dict[str, Any]:
@@ -225,9 +233,9 @@ def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | st
     if not pairs:
         return []
     tokenizer = None
-    ids = []
+    ids: list[tuple[int, int]] = []
     for pair in pairs:
-        resolved = []
+        resolved: list[int] = []
         for token in pair:
             if isinstance(token, int) or (isinstance(token, str) and token.isdigit()):
                 resolved.append(int(token))
@@ -242,7 +250,7 @@ def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | st
                     "Pass token ids, or a word the vocabulary holds whole."
                 )
             resolved.append(pieces[0])
-        ids.append(tuple(resolved))
+        ids.append((resolved[0], resolved[1]))
     vocab = checkpoint.config.get_text_config().vocab_size if hasattr(checkpoint.config, "get_text_config") else None
     for pair in ids:
         if vocab is not None and any(not 0 <= i < vocab for i in pair):

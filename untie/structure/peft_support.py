@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from untie.errors import UntieError
+
 _UNTIE_FIRST = (
     "Untie the base model before wrapping it: `untie.untie_embeddings(base_model)`, then `get_peft_model(base_model, "
     'LoraConfig(..., modules_to_save=["lm_head"]))` so the untied head trains and is saved with the adapter (add '
@@ -16,7 +18,7 @@ _UNTIE_FIRST = (
 )
 
 
-class PeftUnsupported(ValueError):
+class PeftUnsupported(UntieError, ValueError):
     """A tie/untie request on a PEFT-wrapped model that would lose or freeze what the user trains."""
 
 

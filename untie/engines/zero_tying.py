@@ -1,11 +1,11 @@
 """The tied phase under DeepSpeed ZeRO 1-3: tying in autograd (`ZeroTying`), and the untie through DeepSpeed's API.
 
 ZeRO builds its flat fp32 partitions at engine init, so the head must have its own parameter from the start (as for
-FSDP2's `untie.emulation.EmulatedTying`). The FSDP2 emulation's gradient fold does not fit ZeRO: ZeRO reduces and
-partitions each gradient inside backward, and under accelerate the engine steps inside backward too, so there is no
-point between backward and the step to fold anything. Here the tie happens in autograd instead. While tied, the
-lookup and the head both read the embedding's values through `_TiedPair`, whose backward hands each matrix the tied
-gradient divided by sqrt(2):
+FSDP2's `untie.engines.emulation.EmulatedTying`). The FSDP2 emulation's gradient fold does not fit ZeRO: ZeRO reduces
+and partitions each gradient inside backward, and under accelerate the engine steps inside backward too, so there is no
+point between backward and the step to fold anything. Here the tie happens in autograd instead. While tied, the lookup
+and the head both read the embedding's values through `_TiedPair`, whose backward hands each matrix the tied gradient
+divided by sqrt(2):
 
 * both matrices start equal, receive the same gradient and the same (empty) optimizer state, so they take identical
   steps: the head's parameter, its fp32 master copy and its optimizer moments equal the embedding's at every step.
@@ -37,8 +37,10 @@ Checked: deepspeed 0.19.8 (ZeRO-1, 2 and 3 on 2 CPU ranks, gloo; `tests/test_dee
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +48,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from untie import _compat
-from untie.distributed import full_shape
-from untie.emulation import separate_roles
+from untie.engines.distributed import full_shape
+from untie.engines.emulation import separate_roles
+from untie.registry import Registry
 
 #: Elements of a gradient part whose squared norm is summed at once in float64 (32 MiB of float64).
 _NORM_CHUNK = 1 << 22
@@ -115,10 +118,12 @@ class ZeroTying:
 
     Create it on the plain model whose head already has its own parameter (`untie.untie_embeddings`), before
     `deepspeed.initialize` / `accelerator.prepare`; call `attach_optimizer` once the engine exists. The same interface
-    as `untie.emulation.EmulatedTying`, so `untie.run.UntieRun` drives either.
+    as `untie.engines.emulation.EmulatedTying`, so `untie.core.run.UntieRun` drives either.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, registry: Registry | None = None) -> None:
+        self.embedding: Any
+        self.head: Any
         self.embedding, self.head = separate_roles(model, "ZeroTying")
         if not isinstance(self.embedding, nn.Embedding) or not isinstance(self.head, nn.Linear):
             raise ValueError(
@@ -128,15 +133,18 @@ class ZeroTying:
         self.active = True
         self.after_fold: list = []  # the interface of EmulatedTying (its probe listens there; this one's is below)
         self.capture_if: Callable[[], bool]
-        """Whether this is a measuring step (set by `untie.probe.RoleGradientProbe`)."""
+        """Whether this is a measuring step (set by `untie.signals.probe.RoleGradientProbe`)."""
         self.on_capture_lookup: Callable[[torch.Tensor, torch.Tensor], None]
         """Called with each measuring step's input ids and the (gathered) matrix, before the step changes it."""
         self.on_optimizer_step: Callable[[], None]
         """Called on a measuring step at DeepSpeed's optimizer step, before it: the gradient is reduced, not clipped."""
         self.stop_listening()
-        self._registered: list[tuple[nn.Module, nn.Parameter]] = []
-        self._stepping: tuple[object, Callable] | None = None
-        """(DeepSpeed's optimizer, the step wrapper set on it), while wrapped."""
+        #: Every install (the two forwards, ZeRO-3's external parameters), with its removal: a child of the run's
+        #: registry, so that closing the run closes it.
+        self.registry = registry.child("ZeRO tying") if registry is not None else Registry("ZeRO tying")
+        self._external_registered = False
+        self._on_optimizer: Registry | None = None
+        """The step wrapper of `attach_optimizer` (None while detached)."""
         embedding, head = self.embedding, self.head
 
         def tied_lookup(input_ids: torch.Tensor) -> torch.Tensor:
@@ -156,8 +164,23 @@ class ZeroTying:
         def tied_head(hidden: torch.Tensor) -> torch.Tensor:
             return F.linear(hidden, _TiedPair.apply(embedding.weight, head.weight, self), head.bias)
 
-        embedding.forward, head.forward = tied_lookup, tied_head
-        self._forwards = (tied_lookup, tied_head)
+        # Instance attributes over the modules' own forward; the removal puts back what each module held before (a
+        # forward accelerate's `add_hook_to_module` set there, say), and only while ours is still in place.
+        self.registry.replace("ZeRO tying: tied lookup forward", embedding, "forward", tied_lookup)
+        self.registry.replace("ZeRO tying: tied head forward", head, "forward", tied_head)
+
+    def listen(
+        self,
+        capture_if: Callable[[], bool],
+        on_capture_lookup: Callable[[torch.Tensor, torch.Tensor], None],
+        on_optimizer_step: Callable[[], None],
+    ) -> None:
+        """Let a probe measure: the three listeners below (`stop_listening` takes them off)."""
+        self.capture_if, self.on_capture_lookup, self.on_optimizer_step = (
+            capture_if,
+            on_capture_lookup,
+            on_optimizer_step,
+        )
 
     def stop_listening(self) -> None:
         """No probe listens: no step measures (the probe sets the three listeners, and calls this when removed)."""
@@ -196,12 +219,17 @@ class ZeroTying:
         attaches again)."""
         check_optimizer(optimizer)
         self._wrap_step(optimizer)
-        if _compat.is_deepspeed_partitioned(self.embedding.weight) and not self._registered:
+        if _compat.is_deepspeed_partitioned(self.embedding.weight) and not self._external_registered:
             import deepspeed
+
+            # Public in deepspeed.runtime.zero.partition_parameters, not re-exported by deepspeed.zero (0.19.8).
+            from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
 
             for module, param in ((self.head, self.embedding.weight), (self.embedding, self.head.weight)):
                 deepspeed.zero.register_external_parameter(module, param)
-                self._registered.append((module, param))
+                removal = functools.partial(unregister_external_parameter, module, param)
+                self.registry.add("ZeRO tying: external parameter (ZeRO-3)", removal)
+            self._external_registered = True
 
     def release(self, optimizer=None, optimizer_state: str = "copy") -> None:
         """Untie between optimizer steps, on every rank: each module reads its own parameter again.
@@ -230,7 +258,7 @@ class ZeroTying:
     def _wrap_step(self, optimizer) -> None:
         """Call `on_optimizer_step` at the step of DeepSpeed's optimizer on measuring steps, before the step (its
         engine calls that step inside backward under accelerate, and only at a gradient-accumulation boundary)."""
-        if self._stepping is not None:
+        if self._on_optimizer is not None:
             return
         stepper = deepspeed_optimizer(optimizer)
         if stepper is None:
@@ -242,32 +270,22 @@ class ZeroTying:
                 self.on_optimizer_step()
             return original(*args, **kwargs)
 
-        stepper.step = step
-        self._stepping = (stepper, step)
+        self._on_optimizer = self.registry.child("optimizer")
+        self._on_optimizer.replace("ZeRO tying: DeepSpeed optimizer step wrapper", stepper, "step", step)
 
     def remove(self) -> None:
         """Each module reads its own parameter again; ZeRO-3 stops gathering the other's; DeepSpeed's optimizer steps
-        as before (only this tying's own replacements are removed: a wrapper someone set on top stays)."""
-        for module, forward in ((self.embedding, self._forwards[0]), (self.head, self._forwards[1])):
-            if vars(module).get("forward") is forward:
-                del module.forward
-        self.detach_optimizer()
-        if self._registered:
-            # Public in deepspeed.runtime.zero.partition_parameters, not re-exported by deepspeed.zero (0.19.8).
-            from deepspeed.runtime.zero.partition_parameters import unregister_external_parameter
-
-            for module, param in self._registered:
-                unregister_external_parameter(module, param)
-            self._registered = []
+        as before (only this tying's own replacements are removed: one someone set on top stays)."""
+        self.registry.close()
+        self._on_optimizer = None
+        self._external_registered = False
 
     def detach_optimizer(self) -> None:
         """DeepSpeed's optimizer steps as before `attach_optimizer` (the run is over; `attach_optimizer` wraps it
         again). Only this tying's own wrapper comes off: one someone set on top of it stays."""
-        if self._stepping is not None:
-            stepper, step = self._stepping
-            if vars(stepper).get("step") is step:
-                del stepper.step
-            self._stepping = None
+        if self._on_optimizer is not None:
+            self._on_optimizer.close()
+            self._on_optimizer = None
 
 
 def _torch_optimizer_holding(optimizer, param: torch.Tensor) -> torch.optim.Optimizer | None:
@@ -293,4 +311,6 @@ def _set_full_state(optimizer, param: torch.Tensor, key: str, value: torch.Tenso
 
         safe_set_full_optimizer_state(param, value, key)
     else:
-        _torch_optimizer_holding(optimizer, param).state[param][key].copy_(value)
+        holder = _torch_optimizer_holding(optimizer, param)
+        assert holder is not None, "no optimizer holds the parameter's state"
+        holder.state[param][key].copy_(value)

@@ -1,4 +1,4 @@
-"""The run state both adapters save (`untie.run.UntieRun.state_dict`: `Untier.state_dict()` and `untie_state.json`
+"""The run state both adapters save (`untie.core.run.UntieRun.state_dict`: `Untier.state_dict()` and `untie_state.json`
 in a custom loop, UntieCallback's entry in `trainer_state.json` under Trainer): its check, and the weights it
 belongs to.
 
@@ -15,7 +15,7 @@ embedding's and the head's shapes, dtypes and a digest of their bytes), and a re
 loads: in `accelerator.load_state`, against the weight file in the folder before anything loads; in a plain loop,
 against the model's parameters before the first optimizer step after `Untier.load_state_dict`. Trainer checkpoints
 carry no fingerprint (``"weights": null``): Trainer writes `trainer_state.json` last, next to the weights of the same
-save, and `untie.checkpoint.check_complete` refuses a folder without it.
+save, and `untie.checkpoints.checkpoint.check_complete` refuses a folder without it.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from untie.distributed import full_shape, is_sharded
-from untie.surgery import embedding_layout, is_tied
+from untie.engines.distributed import full_shape, is_sharded
+from untie.errors import UntieError
+from untie.structure.surgery import embedding_layout, input_weight, is_tied, output_weight
 
 #: Version of the run state's layout (`UntieRun.state_dict()`); 3 is the first shared by both adapters.
 STATE_FORMAT = 3
@@ -40,17 +41,21 @@ _FINGERPRINT_OPTIONAL = ("UntieCallback",)
 STATE_FILE = "untie_state.json"
 #: Weight files accelerate writes for its first model (safetensors or pickle); FSDP writes folders starting so.
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-_WEIGHT_PREFIXES = ("model", "pytorch_model")
+#: What the model weights of a checkpoint folder are named from (the one list: accelerate's and Trainer's folders).
+#: A full model: one file or shards, safetensors or pickle, or FSDP's sharded `pytorch_model_fsdp_*` folder.
+MODEL_WEIGHT_PREFIXES = ("model", "pytorch_model")
+#: Trainer's checkpoint of a PEFT model holds the adapter instead (accelerate's `save_state` saves the whole model).
+ADAPTER_WEIGHT_PREFIXES = ("adapter_model",)
 #: Elements hashed per chunk: bounds the host copy of a GPU tensor.
 _CHUNK = 1 << 24
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class UntieStateError(ValueError):
+class UntieStateError(UntieError, ValueError):
     """An untie state that cannot be used: damaged, of an unknown format, or not saved with the weights beside it."""
 
 
-# -- the weights' fingerprint ----------------------------------------------------------------------------------------
+# -- the weights' fingerprint ------------------------------------------------------------------------------------------
 def tensor_digest(tensor: torch.Tensor) -> str:
     """A digest of a tensor's bytes (SHA-256, hardware-accelerated on current CPUs), equal for equal bytes on any
     device; read in bounded chunks."""
@@ -74,12 +79,12 @@ def _describe(tensor: torch.Tensor) -> dict[str, Any]:
 def weights_fingerprint(model: nn.Module) -> dict[str, Any]:
     """What identifies the model's embedding weights: whether the LM head is its own tensor, and the embedding's and
     the head's shapes, dtypes and digests (no digest for sharded parameters)."""
-    embedding = model.get_input_embeddings().weight
+    embedding = input_weight(model)
     separate = not is_tied(model)
     return {
         "separate_head": separate,
         "embedding": _describe(embedding),
-        "head": _describe(model.get_output_embeddings().weight) if separate else None,
+        "head": _describe(output_weight(model)) if separate else None,
     }
 
 
@@ -101,7 +106,8 @@ def stored_fingerprint(folder: str, model: nn.Module, index: int = 0) -> dict[st
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         names = [_find_key(list(state), layout.input_weight), _find_key(list(state), layout.output_weight)]
         tensors = [None if name is None else state[name] for name in names]
-        if all(t is not None for t in tensors) and tensors[0].data_ptr() == tensors[1].data_ptr():
+        first, second = tensors
+        if first is not None and second is not None and first.data_ptr() == second.data_ptr():
             tensors[1] = None  # torch.save keeps a tied model's shared matrix once, under both names
     embedding, head = tensors
     if embedding is None:
@@ -155,7 +161,7 @@ def fingerprint_difference(saved: Mapping[str, Any], actual: Mapping[str, Any]) 
     return None
 
 
-# -- the state's check -----------------------------------------------------------------------------------------------
+# -- the state's check -------------------------------------------------------------------------------------------------
 def check_state(state: Any, where: str) -> dict[str, Any]:
     """Return `state` if it has the layout `UntieRun.state_dict()` writes, else raise `UntieStateError` naming `where`
     (the file, or "the state given to Untier.load_state_dict") and what is wrong with it."""
@@ -204,11 +210,11 @@ def _check_fingerprint(weights: dict, damaged) -> None:
         if entry is None and role == "head" and not weights["separate_head"]:
             continue
         ok = isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("dtype"), str)
-        if not ok or not isinstance(entry.get("digest"), (str, type(None))):
+        if not ok or not isinstance(entry and entry.get("digest"), (str, type(None))):
             raise damaged(f"'weights.{role}' is {entry!r}, not its shape, dtype and digest")
 
 
-# -- the file --------------------------------------------------------------------------------------------------------
+# -- the file ----------------------------------------------------------------------------------------------------------
 def read_state_file(folder: str) -> dict[str, Any]:
     """The checked untie state of an `accelerator.save_state` folder; errors name the folder and the fix."""
     path = os.path.join(folder, STATE_FILE)
@@ -244,7 +250,7 @@ def _damaged(where: str, what: str) -> UntieStateError:
 
 def has_weights(folder: str) -> bool:
     """Whether an accelerate checkpoint folder holds model weights (a file, or FSDP's sharded folder)."""
-    return any(name.startswith(_WEIGHT_PREFIXES) for name in os.listdir(folder))
+    return any(name.startswith(MODEL_WEIGHT_PREFIXES) for name in os.listdir(folder))
 
 
 def write_state_file(folder: str, state: dict[str, Any]) -> None:

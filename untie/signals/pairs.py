@@ -14,8 +14,9 @@ pair's rank is that of its rarer member, and the first `limit` pairs are the mos
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 #: How many pairs `pairs="auto"` measures: the most frequent few hundred.
 DEFAULT_LIMIT = 256
@@ -24,6 +25,7 @@ _WORD_START = ("Ġ", "▁")
 _CONTINUATION = "##"
 
 Family = Literal["byte-level-bpe", "sentencepiece", "wordpiece", "unknown"]
+PairKind = Literal["case", "word-start"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class TokenPair:
 
     ids: tuple[int, int]
     tokens: tuple[str, str]
-    kind: Literal["case", "word-start"]
+    kind: PairKind
 
 
 def tokenizer_family(vocab: dict[str, int]) -> Family:
@@ -43,11 +45,15 @@ def tokenizer_family(vocab: dict[str, int]) -> Family:
         "wordpiece": sum(t.startswith(_CONTINUATION) for t in vocab),
     }
     family, count = max(counts.items(), key=lambda item: item[1])
-    return family if count >= max(10, len(vocab) // 100) else "unknown"
+    return cast(Family, family) if count >= max(10, len(vocab) // 100) else "unknown"
 
 
 def vocabulary_pairs(
-    vocab: dict[str, int], *, limit: int = DEFAULT_LIMIT, exclude: set[int] = frozenset(), max_id: int | None = None
+    vocab: dict[str, int],
+    *,
+    limit: int = DEFAULT_LIMIT,
+    exclude: Collection[int] = frozenset(),
+    max_id: int | None = None,
 ) -> list[TokenPair]:
     """The `limit` most frequent case and word-start pairs of `vocab` (token -> id), most frequent first.
 
@@ -59,7 +65,7 @@ def vocabulary_pairs(
     usable = {t: i for t, i in vocab.items() if i not in exclude and (max_id is None or i < max_id)}
     found: dict[tuple[int, int], TokenPair] = {}
 
-    def add(first: str, second: str, kind: str) -> None:
+    def add(first: str, second: str, kind: PairKind) -> None:
         if first in usable and second in usable and usable[first] != usable[second]:
             ids = (usable[first], usable[second])
             key = (min(ids), max(ids))

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.loading import CheckpointError, folder_weight_map, stored_name
-from untie.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
-from untie.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
+from untie.checkpoints.loading import CheckpointError, folder_weight_map, stored_name
+from untie.checkpoints.saved_state import ADAPTER_WEIGHT_PREFIXES, MODEL_WEIGHT_PREFIXES
+from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
+from untie.structure.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,6 @@ def checkpoint_is_untied(checkpoint_dir: str | os.PathLike) -> bool | None:
     return None
 
 
-#: Names a Trainer checkpoint's model weights start with (full model, PEFT adapter, FSDP's sharded folder).
-_WEIGHT_PREFIXES = ("model", "pytorch_model", "adapter_model")
-
-
 def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
     """Raise a `ValueError` naming what is missing when `folder` is not a whole Trainer checkpoint; return its
     safetensors weight map (None in other formats).
@@ -81,7 +78,7 @@ def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
     deepspeed_tag = _deepspeed_tag(folder)
     if deepspeed_tag is not None and not os.path.isdir(os.path.join(folder, deepspeed_tag)):
         missing.append(f"DeepSpeed's {deepspeed_tag}/ folder, which its `latest` file names")
-    if not any(name.startswith(_WEIGHT_PREFIXES) for name in names):
+    if not any(name.startswith(MODEL_WEIGHT_PREFIXES + ADAPTER_WEIGHT_PREFIXES) for name in names):
         if deepspeed_tag is None:
             missing.append("the model weights (model.safetensors or its shards)")
         # else a ZeRO-3 checkpoint without stage3_gather_16bit_weights_on_model_save: DeepSpeed's folder only
@@ -153,9 +150,19 @@ def install_resume_guard(model: nn.Module) -> None:
     - a complete tied checkpoint (no LM-head key) into an untied model gives the head a copy of the shared matrix,
       instead of keeping the head's current values next to an old embedding (`load_best_model_at_end`).
     """
-    if getattr(model, _GUARD_ATTR, None) is not None:
-        return
-    setattr(model, _GUARD_ATTR, model.register_load_state_dict_pre_hook(_match_structure_to_state_dict))
+    if not has_resume_guard(model):
+        setattr(model, _GUARD_ATTR, resume_guard_hook(model))
+
+
+def has_resume_guard(model: nn.Module) -> bool:
+    """Whether `install_resume_guard` guards `model` (for good: a run's own guard comes off when the run closes)."""
+    return getattr(model, _GUARD_ATTR, None) is not None
+
+
+def resume_guard_hook(model: nn.Module):
+    """Install the guard `install_resume_guard` describes and return its handle (`remove()` takes it off): a run
+    installs it this way, through its registry, for the run's length only."""
+    return model.register_load_state_dict_pre_hook(_match_structure_to_state_dict)
 
 
 def _same_matrix(state_dict: dict, layout) -> bool:

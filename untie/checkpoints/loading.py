@@ -14,6 +14,7 @@ import socket
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any, cast
 
 import torch
 import transformers as tf
@@ -21,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from untie import _compat
+from untie.errors import UntieError
 
 #: `--head` choices: the Auto class used to load a checkpoint with a language-modeling head.
 HEADS = {
@@ -35,7 +37,7 @@ _SINGLE = "model.safetensors"
 _OTHER_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UntieError):
     """A checkpoint the command line cannot use; `exit_code` is what `untie` exits with."""
 
     exit_code = 1
@@ -116,7 +118,7 @@ class Checkpoint:
     def empty_model(self) -> tf.PreTrainedModel:
         """The model on the meta device: names, shapes and declared ties, with no memory and no weights (built once)."""
         with torch.device("meta"):
-            return _compat.build_from_config(self.model_class, self.config)
+            return cast(tf.PreTrainedModel, _compat.build_from_config(self.model_class, self.config))
 
     def load(self) -> tuple[tf.PreTrainedModel, frozenset[str]]:
         """The model with its weights, as plain `from_pretrained` gives it (stored dtype), and the names of the
@@ -125,9 +127,14 @@ class Checkpoint:
         transformers' own load report and progress bars are silenced: the caller says what is new, in its terms."""
         try:
             with quiet_transformers():
-                model, info = self.model_class.from_pretrained(
-                    self.source, revision=self.revision, dtype="auto", trust_remote_code=False, output_loading_info=True
+                loaded: Any = self.model_class.from_pretrained(  # (model, info) with output_loading_info=True
+                    self.source,
+                    revision=self.revision or "main",
+                    dtype="auto",
+                    trust_remote_code=False,
+                    output_loading_info=True,
                 )
+                model, info = loaded
             return model, frozenset(info.get("missing_keys", ()))
         except (OSError, RuntimeError, ValueError, SafetensorError) as error:
             if not self.is_local:

@@ -1,6 +1,6 @@
 """`Untier`: tie-then-untie in your own training loop, plain PyTorch or accelerate: one device, DDP, FSDP2, DeepSpeed.
 
-The custom-loop adapter of `untie.run.UntieRun` (the run logic `untie.UntieCallback` maps Trainer's events onto):
+The custom-loop adapter of `untie.core.run.UntieRun` (the run logic `untie.UntieCallback` maps Trainer's events onto):
 
     untier = untie.Untier(model, max_steps=1000, accelerator=accelerator)   # before the optimizer and prepare()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -22,18 +22,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
-from untie.config import DEFAULT_UNTIE_AT, OptimizerStateInit, RuleSpec, TieInit, TyingMode, UntieConfig
-from untie.distributed import gathered, is_sharded, training_engine
-from untie.pairs import is_tokenizer
-from untie.plan import SavedFacts
-from untie.run import CUSTOM_LOOP, UntieRun
-from untie.saved_state import (
+from untie.checkpoints.saved_state import (
     STATE_FILE,
     UntieStateError,
     check_state,
@@ -45,7 +40,11 @@ from untie.saved_state import (
     weights_fingerprint,
     write_state_file,
 )
-from untie.surgery import inner_optimizer, is_tied
+from untie.config import UntieConfig, build_config, settings_help
+from untie.core.run import CUSTOM_LOOP, UntieRun
+from untie.engines.distributed import gathered, training_engine
+from untie.structure.plan import SavedFacts
+from untie.structure.surgery import inner_optimizer, input_weight, output_weight
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ logger = logging.getLogger(__name__)
 class Untier:
     """Train tied, then untie the LM head from the input embedding, in a custom training loop.
 
-    It does what `UntieCallback` does under Trainer, from the same code (`untie.run.UntieRun`): the tied phase
+    It does what `UntieCallback` does under Trainer, from the same code (`untie.core.run.UntieRun`): the tied phase
     (live, or emulated under FSDP2 and DeepSpeed), the deadline and the divergence trigger fed by the role gradients
     of each `metrics_every`-th step, the untie with the optimizer state, the gradient sync of a head created after
     DDP wrapped the model, the drift metrics after the untie, and the history.
@@ -63,23 +62,17 @@ class Untier:
         optimizer: the model's optimizer; pass it here, or later to `start`. Passing it here needs a model whose
             tied-phase structure is already in place (a tied model, live tying): the untie cannot add a parameter the
             optimizer and the wrapper have already been built without.
+        config: the settings (`untie.UntieConfig`, e.g. parsed with `HfArgumentParser`); default `UntieConfig()`.
+            `save_at_untie` is Trainer's and is ignored here.
         max_steps: the run's number of optimizer steps. Needed for a fractional `untie_at` (the default, 0.3) and
             for the short-run warning.
         accelerator: the `accelerate.Accelerator` of the loop, if any. `step()` then counts only the steps that
             sync gradients (not accumulation micro-batches), and `accelerator.save_state` / `load_state` carry the
             untie state (`untie_state.json`) and give a resumed model the checkpoint's structure before it loads.
         tokenizer: the tokenizer, for `pairs="auto"` (and pairs=None, which reads the pairs when it is given).
-        untie_at: the untie step at the latest (int), or a fraction of `max_steps` (float); None: no deadline.
-        untie_when: the divergence trigger: "divergence" (default rule), a name from `untie.RULES`, an
-            `untie.UntieWhen`, or None (a fixed schedule at `untie_at`).
-        metrics_every: measure every this many optimizer steps (0: never; needs ``untie_when=None``).
-        pairs: token-id pairs to measure, "auto" (from `tokenizer`), None ("auto" when a tokenizer is given), [].
-        optimizer_state: the untied head's optimizer state: "copy", "reset", or "fresh" (the embedding's too).
-        tie_init: an untied model: None (default) keeps it untied from the first step (nothing trained is
-            dropped); "input", "output" or "mean" ties it from that matrix (or their mean).
-        tying_mode: "live", "emulated" (FSDP2, DeepSpeed) or "auto".
+        **overrides: settings by name, over `config` (``Untier(model, untie_at=500, untie_when=None)``).
 
-    The settings are the fields of `untie.UntieConfig` (its docs say more) but `save_at_untie`, which is Trainer's.
+    Every setting, with its meaning: `untie.UntieConfig` (``help(untie.UntieConfig)``).
     """
 
     def __init__(
@@ -87,16 +80,11 @@ class Untier:
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         *,
+        config: UntieConfig | None = None,
         max_steps: int | None = None,
         accelerator: Any = None,
         tokenizer: Any = None,
-        untie_at: int | float | None = DEFAULT_UNTIE_AT,
-        untie_when: RuleSpec = "divergence",
-        metrics_every: int = 50,
-        pairs: list[tuple[int, int]] | Literal["auto"] | None = None,
-        optimizer_state: OptimizerStateInit = "copy",
-        tie_init: TieInit | None = None,
-        tying_mode: TyingMode = "auto",
+        **overrides: Any,
     ) -> None:
         self.model = _unwrap(model)
         self.accelerator = accelerator
@@ -104,47 +92,32 @@ class Untier:
         self.optimizer: torch.optim.Optimizer | None = None
         self.global_step = 0
         """Optimizer steps done (restored by `load_state_dict`)."""
-        self._begun_at: int | None = None  # the step a run began at and has not announced yet (see `_begin`)
-        config = UntieConfig(
-            untie_at=untie_at,
-            untie_when=untie_when,
-            metrics_every=metrics_every,
-            pairs=pairs,
-            optimizer_state=optimizer_state,
-            tie_init=tie_init,
-            tying_mode=tying_mode,
-        )
+        config = build_config(config, overrides, "Untier")
         if isinstance(config.untie_at, float) and max_steps is None:
             raise ValueError(
                 f"Untier: untie_at={config.untie_at} is a fraction of the run: pass max_steps=<the run's optimizer "
                 "steps>, or an int step (untie_at=N), or untie_at=None."
             )
         self.run = UntieRun(config, CUSTOM_LOOP)
-        """The run logic and state (`untie.run.UntieRun`)."""
-        self.run.use_tying_mode(training_engine())
-        if config.pairs == "auto" or (config.pairs is None and is_tokenizer(tokenizer)):
-            self.run.read_pairs(tokenizer, self.model, asked=config.pairs == "auto")
-        self.run.match_rule_to_pairs()
-        self._hooks: list = []
+        """The run logic and state (`untie.core.run.UntieRun`)."""
         self._expected_weights: tuple[dict, str] | None = None  # (fingerprint, where) to check before the next step
         #: Folders this process writes the untie state into once `accelerator.save_state` ends (None outside a save).
         self._saving_to: list[str] | None = None
-        if is_sharded(self.model.get_input_embeddings().weight) and self.run.tying_mode == "emulated":
-            if is_tied(self.model):
-                raise RuntimeError(
-                    "Untier: the model is already sharded (fully_shard / accelerator.prepare) and still tied: emulated "
-                    "tying gives the head its own parameter before sharding. Create the Untier before fully_shard, "
-                    "before building the optimizer and before accelerator.prepare; then call untier.start(optimizer)."
-                )
-        self.run.prepare(self.model, optimizer)
+        self.run.attach(self.model, engine=training_engine(), tokenizer=tokenizer, optimizer=optimizer)
+        if accelerator is not None:
+            registry = self.run.registry
+            registry.hook("Untier: accelerator save hook", accelerator.register_save_state_pre_hook(self._save_hook))
+            registry.hook("Untier: accelerator load hook", accelerator.register_load_state_pre_hook(self._load_hook))
+            self._wrap_save_state(accelerator)
         if optimizer is not None:
             self.start(optimizer)
-        if accelerator is not None:
-            self._hooks.append(accelerator.register_save_state_pre_hook(self._save_with_accelerator))
-            self._hooks.append(accelerator.register_load_state_pre_hook(self._load_with_accelerator))
-            self._wrap_save_state(accelerator)
 
-    # -- state read by users ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, model: nn.Module, config: UntieConfig, **kwargs: Any) -> Untier:
+        """An Untier with the settings of `config` (e.g. parsed with `HfArgumentParser`); `kwargs` as for `Untier`."""
+        return cls(model, config=config, **kwargs)
+
+    # -- state read by users -------------------------------------------------------------------------------------------
     @property
     def config(self) -> UntieConfig:
         """The settings (`untie.UntieConfig`)."""
@@ -178,51 +151,42 @@ class Untier:
 
     @property
     def divergence(self):
-        """The divergence trigger (`untie.triggers.DivergenceTrigger`) or None."""
+        """The divergence trigger (`untie.signals.triggers.DivergenceTrigger`) or None."""
         return self.run.divergence
 
     # -- the loop -----------------------------------------------------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """Begin a fresh run with `optimizer` (after `accelerator.prepare`, or DDP / fully_shard). Resuming, load the
         checkpoint after this call (`accelerator.load_state`, or `load_state_dict` first in a plain loop): the resumed
-        run then begins in place of the fresh one.
+        run then starts in place of the fresh one (`UntieRun.start` may run again until the first step ends).
 
-        Start and resume are separate: `start` arms the first step's measurement (it must be in place before the first
-        forward) but neither changes the model's structure (the plan did at `Untier()`) nor says anything; a resume
-        gives the model the checkpoint's structure and begins the run at the checkpoint's step. What the run has to
-        say (a trigger that cannot fire in the run's length) is said once, at the first optimizer step, about the run
-        that is then under way, fresh or resumed."""
+        `start` arms the first step's measurement (it must be in place before the first forward) but neither changes
+        the model's structure (attaching did, at `Untier()`) nor says anything: what the run has to say is said at its
+        first optimizer step, about the run then under way, fresh or resumed."""
         if self.optimizer is not None:
             raise RuntimeError("Untier.start() was already called (or the optimizer was passed to Untier()).")
         self.optimizer = optimizer
         # The step's gradients are complete when the optimizer steps (after every micro-batch, every rank): measure
         # then, as UntieCallback does in Trainer's on_pre_optimizer_step.
         inner = inner_optimizer(optimizer)
+        registry = self.run.registry
         if hasattr(inner, "register_step_pre_hook"):
-            self._hooks.append(inner.register_step_pre_hook(self._before_optimizer_step))
+            registry.hook("Untier: measure before the step", inner.register_step_pre_hook(self._before_optimizer_step))
         else:
             # DeepSpeed's ZeRO optimizer (not a torch optimizer; under accelerate the engine steps inside backward):
             # nothing to measure, and the loaded weights are checked at the first forward, before the engine steps.
-            lookup = self.model.get_input_embeddings()
-            self._hooks.append(lookup.register_forward_pre_hook(lambda *_: self._check_loaded_weights()))
-        self.run.restore({}, 0)
-        self._begin()
+            lookup: Any = self.model.get_input_embeddings()  # type: ignore[operator]  # a PreTrainedModel's method
+            hook = lookup.register_forward_pre_hook(lambda *_: self._check_loaded_weights())
+            registry.hook("Untier: check loaded weights before the first forward", hook)
+        self._start(None, "")
 
-    def _begin(self) -> None:
-        """Begin the run at `global_step` (fresh at `start`, or the resumed one after a load); it announces itself at
-        its first optimizer step."""
-        self.run.begin(self.model, self.optimizer, self.global_step, self.max_steps)
+    def _start(self, saved: dict | None, where: str) -> None:
+        """Start the run at `global_step`, fresh or from `saved`, and arm its first step."""
+        self.run.start(self.optimizer, self.global_step, self.max_steps, saved, where)
         self.run.arm(self.global_step + 1)
-        self._begun_at = self.global_step
-
-    def _announce_once(self) -> None:
-        if self._begun_at is not None:
-            step, self._begun_at = self._begun_at, None
-            self.run.announce(step, self.max_steps)
 
     def _before_optimizer_step(self, *_args) -> None:
         self._check_loaded_weights()
-        self._announce_once()
         self.run.measure(self.global_step + 1)
 
     def step(self) -> dict[str, float]:
@@ -240,36 +204,31 @@ class Untier:
         if self.accelerator is not None and not self.accelerator.sync_gradients:
             return {}
         self._check_loaded_weights()
-        self._announce_once()  # the optimizer hook did, unless it skipped its step (GradScaler overflow)
         self.global_step += 1
         step = self.global_step
         self.run.measure(step)  # a no-op unless the optimizer skipped this step (GradScaler overflow) unmeasured
-        reason = self.run.end_of_step(self.model, self.optimizer, step)
+        reason = self.run.end_of_step(step)
         self.run.arm(step + 1)
         return self.run.take_latest() if (self.run.latest or reason) else {}
 
     def close(self) -> None:
-        """Take every hook off (the run is over)."""
+        """The run is over: take every install off the model, the optimizer and the accelerator (`UntieRun.close`);
+        the model keeps its structure (an untied head, its config marker)."""
         self.run.close()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self.accelerator is not None and getattr(self.accelerator.save_state, "_untie_owner", None) is self:
-            del self.accelerator.save_state  # back to Accelerator.save_state
 
-    # -- checkpoints --------------------------------------------------------------------------------------------------
+    # -- checkpoints ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The run state, JSON-able: save it with the model and the optimizer.
 
-        It records the weights it belongs to (`untie.saved_state.weights_fingerprint`: whether the head is its own
-        tensor, the embedding's and the head's shapes, dtypes and digests), so that a resume can prove that the
-        weights it loads are the ones saved with it. Under DeepSpeed ZeRO-3 it gathers the two matrices: every rank
-        must call it."""
+        It records the weights it belongs to (`untie.checkpoints.saved_state.weights_fingerprint`: whether the head is
+        its own tensor, the embedding's and the head's shapes, dtypes and digests), so that a resume can prove that the
+        weights it loads are the ones saved with it. Under DeepSpeed ZeRO-3 it gathers the two matrices: every rank must
+        call it."""
         return self.run.state_dict(self.global_step, weights=self._fingerprint())
 
     def _fingerprint(self) -> dict:
         """`weights_fingerprint` of the model; under DeepSpeed ZeRO-3 of the gathered matrices (every rank calls)."""
-        with gathered(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight):
+        with gathered(input_weight(self.model), output_weight(self.model)):
             return weights_fingerprint(self.model)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -290,10 +249,12 @@ class Untier:
             )
         state = check_state(state, where)
         attributes = state["attributes"]
-        self._match_structure(attributes["untied"], state.get("tying_mode"))
+        saved = SavedFacts(
+            "the checkpoint", untied=attributes["untied"], head_stored=state.get("tying_mode") == "emulated"
+        )
+        self.run.expect_checkpoint(saved, self.optimizer)
         self.global_step = state["global_step"]
-        self.run.load_state_dict(state, where)
-        self._begin()
+        self._start(state, where)
         expected = state["weights"]
         if expected is None:  # a Trainer checkpoint's state: no fingerprint to compare
             return
@@ -317,11 +278,6 @@ class Untier:
                 "and the optimizer's state dicts saved together with this untie state, after "
                 "untier.load_state_dict()."
             )
-
-    def _match_structure(self, untied: bool, saved_mode: str | None) -> None:
-        """Give the model and the optimizer the structure of the saved run, before their states load."""
-        saved = SavedFacts("the checkpoint", untied=untied, head_stored=saved_mode == "emulated")
-        self.run.match_saved(self.model, saved, self.optimizer)
 
     def _wrap_save_state(self, accelerator: Any) -> None:
         """Make `accelerator.save_state` write the untie state last, once every rank has written its files.
@@ -347,8 +303,12 @@ class Untier:
                 self._saving_to = None
             return location
 
-        save_state_then_untie_state._untie_owner = self  # marks the wrapper, so that close() can take it off
-        accelerator.save_state = save_state_then_untie_state
+        self.run.registry.replace(
+            "Untier: accelerator.save_state writes the untie state last",
+            accelerator,
+            "save_state",
+            save_state_then_untie_state,
+        )
 
     def _writes_state(self) -> bool:
         """Whether this process writes the untie state: where accelerate writes the model, once, or once per node with
@@ -358,7 +318,7 @@ class Untier:
             return accelerator.is_local_main_process
         return accelerator.is_main_process
 
-    def _save_with_accelerator(self, models, weights, output_dir: str) -> None:
+    def _save_hook(self, models, weights, output_dir: str) -> None:
         """The folder accelerate writes into (named by then, also with automatic checkpoint naming): its old untie
         state goes now, the new one once `save_state` has written everything else."""
         if not self._writes_state():
@@ -369,7 +329,7 @@ class Untier:
         remove_state_file(output_dir)
         self._saving_to.append(output_dir)
 
-    def _load_with_accelerator(self, models, input_dir: str) -> None:
+    def _load_hook(self, models, input_dir: str) -> None:
         """Check the folder's untie state and that the weights beside it are the ones it was saved with, then give the
         model the saved structure before accelerate loads the weights and the optimizer into it."""
         state = read_state_file(input_dir)
@@ -399,3 +359,6 @@ class Untier:
 def _unwrap(model: nn.Module) -> nn.Module:
     """The model inside DDP, torch.compile or accelerate's wrappers."""
     return extract_model_from_parallel(model, keep_fp32_wrapper=True)
+
+
+Untier.__doc__ = f"{Untier.__doc__}\n\n    {settings_help().replace(chr(10), chr(10) + '    ')}"

@@ -25,7 +25,7 @@ _EMULATED_ONLY = {
     "FSDP2": "a live untie under FSDP2 is silently reverted: fully_shard re-assigns the head's parameter to the "
     "shared embedding at every unshard, and the new parameter never trains.",
     "DEEPSPEED": "ZeRO builds its flat fp32 partitions at engine init, so a head created later is never trained (the "
-    "emulated mode ties the two roles in autograd instead, `untie.zero_tying`).",
+    "emulated mode ties the two roles in autograd instead, `untie.engines.zero_tying`).",
 }
 
 
@@ -174,6 +174,7 @@ def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """
     if not is_sharded(weight):
         return weight.detach()[ids.to(weight.device)]
+    assert isinstance(weight, DTensor)
     if tuple(weight.placements) != (Shard(0),):
         return weight.full_tensor().detach()[ids.to(weight.device)]
     local = weight.to_local().detach()

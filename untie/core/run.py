@@ -3,15 +3,23 @@
 One object holds what a run decides and remembers: the model's tied-phase structure (live or emulated tying), the
 deadline and the divergence trigger, the role-gradient probe that feeds the trigger, the untie itself (optimizer
 state, the gradient sync of a head created after DDP wrapped the model), the drift metrics after it, and the
-history. It knows nothing of who drives the loop. The adapters translate their loop's events into its calls:
+history. It knows nothing of who drives the loop. The adapters translate their loop's events into its three phases:
 
-* `untie.UntieCallback`: Trainer's events (`on_train_begin`, `on_pre_optimizer_step`, `on_step_end`, ...);
-* `untie.Untier`: a custom PyTorch or accelerate loop (one `step()` per optimizer step).
+1. `attach(model, engine=..., tokenizer=...)`: before the optimizer exists and the model is wrapped. The model's
+   facts are read once; the tying mode, the pairs and the rule are fixed; the model gets its tied-phase structure and
+   the resume guard. `expect_checkpoint(saved)` gives it the structure of a checkpoint about to load instead.
+2. `start(optimizer, step, max_steps, saved=None)`: the optimizer exists; the run begins at `step`, fresh or from a
+   saved run state (checked, restored, changed settings said). A run may start again before its first step (a custom
+   loop resuming after a fresh start).
+3. Per optimizer step `t` (counted from 1): `arm(t)` before its first forward, `measure(t)` once its gradients are
+   complete, `end_of_step(t)` after the optimizer step (the untie happens here). What the run has to say about itself
+   is said once, at its first step.
 
-The calls, in a run's order: `read_pairs` / `use_tying_mode` / `prepare(model)` before the optimizer exists and the
-model is wrapped; `restore(saved, step)` on resume; `begin(model, optimizer, step, max_steps)`; then per optimizer
-step `arm(step)` before its first forward, `measure(step)` once its gradients are complete (before the optimizer
-step) and `end_of_step(model, optimizer, step)` after it; `close()` at the end.
+`close()` ends it: every install the run made (`registry`, `untie.registry.Registry`) comes off. The phases are
+enforced here (`_enter`); a call out of order raises `RunOrderError`, naming the call the adapter's user makes.
+
+* `untie.UntieCallback`: Trainer's events (`on_init_end`, `on_train_begin`, `on_pre_optimizer_step`, ...);
+* `untie.Untier`: a custom PyTorch or accelerate loop (`Untier()`, `start`, one `step()` per optimizer step).
 """
 
 from __future__ import annotations
@@ -19,13 +27,15 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import nn
 
 from untie import _compat
-from untie.checkpoint import install_resume_guard
+from untie.checkpoints.checkpoint import has_resume_guard, resume_guard_hook
+from untie.checkpoints.saved_state import STATE_FORMAT, check_state
 from untie.config import UntieConfig
-from untie.distributed import (
+from untie.engines.distributed import (
     broadcast_decision,
     full_shape,
     gather_rows,
@@ -34,24 +44,27 @@ from untie.distributed import (
     resolve_tying_mode,
     sync_grads_across_ranks,
 )
-from untie.emulation import EmulatedTying
-from untie.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
-from untie.pairs import tokenizer_pairs
-from untie.peft_support import check_peft_run, is_peft_model
-from untie.plan import ModelFacts, RunSettings, SavedFacts, Structure, StructurePlan, plan_structure
-from untie.probe import RoleGradientProbe
-from untie.saved_state import STATE_FORMAT, check_state
-from untie.surgery import (
+from untie.engines.emulation import EmulatedTying
+from untie.engines.zero_tying import ZeroTying
+from untie.errors import UntieError
+from untie.registry import Registry
+from untie.signals.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
+from untie.signals.pairs import is_tokenizer, tokenizer_pairs
+from untie.signals.probe import RoleGradientProbe
+from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
+from untie.structure.peft_support import check_peft_run, is_peft_model
+from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, Structure, StructurePlan, plan_structure
+from untie.structure.surgery import (
     add_param_like,
     inner_optimizer,
+    input_weight,
     is_tied,
+    output_weight,
     tie_embeddings,
     untie_embeddings,
     untie_recorded,
     was_untied,
 )
-from untie.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
-from untie.zero_tying import ZeroTying
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +84,13 @@ class Adapter:
 #: The Trainer callback (`untie.UntieCallback`) and the custom-loop adapter (`untie.Untier`).
 TRAINER_CALLBACK = Adapter("UntieCallback", "Trainer(processing_class=tokenizer)")
 CUSTOM_LOOP = Adapter("Untier", "tokenizer=tokenizer")
+
+Phase = Literal["new", "attached", "started", "closed"]
+
+
+class RunOrderError(UntieError, RuntimeError):
+    """A run's calls came out of order (see `untie.core.run`): e.g. a step before `start`."""
+
 
 #: The run state a checkpoint keeps (the "attributes" of `UntieRun.state_dict`, read back by `restore`).
 SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history")
@@ -104,20 +124,131 @@ class UntieRun:
         self.tying_mode: str | None = None
         """The tied phase's implementation, "live" or "emulated" (`use_tying_mode`)."""
         self.engine: str | None = None
-        """The engine that trains (`untie.distributed.training_engine`): "FSDP2", "DEEPSPEED" or None."""
+        """The engine that trains (`untie.engines.distributed.training_engine`): "FSDP2", "DEEPSPEED" or None."""
         self.emulation: EmulatedTying | ZeroTying | None = None
         self.latest: dict[str, float] = {}
         """The last measurement, summarised for logging (`untie/<key>`); cleared by `take_latest`."""
         self.probe: RoleGradientProbe | None = None
         self.planned_untie_reason: str | None = None
         """Why the structure plan untied the model before training ("start", "checkpoint"), for `begin`."""
-        self._grad_sync_handle = None
+        self._grad_sync_installed = False
         self._unmeasured_warned = False
-        self._no_pairs_because: str | None = None
+        self.no_pairs_because: str | None = None
         """Why `read_pairs` found no pairs, for the default rule's warning (None: it found some, or never read)."""
         self._rule_change_said = False
+        self.model: nn.Module | None = None
+        """The attached model (unwrapped)."""
+        self.attach_args: dict = {}
+        """The engine and the tokenizer the run attached with (to attach a later model the same way)."""
+        self.optimizer = None
+        """The optimizer `start` was given."""
+        self.registry = Registry(adapter.name)
+        """Every install of this run (hooks, wrappers, guards, replaced forwards), each with its removal: `close()`."""
+        self.phase: Phase = "new"
+        """Where the run stands: "new", "attached" (phase 1 done), "started" (phase 2: steps may run), "closed"."""
+        self._stepped = False
+        self._announce_pending = False
+        self._expected: SavedFacts | None = None
 
-    # -- before the optimizer exists ----------------------------------------------------------------------------------
+    # -- phase 1: attach -----------------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module, *, engine: str | None = None, tokenizer=None, optimizer=None) -> None:
+        """Phase 1, before the optimizer exists and the model is wrapped: read the model's facts, fix the tying mode
+        (`engine`: `untie.engines.distributed.training_engine`), the pairs (from `tokenizer` when asked) and the rule,
+        and give the model its tied-phase structure and the resume guard. With `optimizer` already built, a structure
+        it was built without is refused. Attaching again (a new model for a new `train()` call) closes the previous
+        attachment first."""
+        self._enter("attach", {"new", "attached", "closed"})
+        self.close()
+        self.registry = Registry(self.adapter.name)
+        self.model = model
+        self.attach_args = {"engine": engine, "tokenizer": tokenizer}
+        self.use_tying_mode(engine)
+        asked = self.config.pairs == "auto"
+        if asked or (self.config.pairs is None and is_tokenizer(tokenizer)):
+            self.read_pairs(tokenizer, model, asked=asked)
+        self.match_rule_to_pairs()
+        try:
+            self.prepare(model, optimizer)
+        except BaseException:
+            self.registry.close()  # a refused model keeps nothing of the run
+            raise
+        self.phase = "attached"
+        if self._expected is not None:
+            self.expect_checkpoint(self._expected)
+
+    def adopt(self, other: UntieRun) -> None:
+        """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings: the model,
+        its structure, the tying and every install); `other` is left empty."""
+        self._enter("adopt", {"new"})
+        attached = ("model", "attach_args", "tying_mode", "engine", "emulation", "pairs", "no_pairs_because")
+        for name in (*attached, "registry", "planned_untie_reason"):
+            setattr(self, name, getattr(other, name))
+        other.registry, other.emulation, other.phase = Registry(other.adapter.name), None, "closed"
+        self.phase = "attached"
+        self.match_rule_to_pairs()  # "divergence" follows the pairs found then
+
+    def expect_checkpoint(self, saved: SavedFacts, optimizer=None) -> None:
+        """Give the model the structure of the checkpoint's run (`saved`) before its weights and the optimizer's
+        state load, so that they fit the same structure: now, or at `attach` if no model is attached yet (a model
+        Trainer builds with model_init). With `optimizer` (a custom loop resuming after `start`), a head the untie
+        adds joins it."""
+        if self.phase not in ("attached", "started"):
+            self._expected = saved
+            return
+        self._enter("expect_checkpoint", {"attached", "started"})
+        self._expected = None
+        if is_peft_model(self.attached_model):
+            return  # PEFT adapters hold no embedding; `prepare` checked the model
+        self.match_saved(self.attached_model, saved, optimizer)
+
+    # -- phase 2: start ------------------------------------------------------------------------------------------------
+    def start(
+        self,
+        optimizer,
+        step: int,
+        max_steps: int | None,
+        saved: dict | None = None,
+        where: str = "the saved run state",
+    ) -> dict | None:
+        """Phase 2: begin training with `optimizer` at optimizer step `step` of `max_steps`, fresh (`saved` None)
+        or resuming the run state `saved` (`state_dict`'s layout; checked, a damaged one raises
+        `untie.checkpoints.saved_state.UntieStateError` naming `where`). Untie at a deadline already reached, else
+        set up the measurements. Returns the checked state. A run may start again until its first step ends."""
+        self._enter("start", {"attached", "started"})
+        if self.phase == "started" and self._stepped:
+            raise RunOrderError(f"{self.owner}: the run has taken steps; it cannot start again.")
+        self.optimizer = optimizer
+        checked = None
+        if saved:
+            checked = self.load_state_dict(saved, where, step)
+        else:
+            self.restore({}, step)
+        self.begin(self.attached_model, optimizer, step, max_steps)
+        self.phase, self._stepped, self._announce_pending = "started", False, True
+        self._started = (step, max_steps)
+        return checked
+
+    @property
+    def attached_model(self) -> nn.Module:
+        """The attached model (phase 1 done)."""
+        if self.model is None:
+            raise RunOrderError(f"{self.owner}: no model is attached yet (attach comes first).")
+        return self.model
+
+    def _enter(self, call: str, phases: set[str]) -> None:
+        """The one check of the phases' order (see the module docstring)."""
+        if self.phase not in phases:
+            raise RunOrderError(
+                f"{self.owner}: {call}() in phase {self.phase!r} (it needs {' or '.join(sorted(phases))}). The order "
+                "is attach (before the optimizer), start (with the optimizer), then the steps, then close."
+            )
+
+    def _announce_once(self) -> None:
+        if self._announce_pending:
+            self._announce_pending = False
+            self.announce(*self._started)
+
+    # -- before the optimizer exists -----------------------------------------------------------------------------------
     def read_pairs(self, tokenizer, model, asked: bool) -> None:
         """Measure the tokenizer's most frequent case and word-start variants that the model has rows for.
 
@@ -129,7 +260,7 @@ class UntieRun:
                 f"{self.owner}(pairs='auto') reads the pairs from the tokenizer: pass it ({self._tokenizer_hint}), or "
                 "list the pairs yourself: pairs=[(id_a, id_b), ...]."
             )
-        rows = full_shape(model.get_input_embeddings().weight)[0] if model is not None else None
+        rows = full_shape(input_weight(model))[0] if model is not None else None
         pairs = tokenizer_pairs(tokenizer, max_id=rows)
         within = f" among the model's {rows} embedding rows" if rows is not None else ""
         if pairs:
@@ -141,7 +272,7 @@ class UntieRun:
                 "so no pair is measured. Pass pairs=[(id_a, id_b), ...]."
             )
         else:
-            self._no_pairs_because = f"the tokenizer's vocabulary has no case or word-start variants{within}"
+            self.no_pairs_because = f"the tokenizer's vocabulary has no case or word-start variants{within}"
         self.pairs = [p.ids for p in pairs]
 
     @property
@@ -164,7 +295,7 @@ class UntieRun:
                 "untie: the default trigger reads no pairs: %s. It uses the pair-free rule (untie_when='cancellation') "
                 "instead of the evidence rule. To measure pairs, pass the tokenizer (%s) or pairs=[(id_a, id_b), ...]; "
                 "untie_when='cancellation' chooses this rule and silences this message.",
-                self._no_pairs_because or "no tokenizer was given",
+                self.no_pairs_because or "no tokenizer was given",
                 self._tokenizer_hint,
             )
             return
@@ -175,47 +306,52 @@ class UntieRun:
         )
 
     def use_tying_mode(self, engine: str | None) -> None:
-        """Resolve `config.tying_mode` for the engine that trains (`untie.distributed.training_engine`)."""
+        """Resolve `config.tying_mode` for the engine that trains (`untie.engines.distributed.training_engine`)."""
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, engine)
         self.engine = engine
 
     def settings(self) -> RunSettings:
         """The settings `plan_structure` decides from (the tying mode resolved by `use_tying_mode`)."""
         config = self.config
-        mode = self.tying_mode or ("emulated" if config.tying_mode == "emulated" else "live")
+        mode: Literal["live", "emulated"] = (
+            "emulated" if (self.tying_mode or config.tying_mode) == "emulated" else "live"
+        )
         return RunSettings(self.owner, config.untie_at, mode, config.tying_mode, config.tie_init)
 
     def prepare(self, model: nn.Module, optimizer=None) -> None:
         """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped (with an
         `optimizer` already built, refuse a structure it was built without)."""
         self.emulation = None
-        if not is_peft_model(model):
-            install_resume_guard(model)
-        plan = plan_structure(model_facts(model, optimizer_built=optimizer is not None), self.settings())
-        self.apply_plan(model, plan)
+        facts = model_facts(model, optimizer_built=optimizer is not None)
+        if not facts.peft and not has_resume_guard(model):
+            self.registry.hook("resume guard (load_state_dict pre-hook)", resume_guard_hook(model))
+        self.apply_plan(model, plan_structure(facts, self.settings()), facts=facts)
 
     def match_saved(self, model: nn.Module, saved: SavedFacts, optimizer=None) -> None:
         """Give the model the structure of the checkpoint's run (`saved`), before its weights and the optimizer's
         state load, so that they fit the same structure. With `optimizer` (a custom loop resuming after `start`),
         a head the untie adds joins it."""
         facts = model_facts(model, emulating=self.emulation is not None, optimizer_built=optimizer is not None)
-        self.apply_plan(model, plan_structure(facts, self.settings(), saved), optimizer)
+        self.apply_plan(model, plan_structure(facts, self.settings(), saved), optimizer, facts=facts)
 
-    def apply_plan(self, model: nn.Module, plan: StructurePlan, optimizer=None) -> None:
-        """Carry out `plan` (`untie.plan.plan_structure`) on the model, and on the optimizer if it exists."""
+    def apply_plan(
+        self, model: nn.Module, plan: StructurePlan, optimizer=None, facts: ModelFacts | None = None
+    ) -> None:
+        """Carry out `plan` (`untie.structure.plan.plan_structure`) on the model, and on the optimizer if it exists.
+        `facts`: what the plan was made from (`model_facts`), not read again."""
         if plan.refusal is not None:
             raise (RuntimeError if plan.call_order else ValueError)(plan.refusal)
+        facts = facts or model_facts(model, emulating=self.emulation is not None)
         if plan.check_peft:
             # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
-            check_peft_run(
-                model, tied=is_tied(model), untie_recorded=untie_recorded(model), keep_untied=plan.keep_untied
-            )
+            tied = facts.structure == "tied"
+            check_peft_run(model, tied=tied, untie_recorded=facts.config_says_untied, keep_untied=plan.keep_untied)
             return
         if plan.warning is not None:
             _compat.warn_in_user_code(plan.warning)
         if plan.untie_reason is not None:
             self.planned_untie_reason = plan.untie_reason
-        current = structure_of(model, emulating=self.emulation is not None)
+        current = facts.structure
         if plan.target == "untied":
             self._reach_untied(model, current, optimizer)
         elif plan.target == "tied" and current == "untied":
@@ -228,10 +364,12 @@ class UntieRun:
                 logger.info("untie: the checkpoint was written with emulated tying; this run resumes it emulated.")
             self.tying_mode = "emulated"
             # ZeRO reduces and partitions gradients inside backward (no point to fold them): tie in autograd there.
-            self.emulation = ZeroTying(model) if self.engine == "DEEPSPEED" else EmulatedTying(model)
+            tying = ZeroTying if self.engine == "DEEPSPEED" else EmulatedTying
+            self.emulation = tying(model, self.registry)
 
     def _reach_untied(self, model: nn.Module, current: str, optimizer) -> None:
         if current == "emulated":  # the head has had its own parameter, in the optimizer, from the start
+            assert self.emulation is not None
             self.emulation.release()
             self.emulation = None
         elif current == "tied" or optimizer is None:
@@ -241,12 +379,12 @@ class UntieRun:
             if optimizer is not None:
                 self.install_grad_sync(model)
         else:  # untied before this resume (untie_at=0, or the model's state dict loaded first): the head must train
-            head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+            head, embedding = output_weight(model), input_weight(model)
             if not any(p is head for group in inner_optimizer(optimizer).param_groups for p in group["params"]):
                 add_param_like(optimizer, new=head, like=embedding, state="reset")
                 self.install_grad_sync(model)
 
-    # -- run state ----------------------------------------------------------------------------------------------------
+    # -- run state -----------------------------------------------------------------------------------------------------
     @property
     def trigger_state(self) -> dict | None:
         """The divergence trigger's running state (average, streak, firing step); None without a trigger."""
@@ -259,7 +397,8 @@ class UntieRun:
 
     def state_dict(self, step: int, weights: dict | None = None) -> dict:
         """The run state at optimizer step `step`, JSON-able, in the one layout both adapters save
-        (`untie.saved_state`): the settings, the tied phase's implementation, the untie and the trigger, the history,
+        (`untie.checkpoints.saved_state`): the settings, the tied phase's implementation, the untie and the trigger,
+        the history,
         and the weights' fingerprint (`weights`, None where the adapter's framework saves a folder as a whole)."""
         return {
             "format": STATE_FORMAT,
@@ -273,7 +412,8 @@ class UntieRun:
 
     def load_state_dict(self, state: dict, where: str, step: int | None = None) -> dict:
         """Restore the run state `state_dict` saved (checked first: a damaged state raises
-        `untie.saved_state.UntieStateError` naming `where`), as of optimizer step `step` (default: the saved step),
+        `untie.checkpoints.saved_state.UntieStateError` naming `where`), as of optimizer step `step` (default: the
+        saved step),
         and say which schedule settings changed. Returns the checked state. The model's structure is the plan's
         (`match_saved`), applied before the weights load."""
         state = check_state(state, where)
@@ -330,7 +470,7 @@ class UntieRun:
             return False
         return (then and then.to_dict()) == (self.rule and self.rule.to_dict())
 
-    # -- the run ------------------------------------------------------------------------------------------------------
+    # -- the run -------------------------------------------------------------------------------------------------------
     def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
         """Start training at optimizer step `step` of `max_steps`: untie at a deadline already reached, else set up
         the measurements. The model is prepared and any checkpoint is loaded. It says nothing: `announce` does, once
@@ -355,19 +495,21 @@ class UntieRun:
         elif self.deadline.fires(step):
             self.untie(model, optimizer, step, "deadline")
         elif self.config.metrics_every:
-            self.probe = RoleGradientProbe(model, pairs=self.pairs)
+            self.probe = RoleGradientProbe(model, pairs=self.pairs, registry=self.registry)
 
     def _begin_emulated(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
+        emulation = self.emulation
+        assert emulation is not None
         if self.untied:  # resumed from a checkpoint saved after the untie: the head's values and state are its own
-            self.emulation.release()
+            emulation.release()
             self.emulation = None
             return
-        self.emulation.attach_optimizer(optimizer)
+        emulation.attach_optimizer(optimizer)
         if self.deadline.fires(step):
             self.untie(model, optimizer, step, "deadline")
         elif self.config.metrics_every:
             # A measurement costs O(|T| d) per rank (the rows the batch looked up), also sharded: the trigger stays on.
-            self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation)
+            self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation, registry=self.registry)
 
     def announce(self, step: int, max_steps: int | None) -> None:
         """Say what the user should know about the run that `begin` set up at `step`, before its first step runs (a
@@ -377,12 +519,15 @@ class UntieRun:
 
     def arm(self, step: int) -> None:
         """Optimizer step `step` is about to run its first forward: measure its gradients if it is a metrics step."""
+        self._enter("arm", {"started"})
         if self.probe is not None:
             self.probe.armed = self.measures(step)
 
     def measure(self, step: int) -> None:
         """Optimizer step `step`'s gradients are complete (all micro-batches, all ranks): read the role signals off
         them and feed the trigger. Every rank must call it."""
+        self._enter("measure", {"started"})
+        self._announce_once()
         if self.probe is None or not self.probe.armed:
             return
         self.probe.armed = False
@@ -397,9 +542,13 @@ class UntieRun:
             signals["trigger"] = self.divergence.average if self.divergence.average is not None else math.nan
         self._record(step, signals)
 
-    def end_of_step(self, model: nn.Module, optimizer, step: int) -> str | None:
+    def end_of_step(self, step: int) -> str | None:
         """Optimizer step `step` is done: untie if the trigger fired or the deadline is reached (returns why), or
         measure the drift of an untied model. Every rank must call it."""
+        self._enter("end_of_step", {"started"})
+        self._announce_once()
+        self._stepped = True
+        model, optimizer = self.attached_model, self.optimizer
         if self.untied:
             if self.measures(step):
                 self._record(step, self._drift(model, step))
@@ -430,17 +579,21 @@ class UntieRun:
 
     def install_grad_sync(self, model: nn.Module) -> None:
         """Average the head's gradient over ranks: a head created after DDP wrapped the model is not reduced by DDP."""
-        if self._grad_sync_handle is None:
-            self._grad_sync_handle = sync_grads_across_ranks(model.get_output_embeddings().weight)
+        if not self._grad_sync_installed:
+            handle = sync_grads_across_ranks(output_weight(model))
+            if handle is not None:
+                self.registry.hook("gradient sync of the untied head", handle)
+            self._grad_sync_installed = True
 
     def close(self) -> None:
-        """Take every hook off (the run is over)."""
-        if self._grad_sync_handle is not None:
-            self._grad_sync_handle.remove()
-            self._grad_sync_handle = None
+        """The run is over: take off every install (`registry`: hooks, wrappers, the resume guard, the emulated
+        tying's forwards and optimizer hooks); the model keeps the structure it was given (an untied head and its
+        config marker, or the emulated tying's separate head). Idempotent."""
         self.drop_probe()
-        if self.emulation is not None:  # a run that ends tied: the optimizer is the run's, its hooks go with it
-            self.emulation.detach_optimizer()
+        self.registry.close()
+        self._grad_sync_installed = False
+        if self.phase in ("attached", "started"):
+            self.phase = "closed"
 
     def take_latest(self) -> dict[str, float]:
         """The `untie/*` values to log now: the tying state and the last measurement (once). A value the run has not
@@ -453,7 +606,7 @@ class UntieRun:
         self.latest = {}
         return logs
 
-    # -- helpers ------------------------------------------------------------------------------------------------------
+    # -- helpers -------------------------------------------------------------------------------------------------------
     def measures(self, step: int) -> bool:
         every = self.config.metrics_every
         return every > 0 and step > 0 and step % every == 0
@@ -468,15 +621,15 @@ class UntieRun:
         self.latest = summarize_pair_metrics(metrics)  # the history keeps every pair
 
     def _drift(self, model: nn.Module, step: int) -> dict[str, float]:
-        input_weight = model.get_input_embeddings().weight
-        output_weight = model.get_output_embeddings().weight
-        if not is_sharded(input_weight):
-            with gathered(input_weight, output_weight):  # ZeRO-3: every rank gathers both, then measures the same
-                return drift_metrics(input_weight, output_weight, pairs=self.pairs, seed=step, **_DRIFT_SAMPLE)
+        embedding = input_weight(model)
+        head = output_weight(model)
+        if not is_sharded(embedding):
+            with gathered(embedding, head):  # ZeRO-3: every rank gathers both, then measures the same
+                return drift_metrics(embedding, head, pairs=self.pairs, seed=step, **_DRIFT_SAMPLE)
         # FSDP2: read only the sampled rows of each rank's shard (every rank samples the same rows).
         return sampled_drift_metrics(
-            lambda ids: (gather_rows(input_weight, ids), gather_rows(output_weight, ids)),
-            vocab=full_shape(input_weight)[0],
+            lambda ids: (gather_rows(embedding, ids), gather_rows(head, ids)),
+            vocab=full_shape(embedding)[0],
             pairs=self.pairs,
             seed=step,
             **_DRIFT_SAMPLE,
@@ -529,19 +682,22 @@ class UntieRun:
 
 
 def structure_of(model: nn.Module, emulating: bool = False) -> Structure:
-    """The model's structure (`untie.plan`): "emulated" while a run keeps its separate head equal (`emulating`)."""
+    """The model's structure (`untie.structure.plan`): "emulated" while a run keeps its separate head equal
+    (`emulating`)."""
     if emulating:
         return "emulated"
     return "tied" if is_tied(model) else "untied"
 
 
 def model_facts(model: nn.Module, *, emulating: bool = False, optimizer_built: bool = False) -> ModelFacts:
-    """What `plan_structure` needs to know about `model`."""
+    """What `plan_structure` needs to know about `model`, read once."""
     peft = is_peft_model(model)
+    structure = structure_of(model, emulating)
     return ModelFacts(
-        structure=structure_of(model, emulating),
+        structure=structure,
         marked_untied=was_untied(model),
         peft=peft,
         config_says_untied=peft and untie_recorded(model),
         optimizer_built=optimizer_built,
+        sharded=not peft and structure == "tied" and is_sharded(input_weight(model)),
     )

@@ -1,9 +1,9 @@
 """Trigger policies: decide at which optimizer step the embeddings are untied.
 
 `ScheduledTrigger` fires at a fixed step. `DivergenceTrigger` fires when a smoothed role signal (see
-`untie.metrics.role_signals_on_rows`) has stayed past a threshold for a number of consecutive measurements; under the
-evidence rule (`RULES["evidence"]`, the default with pairs), only once the model has learned and the data have given
-significant evidence that a pair's two symbols are predicted apart.
+`untie.signals.metrics.role_signals_on_rows`) has stayed past a threshold for a number of consecutive measurements;
+under the evidence rule (`RULES["evidence"]`, the default with pairs), only once the model has learned and the data have
+given significant evidence that a pair's two symbols are predicted apart.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from untie.metric_keys import metric_key, split_metric_key
+from untie.signals.metric_keys import metric_key, split_metric_key
 
 
 @dataclass
@@ -67,13 +67,20 @@ def pair_signal(signal: str) -> tuple[str, str] | None:
     return (name, pair) if name in PAIR_SIGNALS else None
 
 
+def _pair_part(signal: str) -> str:
+    """The pair of a per-pair signal ("0-1" of ``gap/0-1``, "" of ``gap``)."""
+    parsed = pair_signal(signal)
+    assert parsed is not None, f"{signal!r} is not a per-pair signal"
+    return parsed[1]
+
+
 @dataclass
 class UntieWhen:
     """When the divergence trigger unties: the rule, as a JSON-friendly dataclass.
 
-    signal: a role signal of `untie.metrics.role_signals_on_rows` (``cancellation``, ``cosine``, ``conflict``,
+    signal: a role signal of `untie.signals.metrics.role_signals_on_rows` (``cancellation``, ``cosine``, ``conflict``,
         ``norm_ratio``, ``agreement``) or a per-pair one (needs `UntieConfig.pairs`): ``tension/0-1``, or
-        ``gap/0-1``, the pair's conditional gap (`untie.metrics.pair_gap_sums_from_log_probs`); ``tension`` or
+        ``gap/0-1``, the pair's conditional gap (`untie.signals.metrics.pair_gap_sums_from_log_probs`); ``tension`` or
         ``gap`` alone means the largest over the pairs that were measured.
     threshold: the trigger fires when the smoothed signal is past it: above it, or below it for ``cosine``.
     smoothing: weight of the past in the exponential moving average of the signal, in [0, 1); 0 = raw values.
@@ -82,8 +89,9 @@ class UntieWhen:
     significance: with a ``gap`` signal, turns on the evidence rule at this false-alarm level alpha (e.g. 0.01); None
         (default) reads the gap alone. Under the evidence rule a measurement counts only once the model has
         learned (its cross-entropy lies `LEARNED_Z` standard errors below log(vocab), the best an uninformed
-        prediction can do: `untie.metrics.learned_z`), and a pair counts only when its gap is past the threshold
-        and the evidence against its conditional equivalence summed since then (`untie.metrics.pair_evidence_sums`)
+        prediction can do: `untie.signals.metrics.learned_z`), and a pair counts only when its gap is past the threshold
+        and the evidence against its conditional equivalence summed since then
+        (`untie.signals.metrics.pair_evidence_sums`)
         exceeds log(pairs / alpha): at most alpha is the chance that a pair whose two symbols are conditionally
         equivalent ever passes (Ville's inequality, with a Bonferroni share per pair).
     """
@@ -112,7 +120,7 @@ class UntieWhen:
         if self.significance is not None:
             if not 0.0 < self.significance < 1.0:
                 raise ValueError(f"untie_when.significance={self.significance} must be in (0, 1), e.g. 0.01, or None.")
-            if pair_signal(self.signal) is None or pair_signal(self.signal)[0] != "gap":
+            if (pair_signal(self.signal) or ("", ""))[0] != "gap":
                 raise ValueError(
                     "untie_when.significance weighs the evidence against a pair's conditional equivalence, so it "
                     f"needs signal='gap' (or 'gap/<a>-<b>'), got {self.signal!r}; or pass significance=None."
@@ -148,7 +156,7 @@ class UntieWhen:
 
 
 #: Cross-entropy this many standard errors below log(vocab) marks a model that has learned (the evidence rule's
-#: warm-up; `untie.metrics.learned_z`): a one-sided test at about 0.1%.
+#: warm-up; `untie.signals.metrics.learned_z`): a one-sided test at about 0.1%.
 LEARNED_Z = 3.0
 
 #: Named rules, for ``untie_when="<name>"``.
@@ -199,7 +207,11 @@ class DivergenceTrigger:
                 f"UntieWhen(warmup={warmup}) is a fraction of the run, whose length is unknown: pass max_steps, or "
                 "an int warmup (steps)."
             )
-        self.warmup_step = max(0, round(warmup * max_steps)) if isinstance(warmup, float) else warmup
+        if isinstance(warmup, float):
+            assert max_steps is not None  # refused above
+            self.warmup_step = max(0, round(warmup * max_steps))
+        else:
+            self.warmup_step = warmup
 
     def chances(self, metrics_every: int, last_step: int) -> int:
         """How many measurements, taken every `metrics_every` steps, fall after the warm-up and by `last_step`."""
@@ -237,6 +249,7 @@ class DivergenceTrigger:
 
     def evidence_needed(self, pairs: int) -> float:
         """Evidence rule: the nats a pair's summed evidence must reach, log(pairs / alpha)."""
+        assert self.rule.significance is not None, "the evidence rule has a significance"
         return math.log(max(pairs, 1) / self.rule.significance)
 
     def _update_on_evidence(self, step: int, signals: dict[str, float]) -> bool:
@@ -246,7 +259,7 @@ class DivergenceTrigger:
                 self.streak = 0
                 return False
             self.learned_step = step
-        wanted = pair_signal(self.rule.signal)[1]
+        wanted = _pair_part(self.rule.signal)
         gaps = {
             pair: value
             for key, value in signals.items()

@@ -1,0 +1,191 @@
+"""`UntieCallback`: the Trainer adapter of the run logic (`untie.core.run.UntieRun`)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from untie.adapters import trainer_glue as glue
+from untie.checkpoints.checkpoint import STATE_KEY, read_saved_run, saved_callback_state
+from untie.config import UntieConfig, build_config, settings_help
+from untie.core.run import TRAINER_CALLBACK, UntieRun
+from untie.engines.distributed import training_engine
+from untie.registry import Registry
+from untie.structure.peft_support import is_peft_model
+
+logger = logging.getLogger(__name__)
+
+
+def _run_attribute(name: str, doc: str) -> property:
+    """A callback attribute that is the run object's (`UntieRun`), readable and settable (Trainer restores saved
+    attributes with `setattr` on a new instance)."""
+    return property(lambda self: getattr(self.run, name), lambda self, value: setattr(self.run, name, value), doc=doc)
+
+
+class UntieCallback(TrainerCallback, ExportableState):
+    """Train tied, then untie the LM head from the input embedding when tying starts to hurt, or at a deadline.
+
+    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: the divergence trigger, with a deadline at
+    30% of the run; `UntieCallback(untie_at=N, untie_when=None)` unties at N (a fixed schedule). Every `metrics_every`
+    steps it measures the role signals of the shared matrix (drift between the two spaces once untied), feeds them to
+    the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next log, next to `untie/tied`
+    and `untie/untie_step`; `history` keeps every measurement. Saves its state in checkpoints and restores the untied
+    structure by itself when a run resumes from a checkpoint saved after the untie.
+
+    The run logic is `untie.core.run.UntieRun` (shared with `untie.Untier`, for custom loops); this class only maps
+    Trainer's events onto it and handles what only Trainer does (building the model, loading checkpoints, logs).
+    """
+
+    untied = _run_attribute("untied", "Whether the model has been untied.")
+    untie_step = _run_attribute("untie_step", "The optimizer step of the untie (None while tied).")
+    untie_reason = _run_attribute(
+        "untie_reason", 'Why the model was untied: "trigger", "deadline", "checkpoint" or "start".'
+    )
+    history = _run_attribute("history", 'Every measurement: {"step": ..., signal: value, ...}.')
+    trigger_state = _run_attribute("trigger_state", "The divergence trigger's running state (None without one).")
+    pairs = _run_attribute("pairs", "The measured pairs: `config.pairs`, or those read from the tokenizer.")
+    tying_mode = _run_attribute("tying_mode", 'The tied phase\'s implementation, "live" or "emulated".')
+    rule = _run_attribute("rule", 'The trigger\'s rule (`untie.UntieWhen`), "divergence" resolved for the pairs; None.')
+    divergence = _run_attribute(
+        "divergence", "The divergence trigger (`untie.signals.triggers.DivergenceTrigger`) or None."
+    )
+    deadline = _run_attribute("deadline", "`untie_at` (`untie.signals.triggers.ScheduledTrigger`).")
+
+    def __init__(self, config: UntieConfig | None = None, **overrides: Any) -> None:
+        """Args:
+            config: the settings (`untie.UntieConfig`, e.g. parsed with
+                ``HfArgumentParser((UntieConfig, TrainingArguments))``); default `UntieConfig()`.
+            **overrides: settings by name, over `config` (``UntieCallback(untie_at=500, untie_when=None)``); an
+                unknown name or a bad value is refused here.
+
+        Every setting, with its meaning: `untie.UntieConfig` (``help(untie.UntieConfig)``).
+        """
+        self.run = UntieRun(build_config(config, overrides, "UntieCallback"), TRAINER_CALLBACK)
+        """The run logic and state (`untie.core.run.UntieRun`)."""
+        self._global_step = 0
+        self._trainer_registry = Registry("UntieCallback: the Trainer")
+        """The Trainer's `train` entry (`trainer_glue.wrap_train`): for the Trainer's life, not one run's."""
+
+    @classmethod
+    def from_config(cls, config: UntieConfig, **overrides: Any) -> UntieCallback:
+        """A callback with the settings of `config` (e.g. parsed with `HfArgumentParser`), and `overrides`."""
+        return cls(config, **overrides)
+
+    @property
+    def config(self) -> UntieConfig:
+        """The settings (`untie.UntieConfig`)."""
+        return self.run.config
+
+    # -- ExportableState -----------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """What Trainer saves in `trainer_state.json`: the settings (`args`, which Trainer can rebuild the callback
+        from) and the run state, in the layout `untie.Untier` saves too (`UntieRun.state_dict`), under
+        `untie.checkpoints.checkpoint.STATE_KEY`. `on_train_begin` restores it from the checkpoint's TrainerState."""
+        return {"args": self.config.to_dict(), "attributes": {STATE_KEY: self.run.state_dict(self._global_step)}}
+
+    # -- Trainer events ---------------------------------------------------------------------------------------------
+    def on_init_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+        """Phase 1 (attach): the Trainer is built, its optimizer and wrappers are not."""
+        handler = glue.find_handler(self)
+        others = [cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, UntieCallback) and cb is not self]
+        if others:
+            raise ValueError(
+                f"Trainer has {len(others) + 1} UntieCallbacks; one model has one untie. Pass a single "
+                "UntieCallback(...) with all its settings."
+            )
+        glue.move_first(self)
+        self.run.attach(model, engine=training_engine(args), tokenizer=processing_class)
+        trainer = glue.find_trainer(self)
+        if trainer is not None:
+            # train() builds (model_init) and loads a resumed checkpoint before any callback event: see them first.
+            glue.wrap_train(trainer, UntieCallback, self._trainer_registry)
+
+    @contextmanager
+    def train_call(self, trainer, folder: str | None) -> Iterator[None]:
+        """One `trainer.train()` call, entered before Trainer builds or loads anything (`trainer_glue.wrap_train`):
+        give the model the structure of the checkpoint in `folder` (refusing an incomplete one), attach the model of
+        a later call, and with `model_init` each model it builds (each hyperparameter_search trial)."""
+        if trainer.model_init is not None or self.run.phase == "closed":
+            self.run.close()  # the model is built next (model_init), or this is a later call: attach anew
+        if folder is not None:
+            model = self.run.model or trainer.model  # PEFT adapters hold no embedding to look up
+            self.run.expect_checkpoint(read_saved_run(folder, None if model is None or is_peft_model(model) else model))
+        call = Registry("UntieCallback: one train() call")
+        if trainer.model_init is not None:
+            attach = functools.partial(self.run.attach, **self.run.attach_args)
+            prepared = glue.preparing(trainer.model_init, attach)
+            call.replace("Trainer.model_init (attach each model)", trainer, "model_init", prepared)
+        elif self.run.phase == "closed":
+            self.run.attach(trainer.model, **self.run.attach_args)
+        try:
+            yield
+        finally:
+            call.close()
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        """Phase 2 (start): the optimizer exists, and a resumed checkpoint has loaded."""
+        if self.run.phase == "new":
+            self._adopt_attached_run()
+        if model is not self.run.model:
+            raise RuntimeError(
+                "UntieCallback: Trainer is about to train a model that UntieCallback did not prepare (was "
+                "trainer.model replaced after the Trainer was built?): its tied structure and checkpoint guard would "
+                "be missing. Build a new Trainer with that model, or give Trainer a model_init that returns it."
+            )
+        # This train() call's run state: the checkpoint's when resuming (Trainer does not restore it), else fresh.
+        self._global_step = state.global_step
+        saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if state.global_step else {}
+        where = "the checkpoint's trainer_state.json"
+        self.run.start(optimizer, state.global_step, state.max_steps, saved or None, where)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.run.arm(state.global_step + 1)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """The step's gradients are complete (all micro-batches, all ranks): read the role signals off them."""
+        self.run.measure(state.global_step + 1)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._global_step = state.global_step
+        if self.run.end_of_step(state.global_step) is not None:
+            control.should_log = True
+            if self.config.save_at_untie and args.save_strategy != "no":
+                control.should_save = True
+            elif self.config.save_at_untie:
+                logger.info("untie: no checkpoint at the untie step: save_strategy='no' (save_at_untie skipped).")
+        return control
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None:
+            return
+        values = self.run.take_latest()
+        logs.update(values)  # what the reporting integrations (console, TensorBoard, W&B) send
+        glue.add_to_log_history(state, values)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """The run is over: every install comes off the model, the optimizer and the Trainer (`UntieRun.close`)."""
+        self.run.close()
+
+    # -- what the events use ----------------------------------------------------------------------------------------
+    def _adopt_attached_run(self) -> None:
+        """Take over the run `on_init_end` attached. With `restore_callback_states_from_checkpoint=True`, Trainer
+        replaces this callback on resume with a new instance, built from the checkpoint's `args` after that event;
+        the call under way (`trainer_glue.train_entry`) knows the instance that attached."""
+        entry = glue.train_entry(glue.find_trainer(self))
+        if entry is None or entry.active is None or entry.active is self:
+            raise RuntimeError(
+                "UntieCallback was added after the Trainer was built (trainer.add_callback): it must prepare the "
+                "model before the optimizer and the checkpoint loader see it. Pass it to the constructor: "
+                "Trainer(..., callbacks=[UntieCallback(...)])."
+            )
+        self.run.adopt(entry.active.run)
+        glue.move_first(self)  # Trainer appended the new instance after the logging integrations
+
+
+UntieCallback.__doc__ = f"{UntieCallback.__doc__}\n\n    {settings_help().replace(chr(10), chr(10) + '    ')}"
