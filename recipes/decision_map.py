@@ -14,6 +14,7 @@ fit in the corpus's training blocks (checked at the start).
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,14 +24,14 @@ from tqdm.auto import tqdm
 
 from untie import UntieConfig
 from untie_recipes.arguments import parse
-from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, default_cache_dir, load_corpus
+from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, VOCAB_SIZE, default_cache_dir, load_corpus
 from untie_recipes.tasks.decision_map.report import unit_complete, write_report
 from untie_recipes.tasks.decision_map.runs import MapContext, run_unit, steps_of_unit
 from untie_recipes.tasks.decision_map.training import RunRecord, TrainingSetup
 
 #: Preset -> defaults; flags given on the command line win.
 PRESETS = {
-    "map": {"sources": list(SOURCES), "widths": [64, 256], "budgets": [250, 500, 1000], "seeds": [1, 2, 3]},
+    "map": {"sources": ["shakespeare", "kjv"], "widths": [64, 256], "budgets": [250, 500, 1000], "seeds": [1, 2, 3]},
     "quick": {"sources": ["shakespeare"], "widths": [32], "budgets": [20, 40], "seeds": [1, 2], "layers": 1},
 }
 #: Width -> (layers, heads, learning rate) of the map's models, fixed before any run (not tuned on the map).
@@ -45,6 +46,7 @@ class MapArguments:
     budgets: list[int] | None = field(default=None, metadata={"help": "token budgets, in optimizer steps"})
     seeds: list[int] | None = field(default=None, metadata={"help": "seeds (model init and data order)"})
     layers: int | None = field(default=None, metadata={"help": "override the width's number of layers"})
+    vocab_size: int = field(default=VOCAB_SIZE, metadata={"help": "the BPE vocabulary trained on the corpus"})
     batch_size: int = field(default=8, metadata={"help": f"blocks of {BLOCK} tokens per optimizer step"})
     warmup: int = field(default=50, metadata={"help": "linear warm-up steps, then a constant learning rate"})
     output_dir: str = field(default="runs/decision-map", metadata={"help": "records, checkpoints, report"})
@@ -75,11 +77,29 @@ def setup_for(args: MapArguments, width: int, seed: int) -> TrainingSetup:
                          batch_size=args.batch_size, learning_rate=learning_rate, warmup=warmup)  # fmt: skip
 
 
+def check_same_data(output_dir: Path, args: MapArguments) -> None:
+    """Refuse an output_dir whose runs were trained on other data (sources, vocabulary) or another model depth or
+    batch: its records are named by width and seed only, and would be reused as if they were this map's."""
+    wanted = {"sources": sorted(args.sources), "vocab_size": args.vocab_size, "layers": args.layers,
+              "batch_size": args.batch_size}  # fmt: skip
+    path = output_dir / "map.json"
+    if path.exists():
+        found = json.loads(path.read_text())
+        if found != wanted:
+            raise SystemExit(
+                f"{output_dir} holds a map of {found}; this one is {wanted}. Pass another --output_dir for it."
+            )
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted, indent=2))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     (args, config), _explicit = parse((MapArguments, UntieConfig), argv)  # lists: --seeds 1 2 3, as every recipe
     args.resolve()
     output_dir = Path(args.output_dir)
-    corpus = load_corpus(tuple(args.sources), Path(args.cache_dir) if args.cache_dir else default_cache_dir())
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    corpus = load_corpus(tuple(args.sources), cache_dir, args.vocab_size)
     needed = max(args.budgets) * args.batch_size
     if needed > len(corpus.train):
         raise SystemExit(
@@ -88,6 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"see tokens twice. Lower --budgets (at most {len(corpus.train) // args.batch_size} steps) or "
             "--batch_size."
         )
+    check_same_data(output_dir, args)
     ctx = MapContext(corpus, tuple(args.budgets), output_dir, untie=config)
     units_wanted = [(w, s) for w in args.widths for s in args.seeds]
     units: dict[tuple[int, int], dict[str, RunRecord]] = {}

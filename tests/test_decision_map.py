@@ -3,6 +3,7 @@ of finished runs across sittings, its refusal to repeat tokens, and its per-cell
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -138,7 +139,7 @@ def recipe(small_corpus, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "decision_map_recipe", module)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "load_corpus", lambda sources, cache_dir: small_corpus)
+    monkeypatch.setattr(module, "load_corpus", lambda sources, cache_dir, vocab_size: small_corpus)
     return module
 
 
@@ -325,3 +326,63 @@ def test_another_optimizer_state_reuses_the_tied_and_untied_runs_and_reports_apa
     for before, after in zip(copied, fresh, strict=True):
         assert before["arms"]["tied"] == after["arms"]["tied"] and before["arms"]["untied"] == after["arms"]["untied"]
         assert before["arms"]["fixed-50"]["mean"] != after["arms"]["fixed-50"]["mean"]
+
+
+def test_the_manuals_keep_their_prose_and_drop_their_markup():
+    rst = ".. _intro:\n\nAn Introduction\n===============\n\nPython is *easy*.\n\n.. note::\n\n   Indented stays.\n"
+    assert corpus_module.prose_lines(rst, "rst") == ["An Introduction", "Python is *easy*.", "Indented stays."]
+    pod = "=pod\n\n=head1 NAME\n\nperlintro - a brief introduction\n\n=over 4\n\n=cut\n"
+    assert corpus_module.prose_lines(pod, "pod") == ["NAME", "perlintro - a brief introduction"]
+    page = "<html><style>p {x: 1}</style><body><h1>SELECT</h1><p>Retrieve rows &amp; columns\n from a table.</p>"
+    assert corpus_module.prose_lines(page, "html") == ["SELECT", "Retrieve rows & columns", "from a table."]
+
+
+def _fake_debian(calls: list):
+    """apt-get download and dpkg-deb -x, as subprocess calls: a package file, then an unpacked tree of 130 lines per
+    documentation file (three documents of 60, 60 and 10 lines)."""
+
+    def run(command, cwd=None, **kwargs):
+        calls.append(command[:2])
+        if command[:2] == ["apt-get", "download"]:
+            Path(cwd, f"{command[2]}_1.0_all.deb").write_bytes(command[2].encode())
+        elif command[:2] == ["dpkg-deb", "-x"]:
+            package = Path(command[2]).name.split("_")[0]
+            pattern, markup = corpus_module.DEBIAN_DOCS[package]
+            path = Path(command[3], pattern.replace("**/", "").replace("*", "x", 1).replace("*", "page"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(f"{package} line {i}." for i in range(130)))
+        return type("Done", (), {"returncode": 0, "stderr": ""})()
+
+    return run
+
+
+def test_the_debian_manuals_are_fetched_once_with_their_provenance_and_then_read_from_the_cache(tmp_path, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(corpus_module.subprocess, "run", _fake_debian(calls))
+    docs = corpus_module.fetch_debian_docs(tmp_path)
+    assert len(docs) == 3 * len(corpus_module.DEBIAN_DOCS)
+    assert docs[0].splitlines()[0] == "linux-doc-6.1 line 0." and len(docs[0].splitlines()) == 60
+    assert len(docs[2].splitlines()) == 10  # the file's last lines: a shorter document, never across files
+    provenance = json.loads((tmp_path / "corpora" / "debian-docs.json").read_text())["packages"]
+    assert provenance["perl-doc_1.0_all.deb"]["sha256"] == hashlib.sha256(b"perl-doc").hexdigest()
+    monkeypatch.setattr(corpus_module.subprocess, "run", lambda *a, **k: pytest.fail("the cache was not used"))
+    assert corpus_module.documents(("debian-docs",), tmp_path) == docs
+
+
+def test_a_missing_debian_package_names_the_fix(tmp_path, monkeypatch):
+    def fail(command, cwd=None, **kwargs):
+        return type("Done", (), {"returncode": 100, "stderr": "E: Unable to locate package"})()
+
+    monkeypatch.setattr(corpus_module.subprocess, "run", fail)
+    with pytest.raises(corpus_module.CorpusUnavailable, match="apt-get download linux-doc-6.1.*--sources shakespeare"):
+        corpus_module.fetch_debian_docs(tmp_path)
+    assert not (tmp_path / "corpora" / "debian-docs.jsonl.gz").exists()
+
+
+def test_another_vocabulary_is_its_own_corpus_and_a_map_folder_keeps_its_data(recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_module, "documents", lambda sources, cache_dir: _texts(300, seed=3))
+    small = corpus_module.load_corpus(("shakespeare",), tmp_path, vocab_size=280)
+    assert len(small.tokenizer) == 280 and next(tmp_path.rglob("shakespeare-vocab280-v*"))
+    recipe.main(_map_args(tmp_path))
+    with pytest.raises(SystemExit, match="holds a map of .*'vocab_size': 8192.*Pass another --output_dir"):
+        recipe.main(_map_args(tmp_path, "--vocab_size", "280"))

