@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from untie import UntieConfig
-from untie_recipes.arguments import parse
+from untie_recipes.common import parse
 from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, VOCAB_SIZE, default_cache_dir, load_corpus
 from untie_recipes.tasks.decision_map.report import unit_complete, write_report
 from untie_recipes.tasks.decision_map.runs import MapContext, run_unit, steps_of_unit

@@ -51,6 +51,26 @@ def test_a_trainer_run_leaves_only_the_structure_and_the_train_entry(make_args, 
     assert library_leftovers(trainer=trainer) == []
 
 
+def test_a_train_call_that_raises_leaves_nothing_and_the_next_call_runs_afresh(make_args):
+    class Interrupt(tf.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise KeyboardInterrupt
+
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback(untie_at=4, untie_when=None, metrics_every=1)
+    trainer = tf.Trainer(
+        model=model, args=make_args(max_steps=6), train_dataset=ToyLMDataset(), callbacks=[callback, Interrupt()]
+    )
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert library_leftovers(model=model, optimizer=trainer.optimizer) == []  # on_train_end never ran
+    trainer.remove_callback(Interrupt)
+    trainer.train()
+    assert (callback.untie_step, callback.untie_reason) == (4, "deadline")
+    assert [h["step"] for h in callback.history] == [1, 2, 3, 4, 5, 6]
+
+
 @pytest.mark.parametrize("tying_mode", ["live", "emulated"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_an_untier_run_leaves_only_the_structure(schedule, tying_mode):

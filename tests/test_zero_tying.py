@@ -21,13 +21,18 @@ def _loss(model) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def test_autograd_tying_gives_each_matrix_the_tied_gradient_over_sqrt2_and_the_tied_norm():
+def _twins() -> tuple:
+    """A live-tied tiny GPT-2 and its twin tied in autograd (`ZeroTying`), both without dropout."""
     tied = tiny_model("gpt2")
     tied.eval()
     emulated = tiny_model("gpt2")
     emulated.eval()
     untie_embeddings(emulated)
-    tying = ZeroTying(emulated)
+    return tied, emulated, ZeroTying(emulated)
+
+
+def test_autograd_tying_gives_each_matrix_the_tied_gradient_over_sqrt2_and_the_tied_norm():
+    tied, emulated, tying = _twins()
     loss_tied, loss_emulated = _loss(tied), _loss(emulated)
     loss_tied.backward()
     loss_emulated.backward()
@@ -143,12 +148,7 @@ def test_a_removed_probe_stops_listening_to_the_tying():
 
 def _twin_runs(steps: int = 3):
     """A live-tied model and its ZeRO autograd-tied twin (no DeepSpeed: a plain AdamW), trained on one batch."""
-    tied = tiny_model("gpt2")
-    tied.eval()
-    emulated = tiny_model("gpt2")
-    emulated.eval()
-    untie_embeddings(emulated)
-    tying = ZeroTying(emulated)
+    tied, emulated, tying = _twins()
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-12) for m in (tied, emulated)]
     for _ in range(steps):
         for model, optimizer in zip((tied, emulated), optimizers, strict=True):

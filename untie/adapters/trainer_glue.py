@@ -70,7 +70,7 @@ class TrainEntry:
 
     def __call__(self, resume_from_checkpoint=None, *args, **kwargs):
         trainer = self.trainer
-        callback = next((c for c in trainer.callback_handler.callbacks if isinstance(c, self.callback_class)), None)
+        callback = self._current_callback()
         if callback is None:  # the callback was removed (trainer.remove_callback): the Trainer is plain again
             self.registry.close()
             return self.original(resume_from_checkpoint, *args, **kwargs)
@@ -84,6 +84,15 @@ class TrainEntry:
                 return self.original(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.active = None
+            # The run of the callback the Trainer holds now (one Trainer may have re-created) is over, also when
+            # train() raised before on_train_end: its installs come off, and a later call attaches anew.
+            current = self._current_callback()
+            if current is not None:
+                current.run.close()
+
+    def _current_callback(self):
+        handler = self.trainer.callback_handler
+        return next((c for c in handler.callbacks if isinstance(c, self.callback_class)), None)
 
 
 def wrap_train(trainer, callback_class: type, registry: Registry) -> None:

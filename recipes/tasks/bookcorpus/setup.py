@@ -1,5 +1,5 @@
 """The BookCorpus recipe's settings: its own arguments and presets, resolved with `untie.UntieConfig` and Trainer's
-`TrainingArguments` into one `BookCorpusSetup` (`untie_recipes.arguments`: a preset fills what the command line did not
+`TrainingArguments` into one `BookCorpusSetup` (`untie_recipes.common`: a preset fills what the command line did not
 set)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie_recipes.arguments import fill, parse
+from untie_recipes.common import RecipeSetup, fill, parse
 
 ARMS = ("tied", "untied", "scheduled", "auto")
 PRESETS = {
@@ -137,16 +137,10 @@ class BookCorpusArguments:
 
 
 @dataclass(frozen=True)
-class BookCorpusSetup:
+class BookCorpusSetup(RecipeSetup):
     """Everything the arms run with: the recipe's arguments, the untie settings, Trainer's arguments."""
 
     args: BookCorpusArguments
-    untie: untie.UntieConfig
-    training: tf.TrainingArguments
-
-    @property
-    def output_dir(self) -> str:
-        return str(self.training.output_dir)
 
     def arm_config(self, arm: str, pairs: Any) -> untie.UntieConfig | None:
         """The arm's untie settings: tied and untied are plain Trainer runs (the baselines the callback's cost is

@@ -19,7 +19,7 @@ from accelerate import PartialState
 
 import untie
 from untie.signals.metrics import pair_distances
-from untie_recipes.arguments import training_arguments
+from untie_recipes.common import training_arguments, untie_outcome
 from untie_recipes.progress import JobProgress, quiet_trainer
 from untie_recipes.schedules import periodic_cosine
 from untie_recipes.tasks.bookcorpus.data import (
@@ -229,10 +229,7 @@ def _arm_record(arm: str, setup: BookCorpusSetup, data: PreparedData, trainer: t
         "objective": args.objective,
         "twins": args.twins,
         "dataset": args.dataset,
-        "steps": trainer.state.global_step,
-        "untie_step": callback.untie_step if callback else None,
-        "untie_reason": callback.untie_reason if callback else None,
-        "trigger_step": trigger.fired_step if trigger else None,
+        **untie_outcome(trainer, callback),
         "trigger_pairs": _named_pairs(trigger.fired_pairs, data.tokenizer, data.twins) if trigger else [],
         "eval_loss": final["loss"],
         "perplexity": final["perplexity"],

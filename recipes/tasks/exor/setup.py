@@ -1,5 +1,5 @@
 """The EXor recipe's settings: its own arguments and presets, resolved with `untie.UntieConfig` and Trainer's
-`TrainingArguments` into one `ExorSetup` (`untie_recipes.arguments`: a preset fills what the command line did not set).
+`TrainingArguments` into one `ExorSetup` (`untie_recipes.common`: a preset fills what the command line did not set).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie_recipes.arguments import ARM_SCHEDULES, arm_config, fill, parse
+from untie_recipes.common import ARM_SCHEDULES, RecipeSetup, arm_config, fill, parse
 from untie_recipes.tasks.exor.data import EQUIVALENT_PAIRS, vocabulary
 
 ARMS = tuple(ARM_SCHEDULES)
@@ -108,16 +108,10 @@ class ExorArguments:
 
 
 @dataclass(frozen=True)
-class ExorSetup:
+class ExorSetup(RecipeSetup):
     """Everything a grid runs with: the recipe's arguments, the untie settings the arms start from, Trainer's."""
 
     args: ExorArguments
-    untie: untie.UntieConfig
-    training: tf.TrainingArguments
-
-    @property
-    def output_dir(self) -> str:
-        return str(self.training.output_dir)
 
     @property
     def rule(self) -> untie.UntieWhen | None:

@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie_recipes.arguments import training_arguments
+from untie_recipes.common import training_arguments, untie_outcome
 from untie_recipes.progress import JobProgress, StepReporter, quiet_trainer
 from untie_recipes.schedules import periodic_cosine
 from untie_recipes.tasks.exor.data import PAIRS, ExorDataset, vocabulary
@@ -138,10 +138,7 @@ def _run_record(spec: RunSpec, setup: ExorSetup, trainer: tf.Trainer, callback, 
         "model": spec.model,
         "arm": spec.arm,
         "seed": spec.seed,
-        "steps": trainer.state.global_step,
-        "untie_step": callback.untie_step if callback else None,
-        "untie_reason": callback.untie_reason if callback else None,
-        "trigger_step": trigger.fired_step if trigger else None,
+        **untie_outcome(trainer, callback),
         "trigger_pairs": trigger.fired_pairs if trigger else [],
         "final_loss": final["final_train_loss"],
         "heldout_loss": final["final_heldout_loss"],

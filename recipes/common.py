@@ -1,4 +1,4 @@
-"""What the recipes share on the command line.
+"""What the recipes share: the command line, the settings every run starts from, and the untie in a run's record.
 
 Each Trainer recipe parses three dataclasses with one `HfArgumentParser`: its own arguments (the grid, the preset,
 the data), `untie.UntieConfig` (the untie settings the arms start from) and `transformers.TrainingArguments` (every
@@ -16,6 +16,7 @@ import dataclasses
 import sys
 import typing
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import transformers as tf
@@ -90,3 +91,27 @@ def arm_config(arm: str, config: untie.UntieConfig, **recipe: Any) -> untie.Unti
 def training_arguments(base: tf.TrainingArguments, **run: Any) -> tf.TrainingArguments:
     """One run's TrainingArguments: the parsed ones (every Trainer flag) with the run's own values over them."""
     return dataclasses.replace(base, **run)
+
+
+@dataclass(frozen=True)
+class RecipeSetup:
+    """Everything a Trainer recipe's runs start from: its own arguments, the untie settings, Trainer's arguments."""
+
+    args: Any
+    untie: untie.UntieConfig
+    training: tf.TrainingArguments
+
+    @property
+    def output_dir(self) -> str:
+        return str(self.training.output_dir)
+
+
+def untie_outcome(trainer: tf.Trainer, callback: untie.UntieCallback | None) -> dict[str, Any]:
+    """The untie in a run's record: the steps run, when and why the model untied, when the trigger fired."""
+    trigger = callback.divergence if callback else None
+    return {
+        "steps": trainer.state.global_step,
+        "untie_step": callback.untie_step if callback else None,
+        "untie_reason": callback.untie_reason if callback else None,
+        "trigger_step": trigger.fired_step if trigger else None,
+    }
