@@ -346,6 +346,8 @@ def _fake_debian(calls: list):
         if command[:2] == ["apt-get", "download"]:
             Path(cwd, f"{command[2]}_1.0_all.deb").write_bytes(command[2].encode())
         elif command[:2] == ["dpkg-deb", "-x"]:
+            if not Path(command[3]).parent.is_dir():  # as dpkg-deb: it creates the folder, not its parents
+                return type("Done", (), {"returncode": 2, "stderr": "failed to create directory"})()
             package = Path(command[2]).name.split("_")[0]
             pattern, markup = corpus_module.DEBIAN_DOCS[package]
             path = Path(command[3], pattern.replace("**/", "").replace("*", "x", 1).replace("*", "page"))

@@ -176,7 +176,10 @@ def fetch_debian_docs(cache_dir: Path) -> list[str]:
                     "debian-docs source needs Debian's archive once; use --sources shakespeare kjv without it."
                 )
             unpacked = Path(folder) / "unpacked" / package
-            subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, capture_output=True)
+            unpacked.mkdir(parents=True)  # dpkg-deb -x creates the folder, not its parents
+            done = subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise CorpusUnavailable(f"could not unpack {debs[0].name} (dpkg-deb -x): {done.stderr.strip()[-400:]}")
             found = debian_documents(unpacked, pattern, markup)
             packages[debs[0].name] = {
                 "sha256": hashlib.sha256(debs[0].read_bytes()).hexdigest(),
