@@ -6,6 +6,7 @@ default trigger, across widths, token budgets and seeds; write the per-cell tabl
     python recipes/decision_map.py --report_only       # table and figure from the runs finished so far
     python recipes/decision_map.py --widths 64 --seeds 7 --budgets 500   # one cell, other seeds
     python recipes/decision_map.py --optimizer_state fresh   # untying arms with other settings (any UntieConfig flag)
+    python recipes/decision_map.py --arms tied untied auto     # fewer arms (no fixed branches): a cheaper map
 
 Finished runs are kept under ``--output_dir/records`` and skipped by a rerun, so the map spreads over sittings; an
 interrupted tied or untied run resumes from its last checkpoint. No arm sees a token twice: the largest budget must
@@ -26,7 +27,7 @@ from untie import UntieConfig
 from untie_recipes.common import parse
 from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, VOCAB_SIZE, default_cache_dir, load_corpus
 from untie_recipes.tasks.decision_map.report import unit_complete, write_report
-from untie_recipes.tasks.decision_map.runs import MapContext, run_unit, steps_of_unit
+from untie_recipes.tasks.decision_map.runs import MAP_ARMS, MapContext, run_unit, steps_of_unit
 from untie_recipes.tasks.decision_map.training import RunRecord, TrainingSetup
 
 #: Preset -> defaults; flags given on the command line win.
@@ -45,6 +46,10 @@ class MapArguments:
     widths: list[int] | None = field(default=None, metadata={"help": f"model widths among {sorted(MODEL_SHAPES)}"})
     budgets: list[int] | None = field(default=None, metadata={"help": "token budgets, in optimizer steps"})
     seeds: list[int] | None = field(default=None, metadata={"help": "seeds (model init and data order)"})
+    arms: list[str] = field(
+        default_factory=lambda: list(MAP_ARMS),
+        metadata={"help": f"the arms to run, among {MAP_ARMS} (tied always runs: the branches start from it)"},
+    )
     layers: int | None = field(default=None, metadata={"help": "override the width's number of layers"})
     vocab_size: int = field(default=VOCAB_SIZE, metadata={"help": "the BPE vocabulary trained on the corpus"})
     batch_size: int = field(default=8, metadata={"help": f"blocks of {BLOCK} tokens per optimizer step"})
@@ -62,6 +67,10 @@ class MapArguments:
         for key, value in PRESETS[self.preset].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
+        wrong = sorted(set(self.arms) - set(MAP_ARMS))
+        if wrong:
+            raise SystemExit(f"--arms {wrong}: choose among {MAP_ARMS}.")
+        self.arms = [arm for arm in MAP_ARMS if arm in self.arms or arm == "tied"]
         unknown = sorted(set(self.widths) - set(MODEL_SHAPES))
         if unknown:
             raise SystemExit(f"--widths {unknown}: choose among {sorted(MODEL_SHAPES)}.")
@@ -109,7 +118,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "--batch_size."
         )
     check_same_data(output_dir, args)
-    ctx = MapContext(corpus, tuple(args.budgets), output_dir, untie=config)
+    ctx = MapContext(corpus, tuple(args.budgets), output_dir, untie=config, arms=tuple(args.arms))
     units_wanted = [(w, s) for w in args.widths for s in args.seeds]
     units: dict[tuple[int, int], dict[str, RunRecord]] = {}
     if not args.report_only:
@@ -128,7 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         for width, seed in units_wanted:
             records = ctx.load_records(setup_for(args, width, seed))
-            if unit_complete(records, tuple(args.budgets)):
+            if unit_complete(records, tuple(args.budgets), tuple(args.arms)):
                 units[(width, seed)] = records
             else:
                 print(f"d{width} seed {seed}: not finished ({len(records)} runs recorded), left out", file=sys.stderr)
@@ -138,7 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "train_blocks": len(corpus.train), "validation_blocks": len(corpus.validation), "block": BLOCK,
                 "torch": torch.__version__}  # fmt: skip
     suffix = ctx.label.replace("+", "-")
-    table = write_report(output_dir, units, tuple(args.budgets), args.batch_size * BLOCK, settings, suffix)
+    table = write_report(output_dir, units, tuple(args.budgets), args.batch_size * BLOCK, settings, suffix,
+                         tuple(args.arms))  # fmt: skip
     print((output_dir / f"results{suffix}.md").read_text())
     print(f"Wrote {output_dir}/results{suffix}.json, .md and figures/decision-map{suffix}.png", file=sys.stderr)
     return table

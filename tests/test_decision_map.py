@@ -187,8 +187,9 @@ def test_an_interrupted_tied_run_resumes_from_its_checkpoint_to_the_same_numbers
     original = training.train_steps
 
     def interrupted(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 1:  # the first (tied) run dies after step 6: its resume checkpoint is at step 4
+        tied_run = untie.is_tied(a[0]) and a[8].checkpoints  # the auto run saves no checkpoints
+        calls["n"] += bool(tied_run)
+        if tied_run and calls["n"] == 1:  # the tied run dies after step 6: its resume checkpoint is at step 4
             a = list(a)
             a[7] = 6
             original(*a, **k)
@@ -388,3 +389,53 @@ def test_another_vocabulary_is_its_own_corpus_and_a_map_folder_keeps_its_data(re
     recipe.main(_map_args(tmp_path))
     with pytest.raises(SystemExit, match="holds a map of .*'vocab_size': 8192.*Pass another --output_dir"):
         recipe.main(_map_args(tmp_path, "--vocab_size", "280"))
+
+
+def test_fewer_arms_run_no_branches_and_report_what_was_run(recipe, tmp_path):
+    table = recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied", "auto"))
+    records = {p.name for p in (tmp_path / "map" / "records").glob("*.json")}
+    # tied always runs (the branches and the auto arm's deadlines start from it); no fixed branch is recorded
+    assert {"d32-s1-tied.json", "d32-s1-untied.json", "d32-s1-auto.json"} <= records
+    fixed_steps = set(runs.fixed_branch_stops((8, 16))) - set(runs.deadline_steps((8, 16)).values())
+    assert not {f"d32-s1-untie@{s}.json" for s in fixed_steps} & records
+    for cell in table:
+        assert set(cell["arms"]) == {"tied", "untied", "auto"}
+        assert cell["oracle"] is None and cell["auto_regret"] is None and cell["paired"]["arm"] == "auto"
+    text = (tmp_path / "map" / "results.md").read_text()
+    assert "| tied | untied | auto | winner |" in text and "fixed-10" not in text.split("\n\n")[2]
+    assert (tmp_path / "map" / "figures" / "decision-map.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="--arms"):
+        recipe.main(_map_args(tmp_path, "--arms", "tied", "sometimes"))
+
+
+def test_the_policy_arm_is_labelled_apart_and_reuses_the_tied_and_untied_runs(recipe, tmp_path, monkeypatch):
+    recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied"))
+    monkeypatch.setitem(recipe.run_unit.__globals__, "_plain_run", lambda *a: pytest.fail("tied/untied rerun"))
+    monkeypatch.setattr(untie.core.policy, "UNTIED_FROM_START_SHARE", 0.01)  # every model: untied from the start
+    table = recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied", "auto", "--policy", "auto"))
+    names = {p.name for p in (tmp_path / "map" / "records").glob("d32-s1-auto*.json")}
+    assert len(names) == 1 and names.pop().startswith("d32-s1-auto+cfg")  # not the default's auto record
+    # untied at step 0, the auto arm needs no deadline branch: the tied run (its checkpoints gone) is not rerun
+    assert all(cell["arms"]["auto"]["untie"] == ["0 (start)"] for cell in table)
+
+
+def test_the_policy_table_pairs_the_default_with_the_run_untied_from_the_start(recipe, tmp_path):
+    recipe.main(_map_args(tmp_path, "--arms", "untied", "auto"))
+    recipe.main(_map_args(tmp_path, "--arms", "auto", "--untie_at", "0", "--untie_when", "none"))
+    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
+    policy_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy_table)
+    output = tmp_path / "policy.md"
+    text = policy_table.main([str(tmp_path / "map"), "--output", str(output)])
+    table = json.loads(output.with_suffix(".json").read_text())
+    assert output.read_text().strip() == text and len(table) == 2  # budgets 8 and 16
+    folder = tmp_path / "map" / "records"
+    for row in table:
+        assert row["shape"] == "d32x1" and row["seeds"] == [1, 2] and 0 < row["share"] < 1
+        key = str(row["budget"])
+        start = [RunRecord.load(p).losses[key] for p in sorted(folder.glob("d32-s*-auto+cfg*.json"))]
+        default = [RunRecord.load(folder / f"d32-s{s}-auto.json").losses[key] for s in (1, 2)]
+        assert RunRecord.load(next(folder.glob("d32-s1-auto+cfg*.json"))).untie_step == 0
+        expected = sum(a - b for a, b in zip(start, default, strict=True)) / 2
+        assert row["start_minus_default"]["mean"] == pytest.approx(expected, abs=1e-12)
+        assert row["start_minus_default"]["better"] == sum(a < b for a, b in zip(start, default, strict=True))

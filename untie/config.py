@@ -29,6 +29,9 @@ TIE_INITS = ("input", "output", "mean")
 TyingMode = Literal["auto", "live", "emulated"]
 OptimizerStateInit = Literal["copy", "reset", "fresh"]
 TieInit = Literal["input", "output", "mean"]
+#: The untie policies (see `UntieConfig.policy`, `untie.core.policy`); kept here so that the config stays torch-free.
+POLICIES = ("off", "auto")
+PolicyName = Literal["off", "auto"]
 #: The JSON key that records the library version a config was written by (`UntieConfig.to_json`).
 VERSION_KEY = "untie_version"
 
@@ -69,6 +72,12 @@ class UntieConfig:
             what FSDP2 and DeepSpeed need, at the cost of one more (V, d) parameter while tied), or 'auto'
             (emulated under FSDP2 and DeepSpeed, else live).
         save_at_untie: Ask Trainer for a checkpoint at the untie step (Trainer only; `untie.Untier` ignores it).
+        policy: 'off' (default) runs untie_at / untie_when as set. 'auto' decides from the model before the first
+            step: where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.65) of the
+            parameters, a model that arrives tied trains untied from the start (the head a copy of the embedding:
+            untie_at=0, no trigger); below, untie_at / untie_when as set. The choice and why are logged at train
+            begin and kept in the run state. Not yet the default: it becomes so once its held-out validation passes
+            (docs/recipes/decision-map.md).
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT
@@ -79,6 +88,7 @@ class UntieConfig:
     tie_init: TieInit | None = None
     tying_mode: TyingMode = "auto"
     save_at_untie: bool = True
+    policy: PolicyName = "off"
 
     def __post_init__(self) -> None:
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
@@ -87,6 +97,7 @@ class UntieConfig:
         self.untie_at = _parse_untie_at(self.untie_at)
         _check_choice(self.tying_mode, TYING_MODES, "tying_mode")
         _check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
+        _check_choice(self.policy, POLICIES, "policy")
         if self.tie_init is not None:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
         if not isinstance(self.save_at_untie, bool):

@@ -50,6 +50,7 @@ class UntieCallback(TrainerCallback, ExportableState):
     history = _run_attribute("history", 'Every measurement: {"step": ..., signal: value, ...}.')
     trigger_state = _run_attribute("trigger_state", "The divergence trigger's running state (None without one).")
     pairs = _run_attribute("pairs", "The measured pairs: `config.pairs`, or those read from the tokenizer.")
+    policy_choice = _run_attribute("choice", "What `policy` chose for the model, and why (`untie.core.policy`).")
     tying_mode = _run_attribute("tying_mode", 'The tied phase\'s implementation, "live" or "emulated".')
     rule = _run_attribute("rule", 'The trigger\'s rule (`untie.UntieWhen`), "divergence" resolved for the pairs; None.')
     divergence = _run_attribute(

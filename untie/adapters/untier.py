@@ -154,6 +154,11 @@ class Untier:
         """The divergence trigger (`untie.signals.triggers.DivergenceTrigger`) or None."""
         return self.run.divergence
 
+    @property
+    def policy_choice(self):
+        """What `policy` chose for the model, and why (`untie.core.policy.PolicyChoice`)."""
+        return self.run.choice
+
     # -- the loop -----------------------------------------------------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """Begin a fresh run with `optimizer` (after `accelerator.prepare`, or DDP / fully_shard). Resuming, load the

@@ -35,6 +35,7 @@ from untie import _compat
 from untie.checkpoints.checkpoint import has_resume_guard, resume_guard_hook
 from untie.checkpoints.saved_state import STATE_FORMAT, check_state
 from untie.config import UntieConfig
+from untie.core.policy import PolicyChoice, choose_plan
 from untie.engines.distributed import (
     broadcast_decision,
     full_shape,
@@ -93,7 +94,7 @@ class RunOrderError(UntieError, RuntimeError):
 
 
 #: The run state a checkpoint keeps (the "attributes" of `UntieRun.state_dict`, read back by `restore`).
-SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history")
+SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history", "policy")
 
 
 class UntieRun:
@@ -108,11 +109,9 @@ class UntieRun:
         self.config = config
         self.adapter = adapter
         self.owner = adapter.name
-        self.deadline = ScheduledTrigger(config.untie_at)
-        """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
-        self.rule = config.rule(with_pairs=config.pairs != [])
-        """The divergence trigger's rule (`untie.UntieWhen`), "divergence" resolved (`match_rule_to_pairs`); None."""
-        self.divergence: DivergenceTrigger | None = DivergenceTrigger(self.rule) if self.rule else None
+        self.choice: PolicyChoice | None = None
+        """What `config.policy` chose for the attached model (`untie.core.policy`), at `attach`."""
+        self.use_schedule(config.untie_at, config.rule(with_pairs=config.pairs != []))
         self.untied = False
         self.untie_step: int | None = None
         self.untie_reason: str | None = None
@@ -150,6 +149,26 @@ class UntieRun:
         self._announce_pending = False
         self._expected: SavedFacts | None = None
 
+    def use_schedule(self, untie_at: int | float | None, rule: UntieWhen | None) -> None:
+        """The schedule the run follows: `untie_at` and the trigger's `rule` as set, or as the policy chose."""
+        self.untie_at = untie_at
+        """`untie_at` as the run follows it: the config's, or 0 where the policy trains untied from the start."""
+        self.deadline = ScheduledTrigger(untie_at)
+        """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
+        self.rule = rule
+        """The divergence trigger's rule (`untie.UntieWhen`), "divergence" resolved (`match_rule_to_pairs`); None."""
+        self.divergence: DivergenceTrigger | None = DivergenceTrigger(rule) if rule else None
+
+    def apply_policy(self, model: nn.Module) -> None:
+        """Let `config.policy` choose the schedule for `model` (`untie.core.policy.choose_plan`), before its structure
+        is planned: "untied from the start" is ``untie_at=0`` without a trigger."""
+        config = self.config
+        self.choice = choose_plan(
+            config.policy, model, tied=is_tied(model) and not was_untied(model), peft=is_peft_model(model)
+        )
+        if self.choice.untied_from_start:
+            self.use_schedule(0, None)
+
     # -- phase 1: attach -----------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, *, engine: str | None = None, tokenizer=None, optimizer=None) -> None:
         """Phase 1, before the optimizer exists and the model is wrapped: read the model's facts, fix the tying mode
@@ -162,6 +181,8 @@ class UntieRun:
         self.registry = Registry(self.adapter.name)
         self.model = model
         self.attach_args = {"engine": engine, "tokenizer": tokenizer}
+        self.use_schedule(self.config.untie_at, self.config.rule(with_pairs=self.config.pairs != []))
+        self.apply_policy(model)
         self.use_tying_mode(engine)
         asked = self.config.pairs == "auto"
         if asked or (self.config.pairs is None and is_tokenizer(tokenizer)):
@@ -180,12 +201,14 @@ class UntieRun:
         """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings: the model,
         its structure, the tying and every install); `other` is left empty."""
         self._enter("adopt", {"new"})
-        attached = ("model", "attach_args", "tying_mode", "engine", "emulation", "pairs", "no_pairs_because")
+        attached = ("model", "attach_args", "tying_mode", "engine", "emulation", "pairs", "no_pairs_because", "choice")
         for name in (*attached, "registry", "planned_untie_reason"):
             setattr(self, name, getattr(other, name))
         other.registry, other.emulation, other.phase = Registry(other.adapter.name), None, "closed"
         self.phase = "attached"
         self.match_rule_to_pairs()  # "divergence" follows the pairs found then
+        if self.choice is not None and self.choice.untied_from_start:
+            self.use_schedule(0, None)
 
     def expect_checkpoint(self, saved: SavedFacts, optimizer=None) -> None:
         """Give the model the structure of the checkpoint's run (`saved`) before its weights and the optimizer's
@@ -316,7 +339,7 @@ class UntieRun:
         mode: Literal["live", "emulated"] = (
             "emulated" if (self.tying_mode or config.tying_mode) == "emulated" else "live"
         )
-        return RunSettings(self.owner, config.untie_at, mode, config.tying_mode, config.tie_init)
+        return RunSettings(self.owner, self.untie_at, mode, config.tying_mode, config.tie_init)
 
     def prepare(self, model: nn.Module, optimizer=None) -> None:
         """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped (with an
@@ -423,8 +446,11 @@ class UntieRun:
         return state
 
     def state_attributes(self) -> dict:
-        """The run state a checkpoint keeps, as JSON-able values (read back by `restore`)."""
-        return {name: getattr(self, name) for name in SAVED_ATTRIBUTES}
+        """The run state a checkpoint keeps, as JSON-able values (read back by `restore`; the policy's choice is a
+        record of what the run chose, made again from the model at `attach`)."""
+        attributes = {name: getattr(self, name) for name in SAVED_ATTRIBUTES if name != "policy"}
+        attributes["policy"] = self.choice.to_dict() if self.choice is not None else None
+        return attributes
 
     def restore(self, attributes: dict, step: int) -> None:
         """Start this run's state: a checkpoint's (`state_attributes`, saved at `step`) or fresh ({}, step 0).
@@ -466,9 +492,10 @@ class UntieRun:
             return saved == now
         try:
             then = UntieWhen.coerce(saved, with_pairs=bool(self.pairs))
+            asked = UntieWhen.coerce(self.config.untie_when, with_pairs=bool(self.pairs))
         except (TypeError, ValueError):
             return False
-        return (then and then.to_dict()) == (self.rule and self.rule.to_dict())
+        return (then and then.to_dict()) == (asked and asked.to_dict())
 
     # -- the run -------------------------------------------------------------------------------------------------------
     def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
@@ -514,6 +541,8 @@ class UntieRun:
     def announce(self, step: int, max_steps: int | None) -> None:
         """Say what the user should know about the run that `begin` set up at `step`, before its first step runs (a
         trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
+        if self.choice is not None and self.config.policy != "off":
+            logger.warning(self.choice.message())
         if self.probe is not None:
             self._warn_short_run(step, max_steps)
 

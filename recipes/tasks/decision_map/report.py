@@ -8,33 +8,38 @@ import math
 import statistics
 from pathlib import Path
 
-from untie_recipes.tasks.decision_map.runs import AUTO_DEADLINE, FIXED_FRACTIONS, deadline_steps
+from untie_recipes.tasks.decision_map.runs import AUTO_DEADLINE, FIXED_FRACTIONS, MAP_ARMS, deadline_steps
 from untie_recipes.tasks.decision_map.training import RunRecord, fixed_untie_step
 
 ARMS = ("tied", "untied", *(f"fixed-{round(f * 100)}" for f in FIXED_FRACTIONS), "auto")
 
 
-def arm_losses(records: dict[str, RunRecord], budget: int, budgets: tuple[int, ...]) -> dict[str, tuple[float, str]]:
-    """One (width, seed)'s loss per arm at `budget`, with the arm's untie step (and reason) as text."""
+def arm_losses(
+    records: dict[str, RunRecord], budget: int, budgets: tuple[int, ...], arms: tuple[str, ...] = MAP_ARMS
+) -> dict[str, tuple[float, str]]:
+    """One (width, seed)'s loss per arm at `budget`, with the arm's untie step (and reason) as text, for the map's
+    `arms` (`--arms`; "fixed" stands for the four fixed arms). A missing run raises KeyError."""
     key = str(budget)
-    out = {"tied": (records["tied"].losses[key], "-"), "untied": (records["untied"].losses[key], "-")}
-    for fraction in FIXED_FRACTIONS:
-        step = fixed_untie_step(fraction, budget)
-        out[f"fixed-{round(fraction * 100)}"] = (records[f"untie@{step}"].losses[key], str(step))
-    auto = records["auto"]
-    deadline = deadline_steps(budgets)[budget]
-    if auto.untie_step is not None and auto.untie_step <= deadline:
-        out["auto"] = (auto.losses[key], f"{auto.untie_step} ({auto.reason})")
-    else:
-        out["auto"] = (records[f"untie@{deadline}"].losses[key], f"{deadline} (deadline)")
+    out = {plain: (records[plain].losses[key], "-") for plain in ("tied", "untied") if plain in arms}
+    if "fixed" in arms:
+        for fraction in FIXED_FRACTIONS:
+            step = fixed_untie_step(fraction, budget)
+            out[f"fixed-{round(fraction * 100)}"] = (records[f"untie@{step}"].losses[key], str(step))
+    if "auto" in arms:
+        auto = records["auto"]
+        deadline = deadline_steps(budgets)[budget]
+        if auto.untie_step is not None and auto.untie_step <= deadline:
+            out["auto"] = (auto.losses[key], f"{auto.untie_step} ({auto.reason})")
+        else:
+            out["auto"] = (records[f"untie@{deadline}"].losses[key], f"{deadline} (deadline)")
     return out
 
 
-def unit_complete(records: dict[str, RunRecord], budgets: tuple[int, ...]) -> bool:
+def unit_complete(records: dict[str, RunRecord], budgets: tuple[int, ...], arms: tuple[str, ...] = MAP_ARMS) -> bool:
     """Whether a (width, seed) has every run its cells read (an interrupted map leaves some missing)."""
     try:
         for budget in budgets:
-            arm_losses(records, budget, budgets)
+            arm_losses(records, budget, budgets, arms)
     except KeyError:
         return False
     return True
@@ -44,35 +49,43 @@ def _spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
-def cells(units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int, ...]) -> list[dict]:
-    """One dict per (width, budget) over the seeds present for that width."""
+def cells(
+    units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int, ...], map_arms: tuple[str, ...] = MAP_ARMS
+) -> list[dict]:
+    """One dict per (width, budget) over the seeds present for that width, for the map's arms (`map_arms`: without
+    "fixed" there is no oracle, without "auto" no regret: None)."""
     out = []
     for width in sorted({w for w, _ in units}):
         seeds = sorted(s for w, s in units if w == width)
         for budget in budgets:
-            per_seed = {seed: arm_losses(units[(width, seed)], budget, budgets) for seed in seeds}
+            per_seed = {seed: arm_losses(units[(width, seed)], budget, budgets, map_arms) for seed in seeds}
+            names = [a for a in ARMS if a in per_seed[seeds[0]]]
             arms = {}
-            for arm in ARMS:
+            for arm in names:
                 mean, sd = _spread([per_seed[s][arm][0] for s in seeds])
                 arms[arm] = {"mean": mean, "sd": sd, "untie": [per_seed[s][arm][1] for s in seeds],
                              "per_seed": [per_seed[s][arm][0] for s in seeds]}  # fmt: skip
-            fixed = [a for a in ARMS if a.startswith("fixed-")]
-            oracle = min(fixed, key=lambda a: arms[a]["mean"])
-            sd = max(arms["auto"]["sd"], arms[oracle]["sd"])
-            best_plain = min(arms["tied"]["mean"], arms["untied"]["mean"])
-            best_tie_then_untie = min(arms[a]["mean"] for a in [*fixed, "auto"])
-            out.append({
-                "width": width, "budget": budget, "seeds": seeds, "arms": arms,
-                "winner": min(ARMS, key=lambda a: arms[a]["mean"]),
-                "oracle": oracle, "oracle_step": fixed_untie_step(float(oracle[6:]) / 100, budget),
-                "auto_regret": arms["auto"]["mean"] - arms[oracle]["mean"],
-                "auto_regret_sd": (arms["auto"]["mean"] - arms[oracle]["mean"]) / sd if sd > 0 else math.nan,
-                "tie_then_untie_beats_both": best_tie_then_untie < best_plain,
-                "margin_over_best_plain": best_plain - best_tie_then_untie,
-                "paired": paired_differences(arms, [*fixed, "auto"]),
-                "auto_regret_paired": _spread([a - o for a, o in zip(arms["auto"]["per_seed"], arms[oracle]["per_seed"],
-                                                                      strict=True)]),
-            })  # fmt: skip
+            fixed = [a for a in names if a.startswith("fixed-")]
+            plain = [a for a in ("tied", "untied") if a in arms]
+            candidates = [a for a in [*fixed, "auto"] if a in arms]
+            oracle = min(fixed, key=lambda a: arms[a]["mean"]) if fixed else None
+            cell: dict = {"width": width, "budget": budget, "seeds": seeds, "arms": arms,
+                          "winner": min(names, key=lambda a: arms[a]["mean"]), "oracle": oracle,
+                          "oracle_step": fixed_untie_step(float(oracle[6:]) / 100, budget) if oracle else None,
+                          "auto_regret": None, "auto_regret_sd": None, "auto_regret_paired": None}  # fmt: skip
+            if oracle and "auto" in arms:
+                regret = arms["auto"]["mean"] - arms[oracle]["mean"]
+                sd = max(arms["auto"]["sd"], arms[oracle]["sd"])
+                cell["auto_regret"], cell["auto_regret_sd"] = regret, (regret / sd if sd > 0 else math.nan)
+                cell["auto_regret_paired"] = _spread(
+                    [a - o for a, o in zip(arms["auto"]["per_seed"], arms[oracle]["per_seed"], strict=True)]
+                )
+            best_plain = min(arms[a]["mean"] for a in plain)
+            best_tie_then_untie = min((arms[a]["mean"] for a in candidates), default=math.inf)
+            cell["tie_then_untie_beats_both"] = best_tie_then_untie < best_plain
+            cell["margin_over_best_plain"] = best_plain - best_tie_then_untie if candidates else None
+            cell["paired"] = paired_differences(arms, candidates) if candidates else None
+            out.append(cell)
     return out
 
 
@@ -84,6 +97,8 @@ def paired_differences(arms: dict[str, dict], candidates: list[str]) -> dict:
     best = min(candidates, key=lambda a: arms[a]["mean"])
     out: dict = {"arm": best}
     for plain in ("tied", "untied"):
+        if plain not in arms:
+            continue
         # > 0: the tie-then-untie arm is better (lower loss) than the plain arm in that seed
         gains = [p - b for p, b in zip(arms[plain]["per_seed"], arms[best]["per_seed"], strict=True)]
         mean, sd = _spread(gains)
@@ -99,31 +114,38 @@ def paired_table(table: list[dict]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for cell in table:
-        paired = cell["paired"]
+        paired = cell["paired"] or {"arm": "-"}
         gains = [
             f"{paired[p]['mean']:+.4f} ± {paired[p]['sd']:.4f} (better in {paired[p]['wins']}/{paired[p]['seeds']})"
+            if p in paired
+            else "-"
             for p in ("tied", "untied")
         ]
-        regret, regret_sd = cell["auto_regret_paired"]
+        regret = "-"
+        if cell["auto_regret_paired"] is not None:
+            regret = "{:+.4f} ± {:.4f}".format(*cell["auto_regret_paired"])
         lines.append(f"| d{cell['width']} | {cell['budget']:,} | {paired['arm']} | {gains[0]} | {gains[1]} "
-                     f"| {regret:+.4f} ± {regret_sd:.4f} |")  # fmt: skip
+                     f"| {regret} |")  # fmt: skip
     return "\n".join(lines)
 
 
 def markdown(table: list[dict], tokens_per_step: int) -> str:
+    names = [a for a in ARMS if all(a in cell["arms"] for cell in table)]
     lines = [
-        "| width | budget (steps / tokens) | " + " | ".join(ARMS) + " | winner | oracle step | auto's regret |",
-        "|---|---|" + "---|" * (len(ARMS) + 3),
+        "| width | budget (steps / tokens) | " + " | ".join(names) + " | winner | oracle step | auto's regret |",
+        "|---|---|" + "---|" * (len(names) + 3),
     ]
     for cell in table:
         arms = cell["arms"]
-        values = [f"{arms[a]['mean']:.4f} ± {arms[a]['sd']:.4f}" for a in ARMS]
-        regret = cell["auto_regret_sd"]
+        values = [f"{arms[a]['mean']:.4f} ± {arms[a]['sd']:.4f}" for a in names]
+        oracle = f"{cell['oracle_step']} ({cell['oracle']})" if cell["oracle"] else "-"
+        regret = "-"
+        if cell["auto_regret"] is not None:
+            regret = f"{cell['auto_regret']:+.4f} ({cell['auto_regret_sd']:+.1f} sd)"
         lines.append(
             f"| d{cell['width']} | {cell['budget']:,} / {cell['budget'] * tokens_per_step / 1e6:.2f}M | "
             + " | ".join(values)
-            + f" | {cell['winner']} | {cell['oracle_step']} ({cell['oracle']}) | {cell['auto_regret']:+.4f} "
-            f"({regret:+.1f} sd) |"
+            + f" | {cell['winner']} | {oracle} | {regret} |"
         )
     return "\n".join(lines)
 
@@ -132,6 +154,8 @@ def auto_steps(table: list[dict]) -> str:
     """Where the auto arm untied, per cell and seed."""
     lines = ["| width | budget | auto untie step per seed (reason) |", "|---|---|---|"]
     for cell in table:
+        if "auto" not in cell["arms"]:
+            continue
         steps = ", ".join(f"{s}: {u}" for s, u in zip(cell["seeds"], cell["arms"]["auto"]["untie"], strict=True))
         lines.append(f"| d{cell['width']} | {cell['budget']:,} | {steps} |")
     return "\n".join(lines)
@@ -153,7 +177,7 @@ def heatmap(table: list[dict], path: Path) -> None:
         ("auto_regret_sd", "auto's regret against the oracle fixed step\n(sd units; 0 = oracle)", "Reds"),
     )  # fmt: skip
     for ax, (key, title, cmap) in zip(axes, panels, strict=True):
-        values = [[grid[(w, b)][key] for b in budgets] for w in widths]
+        values = [[_finite(grid[(w, b)][key]) for b in budgets] for w in widths]
         if key == "margin_over_best_plain":
             scale = max(1e-9, max(abs(v) for row in values for v in row))
             image = ax.imshow(values, cmap=cmap, vmin=-scale, vmax=scale, aspect="auto")
@@ -162,6 +186,9 @@ def heatmap(table: list[dict], path: Path) -> None:
         for i, w in enumerate(widths):
             for j, b in enumerate(budgets):
                 cell = grid[(w, b)]
+                if cell[key] is None:
+                    ax.text(j, i, "not run", ha="center", va="center", fontsize=8)
+                    continue
                 text = f"{cell[key]:+.3f}\n{cell['winner']}" if key.startswith("margin") else (
                     f"{cell[key]:+.1f} sd\noracle {cell['oracle_step']}")  # fmt: skip
                 shade = float(image.norm(cell[key]))  # where the cell's colour sits on the map: dark at the ends
@@ -177,11 +204,17 @@ def heatmap(table: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _finite(value: float | None) -> float:
+    """A cell's value for the heatmap's colours: an arm that was not run (None) is drawn as 0."""
+    return 0.0 if value is None or value != value else value
+
+
 def write_report(output_dir: Path, units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int, ...],
-                 tokens_per_step: int, settings: dict, suffix: str = "") -> list[dict]:  # fmt: skip
+                 tokens_per_step: int, settings: dict, suffix: str = "",
+                 arms: tuple[str, ...] = MAP_ARMS) -> list[dict]:  # fmt: skip
     """results{suffix}.json / .md and figures/decision-map{suffix}.png; `suffix` names a non-default optimizer state
     at the untie (``-fresh``)."""
-    table = cells(units, budgets)
+    table = cells(units, budgets, arms)
     (output_dir / f"results{suffix}.json").write_text(json.dumps({"settings": settings, "cells": table}, indent=2))
     state = settings.get("optimizer_state", "copy")
     auto = "the default `Untier()`" if state == "copy" else f"`Untier(optimizer_state={state!r})`"

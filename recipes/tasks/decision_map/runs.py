@@ -1,5 +1,5 @@
-"""The runs of one (width, seed) of the map, in the order that lets each reuse the last: tied (saving the
-checkpoints the branches start from), untied, auto (live default `untie.Untier`), then the branches.
+"""The runs of one (width, seed) of the map: auto (live default `untie.Untier`: where it unties tells which deadline
+branches are needed), tied (saving the checkpoints the branches start from), untied, then the branches.
 
 Each finished run is a `RunRecord` JSON under ``<output_dir>/records``; a rerun of the map skips those, so the map
 can be spread over sittings. The tied and untied runs also save a resume checkpoint every `RESUME_EVERY` steps; an
@@ -29,6 +29,8 @@ from untie_recipes.tasks.decision_map.training import (
     train_steps,
 )
 
+#: The arms a map can run (`--arms`): the tied run always runs (the branches start from its checkpoints).
+MAP_ARMS = ("tied", "untied", "auto", "fixed")
 #: Fractions of a budget at which the fixed arms untie (the issue's 10, 25, 50 and 75%).
 FIXED_FRACTIONS = (0.1, 0.25, 0.5, 0.75)
 #: The default deadline of `UntieCallback()` / `Untier()`: 30% of the run.
@@ -48,6 +50,9 @@ class MapContext:
     untie: UntieConfig = field(default_factory=UntieConfig)
     """The auto arm's settings (`UntieConfig()`, the default, unless the command line changed some); the branches
     untie with its optimizer state. The tied and untied runs do not untie and are shared by every value."""
+    arms: tuple[str, ...] = MAP_ARMS
+    """The arms to run (`MAP_ARMS`): dropping "fixed" skips the fixed branches, dropping "auto" the auto run and its
+    deadline branches, dropping "untied" the untied run. The tied run always runs."""
 
     @property
     def optimizer_state(self) -> str:
@@ -107,8 +112,9 @@ def deadline_steps(budgets: tuple[int, ...]) -> dict[int, int]:
 
 def steps_of_unit(ctx: MapContext) -> int:
     """Optimizer steps of one (width, seed) at most (for the progress line's total)."""
-    branches = sum(stop - step for step, stop in fixed_branch_stops(ctx.budgets).items())
-    return 3 * ctx.max_budget + branches + sum(b - s for b, s in deadline_steps(ctx.budgets).items())
+    branches = sum(stop - step for step, stop in branches_of(ctx, None).items())
+    runs = 1 + ("untied" in ctx.arms) + ("auto" in ctx.arms)
+    return runs * ctx.max_budget + branches
 
 
 def _plain_run(ctx: MapContext, setup: TrainingSetup, arm: str, progress: Progress) -> RunRecord:
@@ -118,7 +124,7 @@ def _plain_run(ctx: MapContext, setup: TrainingSetup, arm: str, progress: Progre
     model = build_model(setup, len(corpus.tokenizer), BLOCK, tied=arm == "tied")
     optimizer, scheduler = build_optimizer(model, setup)
     resume = ctx.checkpoint_path(setup, arm)
-    points = set(fixed_branch_stops(ctx.budgets)) | set(deadline_steps(ctx.budgets).values()) if arm == "tied" else ()
+    points = set(branches_of(ctx, None)) if arm == "tied" else set()  # every branch the map's arms may start
     checkpoints = {step: [ctx.checkpoint_path(setup, arm, step)] for step in points}
     for step in range(RESUME_EVERY, ctx.max_budget, RESUME_EVERY):
         checkpoints.setdefault(step, []).append(resume)
@@ -182,7 +188,9 @@ def branch_run(
 def branches_of(ctx: MapContext, auto_step: int | None) -> dict[int, int]:
     """Untie step -> stop of every branch the cells read: the fixed arms, and the deadline of each budget whose auto
     arm has not untied by it (all deadlines while the auto run is not done: `auto_step` None)."""
-    branches = dict(fixed_branch_stops(ctx.budgets))
+    branches = dict(fixed_branch_stops(ctx.budgets)) if "fixed" in ctx.arms else {}
+    if "auto" not in ctx.arms:
+        return branches
     for budget, deadline in deadline_steps(ctx.budgets).items():
         if auto_step is None or auto_step > deadline:  # this budget's auto arm unties at its deadline
             branches[deadline] = max(branches.get(deadline, 0), budget)
@@ -211,6 +219,8 @@ def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[
         return record
 
     auto = reusable("auto")
+    if auto is None and "auto" in ctx.arms:  # first: where it unties tells which deadline branches the cells need
+        auto = run("auto", lambda: auto_run(ctx, setup, progress))
     done = {step: reusable(f"untie@{step}") for step in branches_of(ctx, auto and auto.untie_step)}
     lost = [
         step
@@ -220,9 +230,11 @@ def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[
     records = {"tied": reusable("tied")}
     if records["tied"] is None or lost:
         records["tied"] = run("tied", lambda: _plain_run(ctx, setup, "tied", progress))
-    records["untied"] = reusable("untied") or run("untied", lambda: _plain_run(ctx, setup, "untied", progress))
-    records["auto"] = auto or run("auto", lambda: auto_run(ctx, setup, progress))
-    for step, stop in sorted(branches_of(ctx, records["auto"].untie_step).items()):
+    if "untied" in ctx.arms:
+        records["untied"] = reusable("untied") or run("untied", lambda: _plain_run(ctx, setup, "untied", progress))
+    if auto is not None:
+        records["auto"] = auto
+    for step, stop in sorted(branches_of(ctx, records["auto"].untie_step if "auto" in records else None).items()):
         arm = f"untie@{step}"
         make = lambda step=step, stop=stop: branch_run(ctx, setup, step, stop, progress, records["tied"])  # noqa: E731
         records[arm] = done.get(step) or reusable(arm) or run(arm, make)

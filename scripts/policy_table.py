@@ -1,0 +1,124 @@
+"""The untie policy's evidence: per decision-map folder and budget, the default tie-then-untie run against training
+untied from the start, paired by seed, next to tied and untied.
+
+    python scripts/policy_table.py docs/data/decision-map/dev-d128x2 docs/data/decision-map/dev-d128x4 \\
+        --output docs/data/decision-map/policy-dev.md
+
+Each folder is a `recipes/decision_map.py` output_dir that ran the arms tied, untied and auto (the default
+`Untier()`), then ``--arms auto --untie_at 0 --untie_when none`` (the run `policy="auto"` makes where it trains untied
+from the start: its auto record has untie step 0, reason "start"). A row is (folder's shape, budget) over the seeds
+that have all four runs. Differences are paired by seed (the arms of a seed share the initialisation and the data
+order); < 0: the first arm named is better (lower validation loss, nats per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from untie.core.policy import embedding_share
+from untie_recipes.tasks.decision_map.corpus import BLOCK
+from untie_recipes.tasks.decision_map.training import TrainingSetup, build_model
+
+
+def _spread(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def read_folder(folder: Path) -> dict[int, dict[str, dict]]:
+    """Seed -> arm ("tied", "untied", "default", "untied-from-start") -> its record, for the seeds with all four."""
+    by_seed: dict[int, dict[str, dict]] = {}
+    for path in sorted((folder / "records").glob("*.json")):
+        record = json.loads(path.read_text())
+        arm = record["arm"]
+        if arm in ("tied", "untied"):
+            name = arm
+        elif arm == "auto":
+            name = "default"
+        elif arm.startswith("auto+") and record["untie_step"] == 0 and record["reason"] == "start":
+            name = "untied-from-start"
+        else:
+            continue
+        by_seed.setdefault(record["seed"], {})[name] = record
+    return {seed: arms for seed, arms in by_seed.items() if len(arms) == 4}
+
+
+def rows(folders: list[Path]) -> list[dict]:
+    out = []
+    for folder in folders:
+        seeds = read_folder(folder)
+        if not seeds:
+            print(f"{folder}: no seed with all four runs, left out", file=sys.stderr)
+            continue
+        first = next(iter(seeds.values()))["tied"]
+        setup = TrainingSetup(**first["setup"])
+        vocab = json.loads((folder / "map.json").read_text())["vocab_size"]
+        share = embedding_share(build_model(setup, vocab, BLOCK, tied=True))[0]
+        budgets = sorted({int(b) for arms in seeds.values() for b in arms["tied"]["losses"]})
+        for budget in budgets:
+            key = str(budget)
+            loss = {
+                arm: [seeds[s][arm]["losses"][key] for s in sorted(seeds)]
+                for arm in ("tied", "untied", "default", "untied-from-start")
+            }
+            best_plain = [min(t, u) for t, u in zip(loss["tied"], loss["untied"], strict=True)]
+
+            def paired(a: list[float], b: list[float]) -> dict:
+                differences = [x - y for x, y in zip(a, b, strict=True)]
+                mean, sd = _spread(differences)
+                return {"mean": mean, "sd": sd, "better": sum(d < 0 for d in differences), "seeds": len(differences)}
+
+            out.append({
+                "shape": f"d{setup.width}x{setup.layers}", "vocab": vocab, "share": share, "budget": budget,
+                "seeds": sorted(seeds), "means": {arm: _spread(values) for arm, values in loss.items()},
+                "start_minus_default": paired(loss["untied-from-start"], loss["default"]),
+                "start_minus_untied": paired(loss["untied-from-start"], loss["untied"]),
+                "default_minus_best_plain": paired(loss["default"], best_plain),
+                "default_untie": [f"{seeds[s]['default']['untie_step']} ({seeds[s]['default']['reason']})"
+                                  for s in sorted(seeds)],
+            })  # fmt: skip
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    def cell(paired: dict) -> str:
+        return f"{paired['mean']:+.4f} ± {paired['sd']:.4f} ({paired['better']}/{paired['seeds']})"
+
+    lines = [
+        "| shape | embedding share | budget (steps) | seeds | tied | untied | default | untied from the start "
+        "| from the start − default | from the start − untied | default − best of tied, untied |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in table:
+        means = " | ".join(
+            "{:.4f} ± {:.4f}".format(*row["means"][arm]) for arm in ("tied", "untied", "default", "untied-from-start")
+        )
+        lines.append(
+            f"| {row['shape']} ({row['vocab']:,}) | {row['share']:.0%} | {row['budget']:,} | "
+            f"{' '.join(map(str, row['seeds']))} | {means} | {cell(row['start_minus_default'])} | "
+            f"{cell(row['start_minus_untied'])} | {cell(row['default_minus_best_plain'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", type=Path, help="decision-map output folders")
+    parser.add_argument("--output", type=Path, help="write the Markdown table (and .json beside it) here too")
+    args = parser.parse_args(argv)
+    table = rows(args.folders)
+    text = markdown(table)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(text + "\n")
+        args.output.with_suffix(".json").write_text(json.dumps(table, indent=2) + "\n")
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

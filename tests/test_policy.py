@@ -1,0 +1,124 @@
+"""`UntieConfig(policy="auto")`: the plan chosen from the model before training (`untie.core.policy`), carried out
+by both adapters exactly as the settings it stands for, said once at train begin and kept in the run state."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers as tf
+
+import untie
+from untie.core import policy
+from untie.testing import ToyLMDataset, tiny_model
+
+
+def _share(arch: str = "gpt2") -> float:
+    return policy.embedding_share(tiny_model(arch))[0]
+
+
+def test_the_share_counts_a_tied_matrix_once_and_every_other_parameter():
+    model = tiny_model("gpt2")
+    rows, width = model.get_input_embeddings().weight.shape
+    others = sum(p.numel() for n, p in model.named_parameters() if p is not model.get_input_embeddings().weight)
+    share, total = policy.embedding_share(model)
+    assert total == rows * width + others
+    assert share == pytest.approx(rows * width / total)
+    untie.untie_embeddings(model)  # an untied head is a parameter of its own
+    assert policy.embedding_share(model)[1] == total + rows * width
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+def test_auto_trains_untied_from_the_start_at_or_above_the_share_and_as_set_below(arch):
+    share = _share(arch)
+    model = tiny_model(arch)
+    above = policy.choose_plan("auto", model, tied=True, peft=False, threshold=share)
+    below = policy.choose_plan("auto", model, tied=True, peft=False, threshold=share + 1e-6)
+    assert above.untied_from_start and above.embedding_share == pytest.approx(share)
+    assert below.plan == "as set" and not below.untied_from_start
+    assert policy.choose_plan("off", model, tied=True, peft=False, threshold=0.0).plan == "as set"
+    untied = policy.choose_plan("auto", model, tied=False, peft=False, threshold=0.0)
+    assert untied.plan == "as set" and "arrived untied" in untied.reason
+    assert "untied from the start" in above.message() and f"{share:.0%}" in above.message()
+
+
+def test_the_policy_parses_from_a_command_line_and_a_wrong_one_is_refused():
+    parser = tf.HfArgumentParser((untie.UntieConfig,))
+    (config,) = parser.parse_args_into_dataclasses(["--policy", "auto"])
+    assert config.policy == "auto" and untie.UntieConfig().policy == "off"
+    assert untie.UntieConfig.from_json(config.to_json()).policy == "auto"
+    with pytest.raises(ValueError, match="policy='sometimes' is not one of"):
+        untie.UntieConfig(policy="sometimes")
+
+
+def _untier_run(monkeypatch, threshold: float, steps: int = 6, **settings):
+    """A custom loop of `steps` steps on the tiny GPT-2 under `Untier(**settings)`; returns the Untier and the
+    parameters."""
+    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", threshold)
+    model = tiny_model("gpt2")
+    untier = untie.Untier(model, max_steps=steps, **settings)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    untier.start(optimizer)
+    data = ToyLMDataset()
+    for step in range(steps):
+        batch = data[step]
+        model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        untier.step()
+    untier.close()
+    return untier, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_untier_auto_above_the_share_is_the_untie_at_zero_run_and_below_it_the_settings_run(monkeypatch):
+    share = _share()
+    chosen, params = _untier_run(monkeypatch, share, policy="auto", untie_when=None, untie_at=4)
+    assert chosen.untie_step == 0 and chosen.untie_reason == "start"
+    assert chosen.policy_choice.untied_from_start and chosen.divergence is None
+    _, at_zero = _untier_run(monkeypatch, share, untie_at=0, untie_when=None)
+    assert params.keys() == at_zero.keys() and all(torch.equal(params[n], at_zero[n]) for n in params)
+
+    kept, below = _untier_run(monkeypatch, share + 1e-6, policy="auto", untie_when=None, untie_at=4)
+    assert kept.untie_step == 4 and kept.untie_reason == "deadline" and kept.policy_choice.plan == "as set"
+    _, as_set = _untier_run(monkeypatch, share + 1e-6, untie_when=None, untie_at=4)
+    assert all(torch.equal(below[n], as_set[n]) for n in below)
+
+
+def test_trainer_says_the_choice_once_at_train_begin_and_keeps_it_in_the_checkpoint(
+    make_args, tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", _share())
+    args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=8)
+    callback = untie.UntieCallback(policy="auto")
+    model = tiny_model("gpt2")
+    trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback])
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "policy='auto'" in r.getMessage()]
+    assert len(said) == 1 and "untied from the start" in said[0]
+    assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(model)
+    state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
+    saved = json.dumps(state["stateful_callbacks"])
+    assert '"plan": "untied from the start"' in saved and '"policy": "auto"' in saved
+
+    # resumed, the policy chooses the same again and the run continues untied to the uninterrupted run's numbers
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    resumed_model = tiny_model("gpt2")
+    resumed = untie.UntieCallback(policy="auto")
+    args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=8)
+    trainer = tf.Trainer(model=resumed_model, args=args, train_dataset=ToyLMDataset(), callbacks=[resumed])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert resumed.untie_step == 0 and not untie.is_tied(resumed_model)
+    worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
+    assert worst <= 1e-6
+
+
+def test_trainer_auto_below_the_share_runs_the_default_schedule(make_args, monkeypatch):
+    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", _share() + 1e-6)
+    callback = untie.UntieCallback(policy="auto", untie_when=None, untie_at=5)
+    trainer = tf.Trainer(model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset(), callbacks=[callback])
+    trainer.train()
+    assert callback.untie_step == 5 and callback.untie_reason == "deadline"
+    assert callback.policy_choice.plan == "as set"

@@ -1,0 +1,106 @@
+"""The untie policy: what a run does, chosen before training from what it can know of the model.
+
+`UntieConfig(policy="auto")` reads the input embedding's share of the model's parameters at attach, before the
+optimizer exists, and picks one of two plans:
+
+* **untied from the start** where the embedding is at least `UNTIED_FROM_START_SHARE` of the parameters: the head
+  becomes its own copy of the embedding before the first step (``untie_at=0``). On the decision map, where the
+  embedding was most of the model, every tied phase cost more than it saved, at every budget measured (see
+  docs/recipes/decision-map.md, "The policy");
+* **tie, then untie as set** below it: the trigger and the deadline of `untie_at` / `untie_when`.
+
+`policy="off"` always runs the settings as set. A model that arrives untied, or wrapped by PEFT, runs as set too
+(`tie_init` decides whether it is tied first): there is no tied phase to skip.
+
+The choice is said once at train begin and kept in the run state (`PolicyChoice.to_dict`), so a checkpoint says
+what its run chose and why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from torch import nn
+
+from untie.config import POLICIES, PolicyName
+from untie.engines.distributed import full_shape
+from untie.structure.surgery import input_weight
+
+#: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step. Fixed
+#: on the decision map's development cells (seeds 1-3, d 128 with 2 and 4 layers, d 64 and 256 of the first map)
+#: before the held-out validation ran; see docs/recipes/decision-map.md, "The policy".
+UNTIED_FROM_START_SHARE = 0.65
+
+__all__ = ["POLICIES", "UNTIED_FROM_START_SHARE", "PolicyChoice", "PolicyName", "choose_plan", "embedding_share"]
+
+Plan = Literal["as set", "untied from the start"]
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """What the policy chose for one run, and what it chose from."""
+
+    policy: str
+    """The policy asked for (`POLICIES`)."""
+    plan: Plan
+    """"untied from the start" (``untie_at=0``, no trigger) or "as set" (the settings' untie_at / untie_when)."""
+    reason: str
+    """Why, in words (the log line at train begin says it)."""
+    embedding_share: float | None = None
+    """The input embedding's share of the model's parameters (a tied matrix counted once); None where not read."""
+    parameters: int | None = None
+    """The model's parameters, a tied matrix counted once."""
+
+    @property
+    def untied_from_start(self) -> bool:
+        return self.plan == "untied from the start"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def message(self) -> str:
+        """The log line at train begin."""
+        share = "" if self.embedding_share is None else f" (embedding {self.embedding_share:.0%} of the parameters)"
+        return f"untie: policy={self.policy!r}: {self.plan}{share}: {self.reason}"
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters, each shared tensor once, at their whole shape under every engine (ZeRO-3 partitions,
+    FSDP2 shards)."""
+    return sum(math.prod(full_shape(p)) for p in model.parameters())
+
+
+def embedding_share(model: nn.Module) -> tuple[float, int]:
+    """The input embedding's share of the model's parameters (a tied head is the same tensor, counted once), and the
+    parameter count."""
+    total = parameter_count(model)
+    rows, width = full_shape(input_weight(model))[:2]
+    return (rows * width / total if total else 0.0), total
+
+
+def choose_plan(
+    policy: str, model: nn.Module, *, tied: bool, peft: bool, threshold: float | None = None
+) -> PolicyChoice:
+    """The plan for a run of `model` (`tied`: it arrives tied; `peft`: wrapped by PEFT) under `policy`.
+
+    `threshold`: the share at which "auto" trains untied from the start (default `UNTIED_FROM_START_SHARE`)."""
+    limit = UNTIED_FROM_START_SHARE if threshold is None else threshold
+    if policy == "off":
+        return PolicyChoice(policy, "as set", "the settings' untie_at / untie_when (policy='off')")
+    if peft:
+        return PolicyChoice(policy, "as set", "a PEFT model trains its adapters; the embedding's tying is its base's")
+    share, total = embedding_share(model)
+    if not tied:
+        return PolicyChoice(
+            policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
+        )
+    if share >= limit:
+        reason = (
+            f"at {limit:.0%} or more, a tied phase cost more than it saved on every budget the decision map measured; "
+            "the head starts as a copy of the embedding. policy='off' runs untie_at / untie_when as set"
+        )
+        return PolicyChoice(policy, "untied from the start", reason, share, total)
+    reason = f"under {limit:.0%}: tie, then untie by the trigger or at the deadline (untie_at / untie_when)"
+    return PolicyChoice(policy, "as set", reason, share, total)
