@@ -151,6 +151,28 @@ _MAP_FRESH = (
 )  # fmt: skip
 
 
+#: The untie policy's development cells (issue 48): per cell, the map's tied, untied and default runs, then the run
+#: untied from the start (what `policy="auto"` does above its share); the table pairs them by seed.
+_POLICY_CORPUS = ("--sources", "shakespeare", "kjv", "debian-docs", "--budgets", "250", "500", "1000")
+_POLICY_DEV_SEEDS = ("1", "2")
+
+
+def _policy_dev_cell(width: str, layers: str) -> tuple[tuple[str, ...], ...]:
+    common = ("python", "recipes/decision_map.py", *_POLICY_CORPUS, "--widths", width, "--layers", layers, "--seeds",
+              *_POLICY_DEV_SEEDS, "--output_dir", f"{{out}}/dev-d{width}x{layers}", "--disable_tqdm")  # fmt: skip
+    return (
+        (*common, "--arms", "tied", "untied", "auto"),
+        (*common, "--arms", "auto", "--untie_at", "0", "--untie_when", "none"),
+    )
+
+
+_POLICY_DEV = (
+    *_policy_dev_cell("128", "2"),
+    *_policy_dev_cell("128", "4"),
+    ("python", "scripts/policy_table.py", "{out}/dev-d128x2", "{out}/dev-d128x4", "--output", "{out}/policy-dev.md"),
+)
+
+
 #: The extra memory of a DeepSpeed measuring step, ZeRO-2 and ZeRO-3 on 2 CPU ranks (docs/benchmarks.md).
 _DEEPSPEED_MEMORY = (
     "python",

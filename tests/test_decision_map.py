@@ -261,6 +261,17 @@ def test_the_cell_statistics_name_the_winner_the_oracle_and_the_auto_regret():
     assert (paired["untied"]["wins"], paired["untied"]["seeds"]) == (2, 2)
     assert cell["auto_regret_paired"][0] == pytest.approx(((4.7 - 4.8) + (5.05 - 5.0)) / 2)
     assert "better in" in report.paired_table([cell])
+    # the validation: against the best baseline by mean (fixed-25: 4.8 / 5.0), within one paired sd or 0.01 nat
+    check = cell["validation"]
+    regrets = torch.tensor([4.7 - 4.8, 5.05 - 5.0])
+    assert check["best"] == "fixed-25" and check["regret"] == pytest.approx(regrets.mean().item())
+    assert check["tolerance"] == pytest.approx(max(regrets.std().item(), 0.01), rel=1e-5) and check["passes"]
+    assert check["beats_better_plain"] == 2  # 4.7 < 5.0 and 5.05 < 5.2
+    for records in units.values():  # 0.3 nat worse in both seeds (seed 2's auto arm is its deadline branch)
+        records["auto"].losses["100"] += 0.3
+        records["untie@30"].losses["100"] += 0.3
+    (worse,) = report.cells(units, budgets)
+    assert not worse["validation"]["passes"] and "| no |" in report.validation_table([worse])
 
 
 def test_the_corpus_is_built_once_and_then_read_from_the_cache(tmp_path, monkeypatch):

@@ -85,6 +85,7 @@ def cells(
             cell["tie_then_untie_beats_both"] = best_tie_then_untie < best_plain
             cell["margin_over_best_plain"] = best_plain - best_tie_then_untie if candidates else None
             cell["paired"] = paired_differences(arms, candidates) if candidates else None
+            cell["validation"] = validation(arms, oracle) if oracle and "auto" in arms and len(plain) == 2 else None
             out.append(cell)
     return out
 
@@ -104,6 +105,46 @@ def paired_differences(arms: dict[str, dict], candidates: list[str]) -> dict:
         mean, sd = _spread(gains)
         out[plain] = {"mean": mean, "sd": sd, "wins": sum(g > 0 for g in gains), "seeds": len(gains)}
     return out
+
+
+#: The validation's tolerance (issue 48): the auto arm may trail the best baseline by one paired sd or this, whichever
+#: is larger (nats per token).
+REGRET_TOLERANCE = 0.01
+
+
+def validation(arms: dict[str, dict], oracle: str) -> dict:
+    """The auto arm against the best baseline of the cell (tied, untied or the oracle fixed arm, by mean), paired by
+    seed: its regret, the tolerance (one paired sd or `REGRET_TOLERANCE`), whether it passes, and in how many seeds
+    it beats the better of tied and untied (seed by seed)."""
+    best = min(("tied", "untied", oracle), key=lambda a: arms[a]["mean"])
+    regrets = [a - b for a, b in zip(arms["auto"]["per_seed"], arms[best]["per_seed"], strict=True)]
+    mean, sd = _spread(regrets)
+    tolerance = max(sd if sd == sd else 0.0, REGRET_TOLERANCE)
+    plain = [min(t, u) for t, u in zip(arms["tied"]["per_seed"], arms["untied"]["per_seed"], strict=True)]
+    beats = sum(a < p for a, p in zip(arms["auto"]["per_seed"], plain, strict=True))
+    return {"best": best, "regret": mean, "sd": sd, "tolerance": tolerance, "passes": mean <= tolerance,
+            "beats_better_plain": beats, "seeds": len(regrets)}  # fmt: skip
+
+
+def validation_table(table: list[dict]) -> str:
+    """Per cell: the auto arm's paired regret against the best of tied, untied and the oracle fixed arm, the
+    tolerance, the verdict, and the seeds in which it beats the better of tied and untied."""
+    lines = [
+        "| width | budget | auto untied at | best baseline | auto's regret (paired) | tolerance | within it "
+        "| beats the better of tied and untied |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in table:
+        check = cell["validation"]
+        if check is None:
+            continue
+        untie = ", ".join(cell["arms"]["auto"]["untie"])
+        lines.append(
+            f"| d{cell['width']} | {cell['budget']:,} | {untie} | {check['best']} | {check['regret']:+.4f} ± "
+            f"{check['sd']:.4f} | {check['tolerance']:.4f} | {'yes' if check['passes'] else 'no'} | "
+            f"{check['beats_better_plain']}/{check['seeds']} seeds |"
+        )
+    return "\n".join(lines)
 
 
 def paired_table(table: list[dict]) -> str:
@@ -229,7 +270,9 @@ def write_report(output_dir: Path, units: dict[tuple[int, int], dict[str, RunRec
         "untied, minus that of the cell's best tie-then-untie arm, mean ± sd over seeds (> 0: tie-then-untie is "
         "better), and in how many seeds it is better; the auto arm's loss minus the oracle fixed arm's.\n\n"
         + paired_table(table)
-        + "\n"
+        + "\n\nThe validation of the auto arm (issue 48): its loss minus that of the cell's best baseline (tied, "
+        "untied or the oracle fixed arm, by mean), paired by seed; it passes where that is at most one paired sd or "
+        f"{REGRET_TOLERANCE} nat, whichever is larger.\n\n" + validation_table(table) + "\n"
     )
     (output_dir / f"results{suffix}.md").write_text(text)
     heatmap(table, output_dir / "figures" / f"decision-map{suffix}.png")
