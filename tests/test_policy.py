@@ -122,3 +122,19 @@ def test_trainer_auto_below_the_share_runs_the_default_schedule(make_args, monke
     trainer.train()
     assert callback.untie_step == 5 and callback.untie_reason == "deadline"
     assert callback.policy_choice.plan == "as set"
+
+
+def test_inspect_says_the_share_and_what_auto_would_choose(tmp_path, monkeypatch):
+    from untie.checkpoints import inspection
+
+    model = tiny_model("gpt2")
+    model.save_pretrained(tmp_path / "tied")
+    share, total = policy.embedding_share(model)
+    report = inspection.describe(tmp_path / "tied")
+    assert report["policy"] == {"embedding_share": pytest.approx(share), "parameters": total, "auto": "as set"}
+    assert f"embedding share:   {share:.0%} of {total:,} parameters" in inspection.format_report(report)
+    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", share)
+    assert inspection.describe(tmp_path / "tied")["policy"]["auto"] == "untied from the start"
+    untie.untie_embeddings(model)
+    model.save_pretrained(tmp_path / "untied")
+    assert inspection.describe(tmp_path / "untied")["policy"]["auto"] == "as set"  # it arrives untied

@@ -90,6 +90,7 @@ def describe(
         report["output_bias"] = {"name": layout.output_bias, "tied_to": shared or None}
         if not bias_stored:
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
+    report["policy"] = _policy(model, declared_tied)
     report["status"] = _status(report, declared_tied, head_stored)
     report["notes"][:0] = _notes(report)
     if pairs == "auto":
@@ -184,6 +185,15 @@ def _load_embeddings(checkpoint: Checkpoint):
     embedding = input_weight(model).detach()
     head = None if is_tied(model) else output_weight(model).detach()
     return embedding, head, layout.output_weight not in missing, layout.output_bias not in missing
+
+
+def _policy(model, tied: bool) -> dict[str, Any]:
+    """What `UntieConfig(policy="auto")` would choose for the model `from_pretrained` builds, and its embedding's
+    share of the parameters (`untie.core.policy`)."""
+    from untie.core.policy import choose_plan
+
+    choice = choose_plan("auto", model, tied=tied, peft=False)
+    return {"embedding_share": choice.embedding_share, "parameters": choice.parameters, "auto": choice.plan}
 
 
 def _entry(name: str, weight: torch.Tensor) -> dict[str, Any]:
@@ -307,6 +317,11 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  output bias:       {bias['name']}{tied_to}")
     flags = ", ".join(f"{k}={v}" for k, v in report["config"].items())
     lines.append(f"  config:            {flags}")
+    policy = report["policy"]
+    lines.append(
+        f"  embedding share:   {policy['embedding_share']:.0%} of {policy['parameters']:,} parameters "
+        f"(UntieCallback(policy='auto'): {policy['auto']})"
+    )
     drift = report.get("drift")
     if drift is not None:
         s = drift["sample"]
