@@ -138,3 +138,18 @@ def test_inspect_says_the_share_and_what_auto_would_choose(tmp_path, monkeypatch
     untie.untie_embeddings(model)
     model.save_pretrained(tmp_path / "untied")
     assert inspection.describe(tmp_path / "untied")["policy"]["auto"] == "as set"  # it arrives untied
+
+
+def test_a_run_attached_again_chooses_again_for_the_new_model(monkeypatch):
+    from untie.core.run import UntieRun
+
+    big = tiny_model("llama")  # 23% embedding
+    small = tiny_model("gpt2")  # 15%
+    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", (_share("llama") + _share("gpt2")) / 2)
+    run = UntieRun(untie.UntieConfig(policy="auto", untie_when=None, untie_at=5))
+    run.attach(big)
+    assert run.choice.untied_from_start and run.untie_at == 0 and not untie.is_tied(big)
+    run.attach(small)  # a new model for a new train() call (model_init): the schedule as set again
+    assert run.choice.plan == "as set" and run.untie_at == 5 and run.deadline.untie_at == 5 and untie.is_tied(small)
+    assert run.config.untie_at == 5  # the config keeps what the user set
+    run.close()
