@@ -409,6 +409,9 @@ def test_fewer_arms_run_no_branches_and_report_what_was_run(recipe, tmp_path):
     assert {"d32-s1-tied.json", "d32-s1-untied.json", "d32-s1-auto.json"} <= records
     fixed_steps = set(runs.fixed_branch_stops((8, 16))) - set(runs.deadline_steps((8, 16)).values())
     assert not {f"d32-s1-untie@{s}.json" for s in fixed_steps} & records
+    assert all(RunRecord.load(p).seconds > 0 for p in (tmp_path / "map" / "records").glob("*.json"))
+    hours = json.loads((tmp_path / "map" / "results.json").read_text())["settings"]["core_hours"]
+    assert hours["runs_timed"] == len(records) and hours["hours"] > 0  # with the auto arm's deadline branches
     for cell in table:
         assert set(cell["arms"]) == {"tied", "untied", "auto"}
         assert cell["oracle"] is None and cell["auto_regret"] is None and cell["paired"]["arm"] == "auto"

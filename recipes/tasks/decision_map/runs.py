@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -214,7 +215,9 @@ def run_unit(ctx: MapContext, setup: TrainingSetup, progress: Progress) -> dict[
         return None
 
     def run(base: str, make: Callable[[], RunRecord]) -> RunRecord:
+        started = time.perf_counter()
         record = make()
+        record.seconds = round(time.perf_counter() - started, 1)
         record.save(ctx.record_path(setup, base if base in ("tied", "untied") else ctx.arm(base)))
         return record
 

@@ -152,6 +152,9 @@ class RunRecord:
     checkpoint_digests: dict[str, str] = field(default_factory=dict)
     """The tied run's branch points: step -> `embedding_digest` of the checkpoint saved there. A branch checks the
     checkpoint it loads against it, so a checkpoint left by another run is refused, not branched from."""
+    seconds: float | None = None
+    """The run's wall time, in seconds of one process (one thread: the map's cost in core-hours); None in records
+    made before it was kept."""
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
