@@ -5,10 +5,11 @@ untied from the start, paired by seed, next to tied and untied.
         --output docs/data/decision-map/policy-dev.md
 
 Each folder is a `recipes/decision_map.py` output_dir that ran the arms tied, untied and auto (the default
-`Untier()`), then ``--arms auto --untie_at 0 --untie_when none`` (the run `policy="auto"` makes where it trains untied
-from the start: its auto record has untie step 0, reason "start"). A row is (folder's shape, budget) over the seeds
-that have all four runs. Differences are paired by seed (the arms of a seed share the initialisation and the data
-order); < 0: the first arm named is better (lower validation loss, nats per token).
+`Untier()`), then ``--arms auto --untie_at 0 --untie_when none --head_init model``: the run `policy="auto"` makes
+where it trains a freshly built model untied from the start. With ``--head_init copy`` here, the table reads instead
+the run made without ``--head_init model`` (its head copied from the embedding). A row is (folder's shape, budget)
+over the seeds that have all four runs. Differences are paired by seed (the arms of a seed share the initialisation
+and the data order); < 0: the first arm named is better (lower validation loss, nats per token).
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import statistics
 import sys
 from pathlib import Path
 
+from untie import UntieConfig
 from untie.core.policy import embedding_share
 from untie_recipes.tasks.decision_map.corpus import BLOCK
+from untie_recipes.tasks.decision_map.runs import MapContext
 from untie_recipes.tasks.decision_map.training import TrainingSetup, build_model
 
 
@@ -29,28 +32,29 @@ def _spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
-def read_folder(folder: Path) -> dict[int, dict[str, dict]]:
-    """Seed -> arm ("tied", "untied", "default", "untied-from-start") -> its record, for the seeds with all four."""
+def start_arm(head_init: str) -> str:
+    """The record name of the map's auto arm run with ``--untie_at 0 --untie_when none`` and, for a drawn head,
+    ``--head_init model`` (without it, an explicit untie_at=0 copies the embedding)."""
+    config = UntieConfig(untie_at=0, untie_when=None, head_init="model" if head_init == "model" else "auto")
+    return MapContext(None, (1,), Path("."), untie=config).arm("auto")  # type: ignore[arg-type]  # no corpus needed
+
+
+def read_folder(folder: Path, head_init: str) -> dict[int, dict[str, dict]]:
+    """Seed -> arm ("tied", "untied", "default", "untied-from-start") -> its record, for the seeds with all four;
+    "untied-from-start" is the run whose head started as `head_init` ("copy" or "model")."""
+    names = {"tied": "tied", "untied": "untied", "auto": "default", start_arm(head_init): "untied-from-start"}
     by_seed: dict[int, dict[str, dict]] = {}
     for path in sorted((folder / "records").glob("*.json")):
         record = json.loads(path.read_text())
-        arm = record["arm"]
-        if arm in ("tied", "untied"):
-            name = arm
-        elif arm == "auto":
-            name = "default"
-        elif arm.startswith("auto+") and record["untie_step"] == 0 and record["reason"] == "start":
-            name = "untied-from-start"
-        else:
-            continue
-        by_seed.setdefault(record["seed"], {})[name] = record
+        if record["arm"] in names:
+            by_seed.setdefault(record["seed"], {})[names[record["arm"]]] = record
     return {seed: arms for seed, arms in by_seed.items() if len(arms) == 4}
 
 
-def rows(folders: list[Path]) -> list[dict]:
+def rows(folders: list[Path], head_init: str = "model") -> list[dict]:
     out = []
     for folder in folders:
-        seeds = read_folder(folder)
+        seeds = read_folder(folder, head_init)
         if not seeds:
             print(f"{folder}: no seed with all four runs, left out", file=sys.stderr)
             continue
@@ -109,8 +113,13 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="decision-map output folders")
     parser.add_argument("--output", type=Path, help="write the Markdown table (and .json beside it) here too")
+    parser.add_argument(
+        "--head_init", choices=("model", "copy"), default="model",
+        help="the run untied from the start whose head was drawn by the model's initialiser (model: what the policy "
+        "does for a freshly built model) or copied from the embedding (copy)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    table = rows(args.folders)
+    table = rows(args.folders, args.head_init)
     text = markdown(table)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -440,7 +440,8 @@ def test_the_policy_table_pairs_the_default_with_the_run_untied_from_the_start(r
     policy_table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(policy_table)
     output = tmp_path / "policy.md"
-    text = policy_table.main([str(tmp_path / "map"), "--output", str(output)])
+    assert policy_table.rows([tmp_path / "map"]) == []  # no run with a drawn head yet
+    text = policy_table.main([str(tmp_path / "map"), "--output", str(output), "--head_init", "copy"])
     table = json.loads(output.with_suffix(".json").read_text())
     assert output.read_text().strip() == text and len(table) == 2  # budgets 8 and 16
     folder = tmp_path / "map" / "records"

@@ -77,7 +77,7 @@ def test_untier_auto_above_the_share_is_the_untie_at_zero_run_and_below_it_the_s
     chosen, params = _untier_run(monkeypatch, share, policy="auto", untie_when=None, untie_at=4)
     assert chosen.untie_step == 0 and chosen.untie_reason == "start"
     assert chosen.policy_choice.untied_from_start and chosen.divergence is None
-    _, at_zero = _untier_run(monkeypatch, share, untie_at=0, untie_when=None)
+    _, at_zero = _untier_run(monkeypatch, share, untie_at=0, untie_when=None, head_init="model")  # a fresh model
     assert params.keys() == at_zero.keys() and all(torch.equal(params[n], at_zero[n]) for n in params)
 
     kept, below = _untier_run(monkeypatch, share + 1e-6, policy="auto", untie_when=None, untie_at=4)
@@ -153,3 +153,45 @@ def test_a_run_attached_again_chooses_again_for_the_new_model(monkeypatch):
     assert run.choice.plan == "as set" and run.untie_at == 5 and run.deadline.untie_at == 5 and untie.is_tied(small)
     assert run.config.untie_at == 5  # the config keeps what the user set
     run.close()
+
+
+def test_head_init_model_draws_the_head_with_the_models_initialiser_and_copy_keeps_the_embedding():
+    model = tiny_model("t5")  # T5's head has its own scale (d_model ** -0.5 per row): the model's initialiser knows it
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    untier = untie.Untier(model, untie_at=0, untie_when=None, head_init="model", max_steps=4)
+    head = model.get_output_embeddings().weight
+    assert untier.untie_step is None or untier.untie_step == 0
+    assert not torch.equal(head, embedding) and torch.equal(model.get_input_embeddings().weight, embedding)
+    reference = tiny_model("t5").get_output_embeddings()
+    assert head.std().item() == pytest.approx(reference.weight.std().item(), rel=0.2)
+    untier.close()
+    copied = tiny_model("t5")
+    untie.Untier(copied, untie_at=0, untie_when=None, max_steps=4).close()  # head_init "auto": an explicit 0 copies
+    assert torch.equal(copied.get_output_embeddings().weight, copied.get_input_embeddings().weight)
+
+
+def test_auto_draws_the_head_of_a_freshly_built_model_and_copies_that_of_a_loaded_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", 0.01)
+    fresh = tiny_model("gpt2")
+    untier = untie.Untier(fresh, policy="auto", max_steps=4)
+    choice = untier.policy_choice
+    assert choice.head_init == "model" and "drawn by the model's initialiser" in choice.reason
+    assert not torch.equal(fresh.lm_head.weight, fresh.transformer.wte.weight)
+    untier.close()
+    tiny_model("gpt2").save_pretrained(tmp_path / "tied")
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
+    untier = untie.Untier(loaded, policy="auto", max_steps=4)
+    assert untier.policy_choice.head_init == "copy"  # its output role was trained: nothing of it is dropped
+    assert torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight) and not untie.is_tied(loaded)
+    untier.close()
+    kept = tiny_model("gpt2")
+    untie.Untier(kept, policy="auto", head_init="copy", max_steps=4).close()  # the user's word wins
+    assert torch.equal(kept.lm_head.weight, kept.transformer.wte.weight)
+
+
+def test_a_head_partitioned_already_is_not_drawn_and_a_warning_says_so(monkeypatch):
+    monkeypatch.setattr(untie.core.run, "is_split", lambda tensor: True)
+    model = tiny_model("gpt2")
+    with pytest.warns(UserWarning, match="head_init='model' draws the head before the model is sharded"):
+        untie.Untier(model, untie_at=0, untie_when=None, head_init="model", max_steps=4).close()
+    assert torch.equal(model.lm_head.weight, model.transformer.wte.weight)

@@ -67,6 +67,14 @@ def build_from_config(model_class: type, config: Any) -> nn.Module:
     return model_class._from_config(config)  # type: ignore[attr-defined]  # undeclared upstream attribute
 
 
+def init_module_weights(model: nn.Module, module: nn.Module) -> None:
+    """`model._init_weights(module)`: draw `module`'s parameters as the model's own initialiser does (no public API
+    initialises one submodule; `post_init` redoes the whole model). Checked: transformers 5.12.1 and 5.24.0, on the
+    heads of the 9 tiny architectures of `untie.testing` (a new parameter carries no `_is_hf_initialized` flag, so it
+    is drawn)."""
+    model._init_weights(module)  # type: ignore[operator]  # undeclared upstream attribute
+
+
 def auto_class_mapping(auto_class: type) -> Any:
     """`AutoModel*._model_mapping`: {config class: model class}, to find a checkpoint's head class without building
     it (no public lookup exists). Checked: transformers 5.12.1 and 5.23.0 (CI)."""

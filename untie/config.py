@@ -32,6 +32,9 @@ TieInit = Literal["input", "output", "mean"]
 #: The untie policies (see `UntieConfig.policy`, `untie.core.policy`); kept here so that the config stays torch-free.
 POLICIES = ("off", "auto")
 PolicyName = Literal["off", "auto"]
+#: How a head untied before the first step starts (see `UntieConfig.head_init`).
+HEAD_INITS = ("auto", "copy", "model")
+HeadInit = Literal["auto", "copy", "model"]
 #: The JSON key that records the library version a config was written by (`UntieConfig.to_json`).
 VERSION_KEY = "untie_version"
 
@@ -72,6 +75,12 @@ class UntieConfig:
             what FSDP2 and DeepSpeed need, at the cost of one more (V, d) parameter while tied), or 'auto'
             (emulated under FSDP2 and DeepSpeed, else live).
         save_at_untie: Ask Trainer for a checkpoint at the untie step (Trainer only; `untie.Untier` ignores it).
+        head_init: How a head untied before the first step starts (untie_at=0, or policy='auto' training untied
+            from the start): 'copy' of the input embedding (lossless: a pretrained tied model keeps its trained
+            output role), 'model' (drawn by the model's own initialiser, as a model built untied has it: for
+            training from scratch, where a copied head trained worse on the decision map), or 'auto' (default):
+            'model' where policy='auto' chose it for a freshly built model (its config names no checkpoint), else
+            'copy'.
         policy: 'off' (default) runs untie_at / untie_when as set. 'auto' decides from the model before the first
             step: where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.65) of the
             parameters, a model that arrives tied trains untied from the start (the head a copy of the embedding:
@@ -88,6 +97,7 @@ class UntieConfig:
     tie_init: TieInit | None = None
     tying_mode: TyingMode = "auto"
     save_at_untie: bool = True
+    head_init: HeadInit = "auto"
     policy: PolicyName = "off"
 
     def __post_init__(self) -> None:
@@ -98,6 +108,7 @@ class UntieConfig:
         _check_choice(self.tying_mode, TYING_MODES, "tying_mode")
         _check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
         _check_choice(self.policy, POLICIES, "policy")
+        _check_choice(self.head_init, HEAD_INITS, "head_init")
         if self.tie_init is not None:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
         if not isinstance(self.save_at_untie, bool):

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 
 from untie import _compat
@@ -390,6 +391,28 @@ class UntieRun:
             tying = ZeroTying if self.engine == "DEEPSPEED" else EmulatedTying
             self.emulation = tying(model, self.registry)
 
+    def head_init(self) -> str:
+        """How a head untied before the first step starts: `config.head_init`, "auto" following the policy."""
+        if self.config.head_init != "auto":
+            return self.config.head_init
+        return self.choice.head_init if self.choice is not None and self.choice.untied_from_start else "copy"
+
+    def draw_head(self, model: nn.Module) -> None:
+        """Draw the head untied before the first step with the model's own initialiser (`head_init="model"`). A head
+        that is sharded or partitioned already keeps its copy, and a warning says so."""
+        head = output_weight(model)
+        if is_split(head):
+            _compat.warn_in_user_code(
+                f"{self.owner}: head_init='model' draws the head before the model is sharded; this one is sharded "
+                "already, so the head starts as a copy of the embedding. Build the model unsharded (no zero.Init), "
+                "or pass head_init='copy' to silence this."
+            )
+            return
+        module = getattr(model, "get_output_embeddings", lambda: None)()
+        if not isinstance(module, nn.Module) or getattr(module, "weight", None) is not head:
+            raise RuntimeError(f"{self.owner}: head_init='model' found no output module holding the head to draw.")
+        _compat.init_module_weights(model, module)
+
     def _reach_untied(self, model: nn.Module, current: str, optimizer) -> None:
         if current == "emulated":  # the head has had its own parameter, in the optimizer, from the start
             assert self.emulation is not None
@@ -399,6 +422,8 @@ class UntieRun:
             # On an untied model (a reloaded untie, untie_at=0) this re-applies the bookkeeping a reload loses. A
             # resumed run's head gets its optimizer state from the checkpoint, loaded next.
             untie_embeddings(model, optimizer, optimizer_state="reset")
+            if current == "tied" and self.head_init() == "model":
+                self.draw_head(model)  # a resumed run's head is then loaded from its checkpoint
             if optimizer is not None:
                 self.install_grad_sync(model)
         else:  # untied before this resume (untie_at=0, or the model's state dict loaded first): the head must train
@@ -708,6 +733,11 @@ class UntieRun:
                 "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
                 "torch._dynamo.reset() before building the Trainer."
             )
+
+
+def is_split(param: torch.Tensor) -> bool:
+    """Whether each rank holds only a part of `param` (an FSDP2 shard, a ZeRO-3 partition)."""
+    return is_sharded(param) or _compat.is_deepspeed_partitioned(param)
 
 
 def structure_of(model: nn.Module, emulating: bool = False) -> Structure:

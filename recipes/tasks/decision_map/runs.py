@@ -62,11 +62,13 @@ class MapContext:
     @property
     def label(self) -> str:
         """What tells this map's untying arms from the default's: "" for `UntieConfig()`, "+fresh" for another
-        optimizer state, "+cfg<digest>" for other settings (their JSON's first 8 hex digits of SHA-256)."""
+        optimizer state, "+cfg<digest>" for other settings (the first 8 hex digits of the SHA-256 of the JSON of the
+        settings that differ from the defaults)."""
         label = "" if self.optimizer_state == "copy" else f"+{self.optimizer_state}"
-        others = {**self.untie.to_json_dict(), "optimizer_state": "copy"}
-        if others != UntieConfig().to_json_dict():
-            digest = hashlib.sha256(json.dumps(others, sort_keys=True).encode()).hexdigest()[:8]
+        default = UntieConfig().to_json_dict()
+        changed = {k: v for k, v in self.untie.to_json_dict().items() if k != "optimizer_state" and v != default[k]}
+        if changed:  # only the settings that differ from the defaults: a setting added later keeps the labels
+            digest = hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
             label += f"+cfg{digest}"
         return label
 
