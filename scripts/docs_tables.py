@@ -151,26 +151,32 @@ _MAP_FRESH = (
 )  # fmt: skip
 
 
-#: The untie policy's development cells (issue 48): per cell, the map's tied, untied and default runs, then the run
-#: untied from the start (what `policy="auto"` does above its share); the table pairs them by seed.
+#: The untie policy's development cells (issue 48): per cell, the map's tied, untied and default runs, then the runs
+#: untied from the start with the head copied from the embedding and drawn by the model's initialiser (what
+#: `policy="auto"` does above its share for a freshly built model); the tables pair them by seed.
 _POLICY_CORPUS = ("--sources", "shakespeare", "kjv", "debian-docs", "--budgets", "250", "500", "1000")
-_POLICY_DEV_SEEDS = ("1", "2")
 
 
-def _policy_dev_cell(width: str, layers: str) -> tuple[tuple[str, ...], ...]:
+def _policy_dev_cell(width: str, layers: str, head_init: str, seeds: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """One development cell: the map's three runs, then the run untied from the start with the head `head_init`."""
     common = ("python", "recipes/decision_map.py", *_POLICY_CORPUS, "--widths", width, "--layers", layers, "--seeds",
-              *_POLICY_DEV_SEEDS, "--output_dir", f"{{out}}/dev-d{width}x{layers}", "--disable_tqdm")  # fmt: skip
-    return (
-        (*common, "--arms", "tied", "untied", "auto"),
-        (*common, "--arms", "auto", "--untie_at", "0", "--untie_when", "none"),
-    )
+              *seeds, "--output_dir", f"{{out}}/dev-d{width}x{layers}", "--disable_tqdm")  # fmt: skip
+    start = (*common, "--arms", "auto", "--untie_at", "0", "--untie_when", "none")
+    return (*common, "--arms", "tied", "untied", "auto"), (
+        *start,
+        "--head_init",
+        head_init,
+    ) if head_init == "model" else start
 
 
-_POLICY_DEV = (
-    *_policy_dev_cell("128", "2"),
-    *_policy_dev_cell("128", "4"),
-    ("python", "scripts/policy_table.py", "{out}/dev-d128x2", "{out}/dev-d128x4", "--output", "{out}/policy-dev.md"),
-)
+def _policy_table(head_init: str, output: str) -> tuple[str, ...]:
+    return ("python", "scripts/policy_table.py", "{out}/dev-d128x2", "{out}/dev-d128x4", "--head_init", head_init,
+            "--output", f"{{out}}/{output}")  # fmt: skip
+
+
+def _policy_dev(head_init: str, seeds: tuple[str, ...], output: str) -> tuple[tuple[str, ...], ...]:
+    cells = (*_policy_dev_cell("128", "2", head_init, seeds), *_policy_dev_cell("128", "4", head_init, seeds))
+    return (*cells, _policy_table(head_init, output))
 
 
 #: The extra memory of a DeepSpeed measuring step, ZeRO-2 and ZeRO-3 on 2 CPU ranks (docs/benchmarks.md).
@@ -201,6 +207,16 @@ def _map_tables(name: str, commands: tuple[tuple[str, ...], ...], output: str) -
 TABLES: dict[str, Table] = {
     **_map_tables("decision-map", _MAP, "results.md"),
     **_map_tables("decision-map-fresh", _MAP_FRESH, "results-fresh.md"),
+    "policy-dev": Table(
+        page="docs/recipes/decision-map.md",
+        commands=_policy_dev("model", ("1", "2"), "policy-dev.md"),
+        output="policy-dev.md",
+    ),
+    "policy-dev-copy": Table(
+        page="docs/recipes/decision-map.md",
+        commands=_policy_dev("copy", ("1",), "policy-dev-copy.md"),  # the copied head: seed 1 only (time)
+        output="policy-dev-copy.md",
+    ),
     # One command, two tables (it runs once): the claims' verdicts hold on any x86 CPU, so CI compares them; the
     # single-seed numbers are exact on one CPU kind only (tied and untied swap places between CPU kinds).
     "exor-quick": Table(page="docs/recipes/exor.md", commands=_EXOR_QUICK, output="results.md", cost="cpu-kind"),
