@@ -195,3 +195,10 @@ def test_a_head_partitioned_already_is_not_drawn_and_a_warning_says_so(monkeypat
     with pytest.warns(UserWarning, match="head_init='model' draws the head before the model is sharded"):
         untie.Untier(model, untie_at=0, untie_when=None, head_init="model", max_steps=4).close()
     assert torch.equal(model.lm_head.weight, model.transformer.wte.weight)
+
+
+def test_a_drawn_head_is_refused_for_an_untie_after_the_first_step():
+    with pytest.raises(ValueError, match="head_init='model' draws a head untied before the first step"):
+        untie.UntieConfig(head_init="model", untie_at=500)
+    assert untie.UntieConfig(head_init="model", untie_at=0).head_init == "model"
+    assert untie.UntieConfig(head_init="model", policy="auto").head_init == "model"

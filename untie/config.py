@@ -113,6 +113,12 @@ class UntieConfig:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
         if not isinstance(self.save_at_untie, bool):
             raise ValueError(f"save_at_untie={self.save_at_untie!r}: pass True or False.")
+        if self.head_init == "model" and self.untie_at != 0 and self.policy == "off":
+            raise ValueError(
+                f"head_init='model' draws a head untied before the first step, and untie_at={self.untie_at!r} unties "
+                "later (a head drawn mid-run would drop what the tied phase trained): pass untie_at=0, or "
+                "policy='auto', or leave head_init at 'auto'."
+            )
         rule = self.rule(with_pairs=self.pairs != [])  # refuses an unknown name or a bad rule now
         if rule is not None and self.metrics_every == 0:
             raise ValueError(
