@@ -214,7 +214,7 @@ TABLES: dict[str, Table] = {
     ),
     "policy-dev-copy": Table(
         page="docs/recipes/decision-map.md",
-        commands=_policy_dev("copy", ("1",), "policy-dev-copy.md"),  # the copied head: seed 1 only (time)
+        commands=_policy_dev("copy", ("1", "2"), "policy-dev-copy.md"),
         output="policy-dev-copy.md",
     ),
     # One command, two tables (it runs once): the claims' verdicts hold on any x86 CPU, so CI compares them; the

@@ -82,7 +82,7 @@ class UntieConfig:
             'model' where policy='auto' chose it for a freshly built model (its config names no checkpoint), else
             'copy'.
         policy: 'off' (default) runs untie_at / untie_when as set. 'auto' decides from the model before the first
-            step: where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.65) of the
+            step: where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the
             parameters, a model that arrives tied trains untied from the start (the head a copy of the embedding:
             untie_at=0, no trigger); below, untie_at / untie_when as set. The choice and why are logged at train
             begin and kept in the run state. Not yet the default: it becomes so once its held-out validation passes
