@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "train_blocks": len(corpus.train), "validation_blocks": len(corpus.validation), "block": BLOCK,
                 "torch": torch.__version__}  # fmt: skip
     timed = [r.seconds for records in units.values() for r in records.values() if r.seconds is not None]
-    settings["core_hours"] = {"runs_timed": len(timed), "hours": round(sum(timed) / 3600, 3)}  # one thread per run
+    settings["core_hours"] = {"runs_timed": len(timed), "seconds": round(sum(timed), 1),
+                              "hours": round(sum(timed) / 3600, 3)}  # fmt: skip  # one thread per run
     suffix = ctx.label.replace("+", "-")
     table = write_report(output_dir, units, tuple(args.budgets), args.batch_size * BLOCK, settings, suffix,
                          tuple(args.arms))  # fmt: skip

@@ -90,8 +90,7 @@ def describe(
         report["output_bias"] = {"name": layout.output_bias, "tied_to": shared or None}
         if not bias_stored:
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
-    report["policy"] = _policy(model, declared_tied)
-    report["status"] = _status(report, declared_tied, head_stored)
+    report["policy"], report["status"] = _policy(model, declared_tied), _status(report, declared_tied, head_stored)
     report["notes"][:0] = _notes(report)
     if pairs == "auto":
         found = tokenizer_pairs(_tokenizer(checkpoint, "read the pairs"), max_id=input_weight.shape[0])

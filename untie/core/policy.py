@@ -24,6 +24,7 @@ from typing import Literal
 
 from torch import nn
 
+from untie import _compat
 from untie.config import POLICIES, PolicyName
 from untie.engines.distributed import full_shape
 from untie.structure.surgery import input_weight
@@ -96,8 +97,7 @@ def is_freshly_built(model: nn.Module) -> bool:
     """Whether `model` was built from a config rather than loaded: its config names no checkpoint (`from_pretrained`
     records where it loaded from in ``name_or_path``). A model loaded by hand (`load_state_dict`) looks fresh: its
     user passes ``head_init="copy"``."""
-    config = getattr(model, "config", None)
-    return config is not None and not getattr(config, "_name_or_path", "") and not getattr(model, "name_or_path", "")
+    return getattr(model, "config", None) is not None and not _compat.loaded_from(model)
 
 
 def choose_plan(
