@@ -69,15 +69,15 @@ def build_from_config(model_class: type, config: Any) -> nn.Module:
 
 def init_module_weights(model: nn.Module, module: nn.Module) -> None:
     """`model._init_weights(module)`: draw `module`'s parameters as the model's own initialiser does (no public API
-    initialises one submodule; `post_init` redoes the whole model). Checked: transformers 5.12.1 and 5.24.0, on the
-    heads of the 9 tiny architectures of `untie.testing` (a new parameter carries no `_is_hf_initialized` flag, so it
-    is drawn)."""
+    initialises one submodule; `post_init` redoes the whole model). Checked: transformers 5.24.0, on the heads of the
+    9 tiny architectures of `untie.testing` (a new parameter carries no `_is_hf_initialized` flag, so it is drawn);
+    CI's oldest step runs tests/test_policy.py on 5.12.1."""
     model._init_weights(module)  # type: ignore[operator]  # undeclared upstream attribute
 
 
 def loaded_from(model: nn.Module) -> str:
     """Where `from_pretrained` loaded `model` from: its config's `_name_or_path` (the public `model.name_or_path`
-    reads the same), "" for a model built from a config. Checked: transformers 5.12.1 and 5.24.0."""
+    reads the same), "" for a model built from a config. Checked: transformers 5.24.0 (CI's oldest step: 5.12.1)."""
     config = getattr(model, "config", None)
     return str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
 
