@@ -412,6 +412,10 @@ class UntieRun:
         if not isinstance(module, nn.Module) or getattr(module, "weight", None) is not head:
             raise RuntimeError(f"{self.owner}: head_init='model' found no output module holding the head to draw.")
         _compat.init_module_weights(model, module)
+        embedding = input_weight(model)
+        if torch.equal(head, embedding):  # an initialiser that leaves this module to its parent (T5, transformers 5.12)
+            with torch.no_grad():
+                head.normal_(0.0, float(embedding.std()))  # drawn at the embedding's scale, as the tied init had it
 
     def _reach_untied(self, model: nn.Module, current: str, optimizer) -> None:
         if current == "emulated":  # the head has had its own parameter, in the optimizer, from the start
