@@ -1,8 +1,11 @@
 """The untie policy's evidence: per decision-map folder and budget, the default tie-then-untie run against training
-untied from the start, paired by seed, next to tied and untied.
+untied from the start, paired by seed, next to tied and untied; or, with ``--validation``, the held-out validation of
+``policy="auto"`` (issue 48) over the folders' reports.
 
     python scripts/policy_table.py docs/data/decision-map/dev-d128x2 docs/data/decision-map/dev-d128x4 \\
         --output docs/data/decision-map/policy-dev.md
+    python scripts/policy_table.py --validation docs/data/decision-map/heldout-d64x4 ... \\
+        --output docs/data/decision-map/policy-heldout.md
 
 Each folder is a `recipes/decision_map.py` output_dir that ran the arms tied, untied and auto (the default
 `Untier()`), then ``--arms auto --untie_at 0 --untie_when none --head_init model``: the run `policy="auto"` makes
@@ -51,6 +54,14 @@ def read_folder(folder: Path, head_init: str) -> dict[int, dict[str, dict]]:
     return {seed: arms for seed, arms in by_seed.items() if len(arms) == 4}
 
 
+def shape_of(folder: Path, record: dict) -> tuple[TrainingSetup, int, float]:
+    """The setup of a folder's runs (from one of its records), its vocabulary and the embedding's share of the tied
+    model's parameters (what `policy="auto"` reads)."""
+    setup = TrainingSetup(**record["setup"])
+    vocab = json.loads((folder / "map.json").read_text())["vocab_size"]
+    return setup, vocab, embedding_share(build_model(setup, vocab, BLOCK, tied=True))[0]
+
+
 def rows(folders: list[Path], head_init: str = "model") -> list[dict]:
     out = []
     for folder in folders:
@@ -58,10 +69,7 @@ def rows(folders: list[Path], head_init: str = "model") -> list[dict]:
         if not seeds:
             print(f"{folder}: no seed with all four runs, left out", file=sys.stderr)
             continue
-        first = next(iter(seeds.values()))["tied"]
-        setup = TrainingSetup(**first["setup"])
-        vocab = json.loads((folder / "map.json").read_text())["vocab_size"]
-        share = embedding_share(build_model(setup, vocab, BLOCK, tied=True))[0]
+        setup, vocab, share = shape_of(folder, next(iter(seeds.values()))["tied"])
         budgets = sorted({int(b) for arms in seeds.values() for b in arms["tied"]["losses"]})
         for budget in budgets:
             key = str(budget)
@@ -109,6 +117,58 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: The map's auto arm under test in the validation: `policy="auto"`, every other setting the default.
+VALIDATED = UntieConfig(policy="auto")
+
+
+def validation_rows(folders: list[Path]) -> list[dict]:
+    """Per (folder's shape, budget): each arm's mean and sd, the policy's untie steps and the validation's verdict,
+    from the report `recipes/decision_map.py` wrote for `VALIDATED` (``results-cfg<digest>.json``)."""
+    suffix = MapContext(None, (1,), Path("."), untie=VALIDATED).label.replace("+", "-")  # type: ignore[arg-type]
+    out = []
+    for folder in folders:
+        report = folder / f"results{suffix}.json"
+        if not report.exists():
+            print(f"{folder}: no report {report.name} (run the map with --policy auto), left out", file=sys.stderr)
+            continue
+        cells = [cell for cell in json.loads(report.read_text())["cells"] if cell["validation"] is not None]
+        tied = next(iter(sorted((folder / "records").glob("*-tied.json"))), None)
+        if not cells or tied is None:
+            print(f"{folder}: no finished cell with every arm, left out", file=sys.stderr)
+            continue
+        setup, vocab, share = shape_of(folder, json.loads(tied.read_text()))
+        for cell in cells:
+            arms = cell["arms"]
+            shown = ("tied", "untied", cell["oracle"], "auto")
+            out.append({
+                "shape": f"d{setup.width}x{setup.layers}", "vocab": vocab, "share": share, "budget": cell["budget"],
+                "seeds": cell["seeds"], "oracle": cell["oracle"],
+                "means": {arm: (arms[arm]["mean"], arms[arm]["sd"]) for arm in shown},
+                "policy_untie": sorted(set(arms["auto"]["untie"])), "validation": cell["validation"],
+            })  # fmt: skip
+    return out
+
+
+def validation_markdown(table: list[dict]) -> str:
+    lines = [
+        "| shape | embedding share | budget (steps) | seeds | tied | untied | best fixed | policy | policy untied at "
+        "| best baseline | policy's regret (paired) | tolerance | within it | beats the better of tied, untied |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in table:
+        means = [row["means"][arm] for arm in ("tied", "untied", row["oracle"], "auto")]
+        values = [f"{mean:.4f} ± {sd:.4f}" for mean, sd in means]
+        values[2] += f" ({row['oracle']})"
+        check = row["validation"]
+        lines.append(
+            f"| {row['shape']} ({row['vocab']:,}) | {row['share']:.0%} | {row['budget']:,} | "
+            f"{' '.join(map(str, row['seeds']))} | {' | '.join(values)} | {', '.join(row['policy_untie'])} | "
+            f"{check['best']} | {check['regret']:+.4f} ± {check['sd']:.4f} | {check['tolerance']:.4f} | "
+            f"{'yes' if check['passes'] else 'no'} | {check['beats_better_plain']}/{check['seeds']} seeds |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="decision-map output folders")
@@ -118,9 +178,13 @@ def main(argv: list[str] | None = None) -> str:
         help="the run untied from the start whose head was drawn by the model's initialiser (model: what the policy "
         "does for a freshly built model) or copied from the embedding (copy)",
     )  # fmt: skip
+    parser.add_argument(
+        "--validation", action="store_true",
+        help="the held-out validation of policy='auto' (issue 48) from the folders' reports, instead",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    table = rows(args.folders, args.head_init)
-    text = markdown(table)
+    table = validation_rows(args.folders) if args.validation else rows(args.folders, args.head_init)
+    text = validation_markdown(table) if args.validation else markdown(table)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")

@@ -454,3 +454,28 @@ def test_the_policy_table_pairs_the_default_with_the_run_untied_from_the_start(r
         expected = sum(a - b for a, b in zip(start, default, strict=True)) / 2
         assert row["start_minus_default"]["mean"] == pytest.approx(expected, abs=1e-12)
         assert row["start_minus_default"]["better"] == sum(a < b for a, b in zip(start, default, strict=True))
+
+
+def test_the_validation_table_reads_the_policy_report_and_recomputes_nothing_by_hand(recipe, tmp_path, monkeypatch):
+    monkeypatch.setattr(untie.core.policy, "UNTIED_FROM_START_SHARE", 0.01)  # every model: untied from the start
+    table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
+    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
+    policy_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy_table)
+    assert policy_table.validation_rows([tmp_path / "elsewhere"]) == []  # no report there: left out, said
+    output = tmp_path / "heldout.md"
+    text = policy_table.main(["--validation", str(tmp_path / "map"), "--output", str(output)])
+    rows = json.loads(output.with_suffix(".json").read_text())
+    assert len(rows) == 2 and len(text.splitlines()) == 4  # header, rule, budgets 8 and 16
+    records = tmp_path / "map" / "records"
+    for row, cell in zip(rows, table, strict=True):
+        assert row["shape"] == "d32x1" and row["budget"] == cell["budget"] and row["policy_untie"] == ["0 (start)"]
+        check = row["validation"]
+        auto = [RunRecord.load(p).losses[str(row["budget"])] for p in sorted(records.glob("d32-s*-auto+cfg*.json"))]
+        if check["best"] in ("tied", "untied"):  # the regret, paired by seed, from the records themselves
+            base = [
+                RunRecord.load(records / f"d32-s{s}-{check['best']}.json").losses[str(row["budget"])] for s in (1, 2)
+            ]
+            assert check["regret"] == pytest.approx(sum(a - b for a, b in zip(auto, base, strict=True)) / 2, abs=1e-12)
+        assert check["passes"] == (check["regret"] <= max(check["sd"], 0.01))
+        assert f"| {'yes' if check['passes'] else 'no'} |" in text.splitlines()[2 + rows.index(row)]

@@ -167,7 +167,12 @@ class UntieRun:
         self.choice = choose_plan(
             config.policy, model, tied=is_tied(model) and not was_untied(model), peft=is_peft_model(model)
         )
-        if self.choice.untied_from_start:
+        self.follow_choice()
+
+    def follow_choice(self) -> None:
+        """Follow the policy's choice: "untied from the start" is ``untie_at=0`` without a trigger; "as set" keeps
+        the schedule `use_schedule` was given."""
+        if self.choice is not None and self.choice.untied_from_start:
             self.use_schedule(0, None)
 
     # -- phase 1: attach -----------------------------------------------------------------------------------------------
@@ -208,8 +213,7 @@ class UntieRun:
         other.registry, other.emulation, other.phase = Registry(other.adapter.name), None, "closed"
         self.phase = "attached"
         self.match_rule_to_pairs()  # "divergence" follows the pairs found then
-        if self.choice is not None and self.choice.untied_from_start:
-            self.use_schedule(0, None)
+        self.follow_choice()
 
     def expect_checkpoint(self, saved: SavedFacts, optimizer=None) -> None:
         """Give the model the structure of the checkpoint's run (`saved`) before its weights and the optimizer's

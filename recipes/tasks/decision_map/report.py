@@ -8,6 +8,7 @@ import math
 import statistics
 from pathlib import Path
 
+from untie import UntieConfig
 from untie_recipes.tasks.decision_map.runs import AUTO_DEADLINE, FIXED_FRACTIONS, MAP_ARMS, deadline_steps
 from untie_recipes.tasks.decision_map.training import RunRecord, fixed_untie_step
 
@@ -250,6 +251,14 @@ def _finite(value: float | None) -> float:
     return 0.0 if value is None or value != value else value
 
 
+def auto_arm_name(untie: dict) -> str:
+    """The auto arm's `Untier` in words: "the default `Untier()`", or the settings that differ from the defaults
+    (`untie`: the map's `UntieConfig.to_json_dict()`)."""
+    default = UntieConfig().to_json_dict()
+    changed = ", ".join(f"{key}={value!r}" for key, value in untie.items() if key in default and value != default[key])
+    return f"`Untier({changed})`" if changed else "the default `Untier()`"
+
+
 def write_report(output_dir: Path, units: dict[tuple[int, int], dict[str, RunRecord]], budgets: tuple[int, ...],
                  tokens_per_step: int, settings: dict, suffix: str = "",
                  arms: tuple[str, ...] = MAP_ARMS) -> list[dict]:  # fmt: skip
@@ -258,12 +267,13 @@ def write_report(output_dir: Path, units: dict[tuple[int, int], dict[str, RunRec
     table = cells(units, budgets, arms)
     (output_dir / f"results{suffix}.json").write_text(json.dumps({"settings": settings, "cells": table}, indent=2))
     state = settings.get("optimizer_state", "copy")
-    auto = "the default `Untier()`" if state == "copy" else f"`Untier(optimizer_state={state!r})`"
+    auto = auto_arm_name(settings.get("untie", {}))
     text = (
         f"# Decision map (optimizer state at the untie: {state})\n\nValidation loss (nats per token), mean ± sd over "
         "seeds; arms: tied, untied, untie at "
         f"{', '.join(f'{round(f * 100)}%' for f in FIXED_FRACTIONS)} of the budget (fixed-N), and auto ({auto}: "
-        f"evidence trigger with the tokenizer's pairs, deadline at {round(AUTO_DEADLINE * 100)}%). "
+        f"by default the evidence trigger with the tokenizer's pairs, deadline at {round(AUTO_DEADLINE * 100)}%; "
+        "where each seed untied: the second table). "
         "The oracle is the best fixed arm; auto's regret is its mean minus the oracle's, in nats and in units of "
         "the larger of the two arms' sd.\n\n" + markdown(table, tokens_per_step) + "\n\n" + auto_steps(table) + "\n\n"
         "Paired by seed (the arms of a seed share the initialisation and the data order): the loss of tied, or "
