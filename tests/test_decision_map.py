@@ -479,3 +479,15 @@ def test_the_validation_table_reads_the_policy_report_and_recomputes_nothing_by_
             assert check["regret"] == pytest.approx(sum(a - b for a, b in zip(auto, base, strict=True)) / 2, abs=1e-12)
         assert check["passes"] == (check["regret"] <= max(check["sd"], 0.01))
         assert f"| {'yes' if check['passes'] else 'no'} |" in text.splitlines()[2 + rows.index(row)]
+
+
+def test_the_heatmap_draws_a_map_where_auto_beat_the_oracle_in_every_cell(tmp_path):
+    """Every regret below 0 (the held-out d 64 x 4 map): the regret panel's scale starts at 0 and must still draw."""
+    cells = [
+        {"width": 64, "budget": budget, "margin_over_best_plain": margin, "auto_regret_sd": regret, "winner": "auto",
+         "oracle_step": budget // 10}
+        for budget, margin, regret in ((250, 0.02, -1.5), (500, -0.01, -0.4))
+    ]  # fmt: skip
+    path = tmp_path / "figures" / "map.png"
+    report.heatmap(cells, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
