@@ -10,6 +10,7 @@ import math
 import sys
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -402,16 +403,19 @@ def test_another_vocabulary_is_its_own_corpus_and_a_map_folder_keeps_its_data(re
         recipe.main(_map_args(tmp_path, "--vocab_size", "280"))
 
 
-def test_fewer_arms_run_no_branches_and_report_what_was_run(recipe, tmp_path):
+def test_fewer_arms_run_no_branches_and_report_what_was_run(recipe, tmp_path, monkeypatch):
+    clock = iter(range(0, 10_000, 2))  # each run's clock reads advance 2 s: its record keeps 2.0 s on any machine
+    monkeypatch.setattr(runs, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
     table = recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied", "auto"))
     records = {p.name for p in (tmp_path / "map" / "records").glob("*.json")}
     # tied always runs (the branches and the auto arm's deadlines start from it); no fixed branch is recorded
     assert {"d32-s1-tied.json", "d32-s1-untied.json", "d32-s1-auto.json"} <= records
     fixed_steps = set(runs.fixed_branch_stops((8, 16))) - set(runs.deadline_steps((8, 16)).values())
     assert not {f"d32-s1-untie@{s}.json" for s in fixed_steps} & records
-    assert all(RunRecord.load(p).seconds > 0 for p in (tmp_path / "map" / "records").glob("*.json"))
+    assert all(RunRecord.load(p).seconds == 2.0 for p in (tmp_path / "map" / "records").glob("*.json"))
     hours = json.loads((tmp_path / "map" / "results.json").read_text())["settings"]["core_hours"]
-    assert hours["runs_timed"] == len(records) and hours["seconds"] > 0  # with the auto arm's deadline branches
+    assert hours["runs_timed"] == len(records)  # with the auto arm's deadline branches
+    assert hours["seconds"] == 2.0 * len(records) and hours["hours"] == round(2.0 * len(records) / 3600, 3)
     for cell in table:
         assert set(cell["arms"]) == {"tied", "untied", "auto"}
         assert cell["oracle"] is None and cell["auto_regret"] is None and cell["paired"]["arm"] == "auto"
