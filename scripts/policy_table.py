@@ -1,11 +1,14 @@
 """The untie policy's evidence: per decision-map folder and budget, the default tie-then-untie run against training
 untied from the start, paired by seed, next to tied and untied; or, with ``--validation``, the held-out validation of
-``policy="auto"`` (issue 48) over the folders' reports.
+``policy="auto"`` (issue 48) over the folders' reports; or, with ``--per_seed``, that validation seed by seed from the
+records, including seeds whose fixed branches are not all recorded yet (what a shape says before its report exists).
 
     python scripts/policy_table.py docs/data/decision-map/dev-d128x2 docs/data/decision-map/dev-d128x4 \\
         --output docs/data/decision-map/policy-dev.md
     python scripts/policy_table.py --validation docs/data/decision-map/heldout-d64x4 ... \\
         --output docs/data/decision-map/policy-heldout.md
+    python scripts/policy_table.py --per_seed docs/data/decision-map/heldout-d128x8 ... \\
+        --output docs/data/decision-map/policy-heldout-seeds.md
 
 Each folder is a `recipes/decision_map.py` output_dir that ran the arms tied, untied and auto (the default
 `Untier()`), then ``--arms auto --untie_at 0 --untie_when none --head_init model``: the run `policy="auto"` makes
@@ -22,13 +25,15 @@ import json
 import math
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from untie import UntieConfig
 from untie.core.policy import embedding_share
 from untie_recipes.tasks.decision_map.corpus import BLOCK
-from untie_recipes.tasks.decision_map.runs import MapContext
-from untie_recipes.tasks.decision_map.training import TrainingSetup, build_model
+from untie_recipes.tasks.decision_map.report import arm_losses
+from untie_recipes.tasks.decision_map.runs import FIXED_FRACTIONS, MapContext
+from untie_recipes.tasks.decision_map.training import TrainingSetup, build_model, fixed_untie_step
 
 
 def _spread(values: list[float]) -> tuple[float, float]:
@@ -169,6 +174,75 @@ def validation_markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seed_rows(folders: list[Path]) -> list[dict]:
+    """Per (folder's shape, seed, budget) whose tied, untied and `VALIDATED` policy runs are recorded (and, where the
+    policy's run had not untied by a budget's deadline, that deadline's branch, as the report reads it): the three
+    losses, the policy's untie, the best fixed arm recorded so far at that budget (of the four) and the policy's
+    differences. From the records alone: a seed counts before its fixed branches have all run."""
+    out = []
+    for folder in folders:
+        seeds = sorted({json.loads(path.read_text())["seed"] for path in (folder / "records").glob("*-tied.json")})
+        first = next(iter(sorted((folder / "records").glob("*-tied.json"))), None)
+        if first is None:
+            print(f"{folder}: no tied run recorded, left out", file=sys.stderr)
+            continue
+        setup, vocab, share = shape_of(folder, json.loads(first.read_text()))
+        for seed in seeds:
+            out.extend(_seed_cells(folder, replace(setup, seed=seed), vocab, share))
+    return out
+
+
+def _seed_cells(folder: Path, setup: TrainingSetup, vocab: int, share: float) -> list[dict]:
+    """`seed_rows` for one (folder, seed)."""
+    probe = MapContext(None, (1,), folder, untie=VALIDATED)  # type: ignore[arg-type]  # no corpus needed
+    records = probe.load_records(setup)
+    if "auto" not in records:
+        return []
+    budgets = tuple(sorted(int(key) for key in records["auto"].losses))
+    out = []
+    for budget in budgets:
+        try:
+            losses = arm_losses(records, budget, budgets, ("tied", "untied", "auto"))
+        except KeyError:  # the tied or untied run, or the deadline branch the policy's cell reads, is not recorded
+            continue
+        recorded = {
+            f"fixed-{round(fraction * 100)}": records[name].losses[str(budget)]
+            for fraction in FIXED_FRACTIONS
+            if str(budget) in getattr(records.get(name := f"untie@{fixed_untie_step(fraction, budget)}"), "losses", {})
+        }
+        best = min(recorded, key=recorded.__getitem__) if recorded else None
+        (tied, _), (untied, _), (policy, untie) = losses["tied"], losses["untied"], losses["auto"]
+        out.append({
+            "shape": f"d{setup.width}x{setup.layers}", "vocab": vocab, "share": share, "seed": setup.seed,
+            "budget": budget, "tied": tied, "untied": untied, "policy": policy, "policy_untie": untie,
+            "fixed_recorded": len(recorded), "best_fixed": best,
+            "best_fixed_loss": recorded.get(best) if best else None,
+            "policy_minus_untied": policy - untied, "policy_minus_tied": policy - tied,
+            "policy_minus_best": policy - min([tied, untied, *recorded.values()]),
+        })  # fmt: skip
+    return out
+
+
+def seed_markdown(table: list[dict]) -> str:
+    lines = [
+        "| shape | embedding share | seed | budget (steps) | tied | untied | best fixed so far | policy "
+        "| policy untied at | policy − untied | policy − tied | policy − best of those |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in table:
+        fixed = (
+            f"{row['best_fixed_loss']:.4f} ({row['best_fixed']}; {row['fixed_recorded']}/{len(FIXED_FRACTIONS)} run)"
+            if row["best_fixed"]
+            else f"- (0/{len(FIXED_FRACTIONS)} run)"
+        )
+        lines.append(
+            f"| {row['shape']} ({row['vocab']:,}) | {row['share']:.0%} | {row['seed']} | {row['budget']:,} | "
+            f"{row['tied']:.4f} | {row['untied']:.4f} | {fixed} | {row['policy']:.4f} | {row['policy_untie']} | "
+            f"{row['policy_minus_untied']:+.4f} | {row['policy_minus_tied']:+.4f} | {row['policy_minus_best']:+.4f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="decision-map output folders")
@@ -182,9 +256,19 @@ def main(argv: list[str] | None = None) -> str:
         "--validation", action="store_true",
         help="the held-out validation of policy='auto' (issue 48) from the folders' reports, instead",
     )  # fmt: skip
+    parser.add_argument(
+        "--per_seed", action="store_true",
+        help="the held-out validation seed by seed, from the folders' records (fixed branches may be unfinished)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    table = validation_rows(args.folders) if args.validation else rows(args.folders, args.head_init)
-    text = validation_markdown(table) if args.validation else markdown(table)
+    if args.validation and args.per_seed:
+        parser.error("--validation and --per_seed are two views: pass one")
+    if args.validation:
+        table, text = (table := validation_rows(args.folders)), validation_markdown(table)
+    elif args.per_seed:
+        table, text = (table := seed_rows(args.folders)), seed_markdown(table)
+    else:
+        table, text = (table := rows(args.folders, args.head_init)), markdown(table)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")

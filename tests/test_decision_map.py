@@ -485,6 +485,35 @@ def test_the_validation_table_reads_the_policy_report_and_recomputes_nothing_by_
         assert f"| {'yes' if check['passes'] else 'no'} |" in text.splitlines()[2 + rows.index(row)]
 
 
+def test_the_per_seed_table_reads_unfinished_seeds_from_their_records(recipe, tmp_path):
+    """The validation seed by seed: the policy's loss per budget as the report reads it (its deadline branch where it
+    had not untied by then), and the best fixed arm among those recorded, before a seed's branches have all run."""
+    table = recipe.main(_map_args(tmp_path, "--policy", "auto"))  # d 32: under the threshold, the default schedule
+    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
+    policy_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy_table)
+    rows = policy_table.seed_rows([tmp_path / "map"])
+    assert [(row["seed"], row["budget"]) for row in rows] == [(1, 8), (1, 16), (2, 8), (2, 16)]
+    for cell in table:  # the two seeds' rows average to the report's cell, arm by arm
+        mine = [row for row in rows if row["budget"] == cell["budget"]]
+        for arm, name in (("tied", "tied"), ("untied", "untied"), ("policy", "auto")):
+            assert sum(row[arm] for row in mine) / 2 == pytest.approx(cell["arms"][name]["mean"], abs=1e-12)
+        assert all(row["fixed_recorded"] == 4 for row in mine)
+    records = tmp_path / "map" / "records"
+    last = training.fixed_untie_step(runs.FIXED_FRACTIONS[-1], 16)
+    next(records.glob(f"d32-s2-untie@{last}+cfg*.json")).unlink()  # seed 2's fixed-75 at 16 steps not run yet
+    next(records.glob("d32-s1-auto+cfg*.json")).unlink()  # seed 1's policy run not run yet
+    rows = policy_table.seed_rows([tmp_path / "map"])
+    assert [(row["seed"], row["budget"]) for row in rows] == [(2, 8), (2, 16)]
+    row = rows[1]
+    steps = [training.fixed_untie_step(fraction, 16) for fraction in runs.FIXED_FRACTIONS[:-1]]
+    kept = [RunRecord.load(next(records.glob(f"d32-s2-untie@{step}+cfg*.json"))).losses["16"] for step in steps]
+    assert row["fixed_recorded"] == 3 == len(kept) and row["best_fixed_loss"] == min(kept)
+    assert row["policy_minus_best"] == pytest.approx(row["policy"] - min(row["tied"], row["untied"], *kept))
+    text = policy_table.main(["--per_seed", str(tmp_path / "map")])
+    assert "; 3/4 run)" in text.splitlines()[3] and len(text.splitlines()) == 4
+
+
 def test_the_heatmap_draws_a_map_where_auto_beat_the_oracle_in_every_cell(tmp_path):
     """Every regret below 0 (the held-out d 64 x 4 map): the regret panel's scale starts at 0 and must still draw."""
     cells = [
