@@ -85,8 +85,8 @@ class UntieConfig:
             step: where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the
             parameters, a model that arrives tied trains untied from the start (the head a copy of the embedding:
             untie_at=0, no trigger); below, untie_at / untie_when as set. The choice and why are logged at train
-            begin and kept in the run state. Not yet the default: it becomes so once its held-out validation passes
-            (docs/recipes/decision-map.md).
+            begin and kept in the run state. Not the default: its held-out validation failed at d 128 x 8 (40%
+            embedding), where the default schedule it keeps trailed untied training (docs/recipes/decision-map.md).
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT
