@@ -76,8 +76,15 @@ def test_choices_are_checked_by_the_parser_and_help_shows_each_setting(capsys):
     with pytest.raises(SystemExit):
         _parse("--help")
     shown = " ".join(capsys.readouterr().out.split())
+    percent = 0
     for field in untie.UntieConfig.__dataclass_fields__.values():
-        assert f"--{field.name}" in shown and field.metadata["help"][:50] in shown, field.name
+        text = field.metadata["help"].replace("%%", "%")  # argparse %-formats help: a literal % is stored doubled
+        assert f"--{field.name}" in shown and text[:50] in shown, field.name
+        if "%" in text:  # a help text with a percent sign (it raised in argparse before it was doubled)
+            percent += 1
+            at = text.index("%")
+            assert text[max(0, at - 8) : at + 2] in shown, field.name
+    assert percent, "no help text has a % sign now (policy's had one): this check no longer runs; drop it"
 
 
 def test_json_round_trip_records_the_version_and_refuses_unknown_keys(tmp_path):

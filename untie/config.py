@@ -336,12 +336,13 @@ def _field_help() -> dict[str, str]:
 
 
 def _attach_field_help() -> None:
-    """Give each field the help text `HfArgumentParser` shows (`--help`), from the docstring: declared once."""
+    """Give each field the help text `HfArgumentParser` shows (`--help`), from the docstring: declared once. argparse
+    %-formats help texts, so a literal ``%`` (``40%``) is doubled."""
     texts = _field_help()
     for config_field in fields(UntieConfig):
         if config_field.name not in texts:
             raise RuntimeError(f"UntieConfig's docstring does not describe {config_field.name}.")
-        config_field.metadata = MappingProxyType({"help": texts[config_field.name]})
+        config_field.metadata = MappingProxyType({"help": texts[config_field.name].replace("%", "%%")})
 
 
 _attach_field_help()
