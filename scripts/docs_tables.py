@@ -182,24 +182,24 @@ def _policy_dev(head_init: str, seeds: tuple[str, ...], output: str) -> tuple[tu
 #: The policy's held-out validation (issue 48, fixed in docs/recipes/decision-map.md before it ran): three shapes
 #: never used in development, seeds 7-9, every arm, the auto arm `policy="auto"`.
 _HELDOUT_SHAPES = (("64", "4"), ("256", "2"), ("128", "8"))
+_HELDOUT_FOLDERS = tuple(f"{{out}}/heldout-d{width}x{layers}" for width, layers in _HELDOUT_SHAPES)
 
 
 def _policy_heldout() -> tuple[tuple[str, ...], ...]:
-    folders = tuple(f"{{out}}/heldout-d{width}x{layers}" for width, layers in _HELDOUT_SHAPES)
     maps = tuple(
         ("python", "recipes/decision_map.py", *_POLICY_CORPUS, "--widths", width, "--layers", layers, "--seeds", "7",
          "8", "9", "--policy", "auto", "--output_dir", folder, "--disable_tqdm")
-        for (width, layers), folder in zip(_HELDOUT_SHAPES, folders, strict=True)
+        for (width, layers), folder in zip(_HELDOUT_SHAPES, _HELDOUT_FOLDERS, strict=True)
     )  # fmt: skip
-    table = ("python", "scripts/policy_table.py", "--validation", *folders, "--output", "{out}/policy-heldout.md")
+    table = ("python", "scripts/policy_table.py", "--validation", *_HELDOUT_FOLDERS, "--output",
+             "{out}/policy-heldout.md")  # fmt: skip
     return (*maps, table)
 
 
 def _policy_heldout_seeds() -> tuple[tuple[str, ...], ...]:
     """The held-out validation seed by seed, from the records (a shape's seeds need not all be finished)."""
-    *maps, table = _policy_heldout()
-    folders = table[3:-2]
-    return (*maps, ("python", "scripts/policy_table.py", "--per_seed", *folders, "--output",
+    *maps, _ = _policy_heldout()
+    return (*maps, ("python", "scripts/policy_table.py", "--per_seed", *_HELDOUT_FOLDERS, "--output",
                     "{out}/policy-heldout-seeds.md"))  # fmt: skip
 
 

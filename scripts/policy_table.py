@@ -181,21 +181,20 @@ def seed_rows(folders: list[Path]) -> list[dict]:
     differences. From the records alone: a seed counts before its fixed branches have all run."""
     out = []
     for folder in folders:
-        seeds = sorted({json.loads(path.read_text())["seed"] for path in (folder / "records").glob("*-tied.json")})
-        first = next(iter(sorted((folder / "records").glob("*-tied.json"))), None)
-        if first is None:
+        tied = [json.loads(path.read_text()) for path in sorted((folder / "records").glob("*-tied.json"))]
+        if not tied:
             print(f"{folder}: no tied run recorded, left out", file=sys.stderr)
             continue
-        setup, vocab, share = shape_of(folder, json.loads(first.read_text()))
-        for seed in seeds:
-            out.extend(_seed_cells(folder, replace(setup, seed=seed), vocab, share))
+        setup, vocab, share = shape_of(folder, tied[0])
+        probe = MapContext(None, (1,), folder, untie=VALIDATED)  # type: ignore[arg-type]  # no corpus needed
+        for seed in sorted(record["seed"] for record in tied):
+            records = probe.load_records(replace(setup, seed=seed))
+            out.extend(_seed_cells(records, replace(setup, seed=seed), vocab, share))
     return out
 
 
-def _seed_cells(folder: Path, setup: TrainingSetup, vocab: int, share: float) -> list[dict]:
-    """`seed_rows` for one (folder, seed)."""
-    probe = MapContext(None, (1,), folder, untie=VALIDATED)  # type: ignore[arg-type]  # no corpus needed
-    records = probe.load_records(setup)
+def _seed_cells(records: dict, setup: TrainingSetup, vocab: int, share: float) -> list[dict]:
+    """`seed_rows` for one (folder, seed), from its records keyed by their arms' plain names."""
     if "auto" not in records:
         return []
     budgets = tuple(sorted(int(key) for key in records["auto"].losses))
@@ -264,11 +263,14 @@ def main(argv: list[str] | None = None) -> str:
     if args.validation and args.per_seed:
         parser.error("--validation and --per_seed are two views: pass one")
     if args.validation:
-        table, text = (table := validation_rows(args.folders)), validation_markdown(table)
+        table = validation_rows(args.folders)
+        text = validation_markdown(table)
     elif args.per_seed:
-        table, text = (table := seed_rows(args.folders)), seed_markdown(table)
+        table = seed_rows(args.folders)
+        text = seed_markdown(table)
     else:
-        table, text = (table := rows(args.folders, args.head_init)), markdown(table)
+        table = rows(args.folders, args.head_init)
+        text = markdown(table)
     if args.output is not None:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(text + "\n")
