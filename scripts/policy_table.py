@@ -1,7 +1,8 @@
 """The untie policy's evidence: per decision-map folder and budget, the default tie-then-untie run against training
 untied from the start, paired by seed, next to tied and untied; or, with ``--validation``, the held-out validation of
-``policy="auto"`` (issue 48) over the folders' reports; or, with ``--per_seed``, that validation seed by seed from the
-records, including seeds whose fixed branches are not all recorded yet (what a shape says before its report exists).
+a policy (``--policy``, issue 48; "auto" by default) over the folders' reports; or, with ``--per_seed``, that
+validation seed by seed from the records, including seeds whose fixed branches are not all recorded yet (what a
+shape says before its report exists).
 
     python scripts/policy_table.py docs/data/decision-map/dev-d128x2 docs/data/decision-map/dev-d128x4 \\
         --output docs/data/decision-map/policy-dev.md
@@ -29,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from untie import UntieConfig
+from untie.config import POLICIES
 from untie.core.policy import embedding_share
 from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.decision_map.report import arm_losses
@@ -122,19 +124,21 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-#: The map's auto arm under test in the validation: `policy="auto"`, every other setting the default.
-VALIDATED = UntieConfig(policy="auto")
+def validated(policy: str) -> UntieConfig:
+    """The map's auto arm under test in a validation: `policy`, every other setting the default."""
+    return UntieConfig(policy=policy)  # type: ignore[arg-type]  # checked by UntieConfig
 
 
-def validation_rows(folders: list[Path]) -> list[dict]:
+def validation_rows(folders: list[Path], policy: str = "auto") -> list[dict]:
     """Per (folder's shape, budget): each arm's mean and sd, the policy's untie steps and the validation's verdict,
-    from the report `recipes/decision_map.py` wrote for `VALIDATED` (``results-cfg<digest>.json``)."""
-    suffix = MapContext(None, (1,), Path("."), untie=VALIDATED).label.replace("+", "-")  # type: ignore[arg-type]
+    from the report `recipes/decision_map.py` wrote for `validated(policy)` (``results-cfg<digest>.json``)."""
+    config = validated(policy)
+    suffix = MapContext(None, (1,), Path("."), untie=config).label.replace("+", "-")  # type: ignore[arg-type]
     out = []
     for folder in folders:
         report = folder / f"results{suffix}.json"
         if not report.exists():
-            print(f"{folder}: no report {report.name} (run the map with --policy auto), left out", file=sys.stderr)
+            print(f"{folder}: no report {report.name} (run the map with --policy {policy}), left out", file=sys.stderr)
             continue
         cells = [cell for cell in json.loads(report.read_text())["cells"] if cell["validation"] is not None]
         tied = next(iter(sorted((folder / "records").glob("*-tied.json"))), None)
@@ -174,8 +178,8 @@ def validation_markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def seed_rows(folders: list[Path]) -> list[dict]:
-    """Per (folder's shape, seed, budget) whose tied, untied and `VALIDATED` policy runs are recorded (and, where the
+def seed_rows(folders: list[Path], policy: str = "auto") -> list[dict]:
+    """Per (folder's shape, seed, budget) whose tied, untied and `validated(policy)` runs are recorded (and, where the
     policy's run had not untied by a budget's deadline, that deadline's branch, as the report reads it): the three
     losses, the policy's untie, the best fixed arm recorded so far at that budget (of the four) and the policy's
     differences. From the records alone: a seed counts before its fixed branches have all run."""
@@ -186,7 +190,7 @@ def seed_rows(folders: list[Path]) -> list[dict]:
             print(f"{folder}: no tied run recorded, left out", file=sys.stderr)
             continue
         setup, vocab, share = shape_of(folder, tied[0])
-        probe = MapContext(None, (1,), folder, untie=VALIDATED)  # type: ignore[arg-type]  # no corpus needed
+        probe = MapContext(None, (1,), folder, untie=validated(policy))  # type: ignore[arg-type]  # no corpus needed
         for seed in sorted(record["seed"] for record in tied):
             records = probe.load_records(replace(setup, seed=seed))
             out.extend(_seed_cells(records, replace(setup, seed=seed), vocab, share))
@@ -253,7 +257,11 @@ def main(argv: list[str] | None = None) -> str:
     )  # fmt: skip
     parser.add_argument(
         "--validation", action="store_true",
-        help="the held-out validation of policy='auto' (issue 48) from the folders' reports, instead",
+        help="the held-out validation of --policy (issue 48) from the folders' reports, instead",
+    )  # fmt: skip
+    parser.add_argument(
+        "--policy", choices=[name for name in POLICIES if name != "off"], default="auto",
+        help="the policy whose held-out runs --validation and --per_seed read (the map's --policy)",
     )  # fmt: skip
     parser.add_argument(
         "--per_seed", action="store_true",
@@ -263,10 +271,10 @@ def main(argv: list[str] | None = None) -> str:
     if args.validation and args.per_seed:
         parser.error("--validation and --per_seed are two views: pass one")
     if args.validation:
-        table = validation_rows(args.folders)
+        table = validation_rows(args.folders, args.policy)
         text = validation_markdown(table)
     elif args.per_seed:
-        table = seed_rows(args.folders)
+        table = seed_rows(args.folders, args.policy)
         text = seed_markdown(table)
     else:
         table = rows(args.folders, args.head_init)

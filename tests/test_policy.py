@@ -49,6 +49,7 @@ def test_the_policy_parses_from_a_command_line_and_a_wrong_one_is_refused():
     (config,) = parser.parse_args_into_dataclasses(["--policy", "auto"])
     assert config.policy == "auto" and untie.UntieConfig().policy == "off"
     assert untie.UntieConfig.from_json(config.to_json()).policy == "auto"
+    assert parser.parse_args_into_dataclasses(["--policy", "fresh-untied"])[0].policy == "fresh-untied"
     with pytest.raises(ValueError, match="policy='sometimes' is not one of"):
         untie.UntieConfig(policy="sometimes")
 
@@ -202,3 +203,20 @@ def test_a_drawn_head_is_refused_for_an_untie_after_the_first_step():
         untie.UntieConfig(head_init="model", untie_at=500)
     assert untie.UntieConfig(head_init="model", untie_at=0).head_init == "model"
     assert untie.UntieConfig(head_init="model", policy="auto").head_init == "model"
+
+
+def test_fresh_untied_unties_a_freshly_built_model_whatever_its_share_and_runs_a_loaded_one_as_set(tmp_path):
+    fresh = tiny_model("gpt2")
+    choice = policy.choose_plan("fresh-untied", fresh, tied=True, peft=False, threshold=1.0)  # the share is ignored
+    assert choice.untied_from_start and choice.head_init == "model" and "freshly built" in choice.reason
+    untier = untie.Untier(fresh, policy="fresh-untied", max_steps=4)
+    assert untier.policy_choice.untied_from_start and not untie.is_tied(fresh)
+    assert not torch.equal(fresh.lm_head.weight, fresh.transformer.wte.weight)  # drawn, as a model built untied
+    untier.close()
+    tiny_model("gpt2").save_pretrained(tmp_path / "tied")
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
+    untier = untie.Untier(loaded, policy="fresh-untied", untie_at=3, untie_when=None, max_steps=4)
+    assert untier.policy_choice.plan == "as set" and "loaded" in untier.policy_choice.reason
+    assert untie.is_tied(loaded)  # tied until its untie_at
+    untier.close()
+    assert untie.UntieConfig(policy="fresh-untied", head_init="model").policy == "fresh-untied"

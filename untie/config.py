@@ -30,8 +30,8 @@ TyingMode = Literal["auto", "live", "emulated"]
 OptimizerStateInit = Literal["copy", "reset", "fresh"]
 TieInit = Literal["input", "output", "mean"]
 #: The untie policies (see `UntieConfig.policy`, `untie.core.policy`); kept here so that the config stays torch-free.
-POLICIES = ("off", "auto")
-PolicyName = Literal["off", "auto"]
+POLICIES = ("off", "auto", "fresh-untied")
+PolicyName = Literal["off", "auto", "fresh-untied"]
 #: How a head untied before the first step starts (see `UntieConfig.head_init`).
 HEAD_INITS = ("auto", "copy", "model")
 HeadInit = Literal["auto", "copy", "model"]
@@ -75,18 +75,21 @@ class UntieConfig:
             what FSDP2 and DeepSpeed need, at the cost of one more (V, d) parameter while tied), or 'auto'
             (emulated under FSDP2 and DeepSpeed, else live).
         save_at_untie: Ask Trainer for a checkpoint at the untie step (Trainer only; `untie.Untier` ignores it).
-        head_init: How a head untied before the first step starts (untie_at=0, or policy='auto' training untied
-            from the start): 'copy' of the input embedding (lossless: a pretrained tied model keeps its trained
-            output role), 'model' (drawn by the model's own initialiser, as a model built untied has it: for
-            training from scratch, where a copied head trained worse on the decision map), or 'auto' (default):
-            'model' where policy='auto' chose it for a freshly built model (its config names no checkpoint), else
+        head_init: How a head untied before the first step starts (untie_at=0, or a policy training untied from
+            the start): 'copy' of the input embedding (lossless: a pretrained tied model keeps its trained output
+            role), 'model' (drawn by the model's own initialiser, as a model built untied has it: for training from
+            scratch, where a copied head trained worse on the decision map), or 'auto' (default): 'model' where a
+            policy chose untied from the start for a freshly built model (its config names no checkpoint), else
             'copy'.
-        policy: 'off' (default) runs untie_at / untie_when as set. 'auto' decides from the model before the first
-            step: where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the
-            parameters, a model that arrives tied trains untied from the start (the head a copy of the embedding:
-            untie_at=0, no trigger); below, untie_at / untie_when as set. The choice and why are logged at train
-            begin and kept in the run state. Not the default: its held-out validation failed at d 128 x 8 (40%
-            embedding), where the default schedule it keeps trailed untied training (docs/recipes/decision-map.md).
+        policy: 'off' (default) runs untie_at / untie_when as set. The others decide before the first step, for a
+            model that arrives tied, and log the choice and why at train begin (kept in the run state).
+            'auto': where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the
+            parameters, train untied from the start (untie_at=0, no trigger; see head_init); below, untie_at /
+            untie_when as set. Its held-out validation failed at d 128 x 8 (40% embedding), where the default
+            schedule it keeps trailed untied training (docs/recipes/decision-map.md).
+            'fresh-untied': a freshly built model (its config names no checkpoint) trains untied from the start
+            whatever its share, its head drawn by its initialiser; a loaded one runs untie_at / untie_when as set.
+            The decision map's next candidate: written down before its held-out validation, not yet validated.
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT
@@ -117,7 +120,7 @@ class UntieConfig:
             raise ValueError(
                 f"head_init='model' draws a head untied before the first step, and untie_at={self.untie_at!r} unties "
                 "later (a head drawn mid-run would drop what the tied phase trained): pass untie_at=0, or "
-                "policy='auto', or leave head_init at 'auto'."
+                "a policy ('auto', 'fresh-untied'), or leave head_init at 'auto'."
             )
         rule = self.rule(with_pairs=self.pairs != [])  # refuses an unknown name or a bad rule now
         if rule is not None and self.metrics_every == 0:
