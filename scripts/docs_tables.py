@@ -179,28 +179,36 @@ def _policy_dev(head_init: str, seeds: tuple[str, ...], output: str) -> tuple[tu
     return (*cells, _policy_table(head_init, output))
 
 
-#: The policy's held-out validation (issue 48, fixed in docs/recipes/decision-map.md before it ran): three shapes
-#: never used in development, seeds 7-9, every arm, the auto arm `policy="auto"`.
-_HELDOUT_SHAPES = (("64", "4"), ("256", "2"), ("128", "8"))
-_HELDOUT_FOLDERS = tuple(f"{{out}}/heldout-d{width}x{layers}" for width, layers in _HELDOUT_SHAPES)
+#: The policies' held-out validations (issue 48, each fixed in docs/recipes/decision-map.md before it ran): shapes
+#: never used in development, as (width, layers, vocabulary or None for the map's), every arm.
+_HELDOUT_SHAPES = (("64", "4", None), ("256", "2", None), ("128", "8", None))
+_HELDOUT2_SHAPES = (("128", "12", None), ("64", "4", "32768"))
 
 
-def _policy_heldout() -> tuple[tuple[str, ...], ...]:
+def _heldout_folder(prefix: str, width: str, layers: str, vocab: str | None) -> str:
+    return f"{{out}}/{prefix}-d{width}x{layers}" + ("" if vocab is None else f"-v{int(vocab) // 1024}k")
+
+
+def _policy_heldout(
+    prefix: str = "heldout",
+    shapes: tuple = _HELDOUT_SHAPES,
+    seeds: tuple[str, ...] = ("7", "8", "9"),
+    policy: str = "auto",
+    view: str = "--validation",
+    output: str = "policy-heldout.md",
+) -> tuple[tuple[str, ...], ...]:
+    """The map commands of a held-out validation, then its table (`view`: --validation, or --per_seed from the
+    records, a shape's seeds need not all be finished)."""
+    folders = tuple(_heldout_folder(prefix, *shape) for shape in shapes)
     maps = tuple(
-        ("python", "recipes/decision_map.py", *_POLICY_CORPUS, "--widths", width, "--layers", layers, "--seeds", "7",
-         "8", "9", "--policy", "auto", "--output_dir", folder, "--disable_tqdm")
-        for (width, layers), folder in zip(_HELDOUT_SHAPES, _HELDOUT_FOLDERS, strict=True)
+        ("python", "recipes/decision_map.py", *_POLICY_CORPUS, *(() if vocab is None else ("--vocab_size", vocab)),
+         "--widths", width, "--layers", layers, "--seeds", *seeds, "--policy", policy, "--output_dir", folder,
+         "--disable_tqdm")
+        for (width, layers, vocab), folder in zip(shapes, folders, strict=True)
     )  # fmt: skip
-    table = ("python", "scripts/policy_table.py", "--validation", *_HELDOUT_FOLDERS, "--output",
-             "{out}/policy-heldout.md")  # fmt: skip
+    policy_flag = () if policy == "auto" else ("--policy", policy)
+    table = ("python", "scripts/policy_table.py", view, *policy_flag, *folders, "--output", f"{{out}}/{output}")
     return (*maps, table)
-
-
-def _policy_heldout_seeds() -> tuple[tuple[str, ...], ...]:
-    """The held-out validation seed by seed, from the records (a shape's seeds need not all be finished)."""
-    *maps, _ = _policy_heldout()
-    return (*maps, ("python", "scripts/policy_table.py", "--per_seed", *_HELDOUT_FOLDERS, "--output",
-                    "{out}/policy-heldout-seeds.md"))  # fmt: skip
 
 
 #: The extra memory of a DeepSpeed measuring step, ZeRO-2 and ZeRO-3 on 2 CPU ranks (docs/benchmarks.md).
@@ -245,7 +253,16 @@ TABLES: dict[str, Table] = {
         page="docs/recipes/decision-map.md", commands=_policy_heldout(), output="policy-heldout.md"
     ),
     "policy-heldout-seeds": Table(
-        page="docs/recipes/decision-map.md", commands=_policy_heldout_seeds(), output="policy-heldout-seeds.md"
+        page="docs/recipes/decision-map.md",
+        commands=_policy_heldout(view="--per_seed", output="policy-heldout-seeds.md"),
+        output="policy-heldout-seeds.md",
+    ),
+    "policy-heldout2-seeds": Table(
+        page="docs/recipes/decision-map.md",
+        commands=_policy_heldout(
+            "heldout2", _HELDOUT2_SHAPES, ("10", "11", "12"), "fresh-untied", "--per_seed", "policy-heldout2-seeds.md"
+        ),  # fmt: skip
+        output="policy-heldout2-seeds.md",
     ),
     # One command, two tables (it runs once): the claims' verdicts hold on any x86 CPU, so CI compares them; the
     # single-seed numbers are exact on one CPU kind only (tied and untied swap places between CPU kinds).
