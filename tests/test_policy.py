@@ -220,3 +220,42 @@ def test_fresh_untied_unties_a_freshly_built_model_whatever_its_share_and_runs_a
     assert untie.is_tied(loaded)  # tied until its untie_at
     untier.close()
     assert untie.UntieConfig(policy="fresh-untied", head_init="model").policy == "fresh-untied"
+
+
+def _trained_by_hand(steps: int = 100) -> tf.PreTrainedModel:
+    """A tiny GPT-2 built from its config and trained a little on Zipf-distributed symbols, as weights loaded with
+    `load_state_dict` arrive: its config names no checkpoint."""
+    model = tiny_model("gpt2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    frequencies = 1 / torch.arange(1, model.config.vocab_size + 1).float()
+    for _ in range(steps):
+        ids = torch.multinomial(frequencies, 8 * 16, replacement=True, generator=generator).view(8, 16)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5", "bart"])
+def test_a_freshly_drawn_embedding_looks_drawn_whatever_the_seed(arch):
+    for seed in range(5):
+        spread, drawn = policy.embedding_row_spread(tiny_model(arch, seed=seed))
+        assert spread <= policy.DRAWN_SPREAD_LIMIT * drawn and policy.is_freshly_built(tiny_model(arch, seed=seed))
+
+
+def test_weights_loaded_by_hand_count_as_loaded_so_no_policy_draws_a_head_over_them(monkeypatch):
+    trained = _trained_by_hand()
+    assert not trained.config.name_or_path and "trained weights" in policy.looks_trained(trained)
+    assert not policy.is_freshly_built(trained)
+    untier = untie.Untier(trained, policy="fresh-untied", untie_at=3, untie_when=None, max_steps=4)
+    assert untier.policy_choice.plan == "as set" and "loaded by hand" in untier.policy_choice.reason
+    assert untie.is_tied(trained)  # tie-then-untie as set, not untied from the start with a drawn head
+    untier.close()
+    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", 0.01)
+    by_hand = tiny_model("gpt2")
+    by_hand.load_state_dict(_trained_by_hand().state_dict())
+    untier = untie.Untier(by_hand, policy="auto", max_steps=4)
+    assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "copy"
+    assert torch.equal(by_hand.lm_head.weight, by_hand.transformer.wte.weight)  # the trained output role is kept
+    untier.close()

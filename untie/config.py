@@ -79,16 +79,17 @@ class UntieConfig:
             the start): 'copy' of the input embedding (lossless: a pretrained tied model keeps its trained output
             role), 'model' (drawn by the model's own initialiser, as a model built untied has it: for training from
             scratch, where a copied head trained worse on the decision map), or 'auto' (default): 'model' where a
-            policy chose untied from the start for a freshly built model (its config names no checkpoint), else
-            'copy'.
+            policy chose untied from the start for a freshly built model (its config names no checkpoint and its
+            embedding looks freshly drawn: untie.core.policy.is_freshly_built), else 'copy'.
         policy: 'off' (default) runs untie_at / untie_when as set. The others decide before the first step, for a
             model that arrives tied, and log the choice and why at train begin (kept in the run state).
             'auto': where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the
             parameters, train untied from the start (untie_at=0, no trigger; see head_init); below, untie_at /
             untie_when as set. Its held-out validation failed at d 128 x 8 (40% embedding), where the default
             schedule it keeps trailed untied training (docs/recipes/decision-map.md).
-            'fresh-untied': a freshly built model (its config names no checkpoint) trains untied from the start
-            whatever its share, its head drawn by its initialiser; a loaded one runs untie_at / untie_when as set.
+            'fresh-untied': a freshly built model trains untied from the start whatever its share, its head drawn
+            by its initialiser; a loaded one (by from_pretrained, or by hand: weights whose embedding does not look
+            freshly drawn) runs untie_at / untie_when as set.
             The decision map's next candidate: written down before its held-out validation, not yet validated.
     """
 

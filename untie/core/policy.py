@@ -4,7 +4,7 @@ Each policy reads the model at attach, before the optimizer exists, and picks on
 
 * **untied from the start**: the head becomes its own matrix before the first step (``untie_at=0``, no trigger),
   drawn by the model's own initialiser for a freshly built model, a copy of the embedding for a loaded one
-  (`UntieConfig.head_init` "auto");
+  (`UntieConfig.head_init` "auto"; weights loaded by hand count as loaded: `is_freshly_built`);
 * **as set**: the settings' `untie_at` / `untie_when` (by default: tied, the trigger, the deadline).
 
 `policy="auto"` trains untied from the start where the input embedding is at least `UNTIED_FROM_START_SHARE` of the
@@ -29,11 +29,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+import torch
 from torch import nn
 
 from untie import _compat
 from untie.config import POLICIES, PolicyName
-from untie.engines.distributed import full_shape
+from untie.engines.distributed import full_shape, is_sharded
 from untie.structure.surgery import input_weight
 
 #: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
@@ -41,15 +42,24 @@ from untie.structure.surgery import input_weight
 #: start beat the default at every budget in both development seeds), rounded to 5%, by the rule written before those
 #: runs ended. Fixed before the held-out validation; see docs/recipes/decision-map.md, "The policy".
 UNTIED_FROM_START_SHARE = 0.5
+#: How many times a Gaussian draw's spread of row norms (`embedding_row_spread`) an embedding may show and still count
+#: as freshly drawn. Measured (2026-11-26): 0.82-1.14 times for the 9 tiny architectures of `untie.testing` over seeds
+#: 0-4, 1.00-1.01 for the decision map's GPT-2 shapes at widths 64-256; trained, the map's tied d 128 x 12 and d 64 x 4
+#: (32k vocabulary) runs showed 1.4 times at step 25 and 3.0-4.3 from step 50 on (their checkpoints).
+DRAWN_SPREAD_LIMIT = 2.0
 
 __all__ = [
     "POLICIES",
     "UNTIED_FROM_START_SHARE",
     "PolicyChoice",
     "PolicyName",
+    "DRAWN_SPREAD_LIMIT",
     "choose_plan",
+    "embedding_row_spread",
     "embedding_share",
     "is_freshly_built",
+    "loaded_as",
+    "looks_trained",
 ]
 
 Plan = Literal["as set", "untied from the start"]
@@ -100,11 +110,51 @@ def embedding_share(model: nn.Module) -> tuple[float, int]:
     return (rows * width / total if total else 0.0), total
 
 
+def embedding_row_spread(model: nn.Module) -> tuple[float, float] | None:
+    """How much the input embedding's row norms vary (their standard deviation over their mean, zero rows left out:
+    padding), and how much they vary in a Gaussian draw of the same width (about 1 / sqrt(2 * width)); None where the
+    rows cannot be read here (a shard, a ZeRO-3 partition, the meta device) or are all zero.
+
+    An initialiser draws the rows independently, so their norms barely differ (uniform and truncated normal draws
+    differ less than a Gaussian one); training moves frequent and rare symbols' rows apart."""
+    weight = input_weight(model)
+    if is_sharded(weight) or _compat.is_deepspeed_partitioned(weight) or weight.device.type == "meta":
+        return None
+    with torch.no_grad():
+        norms = torch.linalg.vector_norm(weight.detach(), dim=-1, dtype=torch.float32)  # no float copy of bf16
+        norms = norms[norms > 0]
+        if norms.numel() < 2:
+            return None
+        spread = float(norms.std() / norms.mean())
+    return spread, 1.0 / math.sqrt(2 * weight.shape[-1])
+
+
+def looks_trained(model: nn.Module) -> str:
+    """Why the input embedding does not look like an initialiser's draw ("" where it does, or cannot be read): its
+    row norms vary more than `DRAWN_SPREAD_LIMIT` times as much as a Gaussian draw's."""
+    measured = embedding_row_spread(model)
+    if measured is None or measured[0] <= DRAWN_SPREAD_LIMIT * measured[1]:
+        return ""
+    spread, drawn = measured
+    return f"its embedding's row norms vary {spread / drawn:.1f} times as much as a random draw's: trained weights"
+
+
+def loaded_as(model: nn.Module) -> str:
+    """How `model` came by trained weights, in words ("" for a model built from its config): its config names the
+    checkpoint `from_pretrained` loaded (``name_or_path``), or its input embedding does not look like an
+    initialiser's draw (`looks_trained`: weights loaded by hand, `load_state_dict`)."""
+    if getattr(model, "config", None) is None:
+        return "a model without a transformers config"
+    if _compat.loaded_from(model):
+        return "a loaded model"
+    trained = looks_trained(model)
+    return f"a model loaded by hand ({trained})" if trained else ""
+
+
 def is_freshly_built(model: nn.Module) -> bool:
-    """Whether `model` was built from a config rather than loaded: its config names no checkpoint (`from_pretrained`
-    records where it loaded from in ``name_or_path``). A model loaded by hand (`load_state_dict`) looks fresh: its
-    user passes ``head_init="copy"``."""
-    return getattr(model, "config", None) is not None and not _compat.loaded_from(model)
+    """Whether `model` was built from a config rather than loaded (`loaded_as`), so that weights loaded by hand count
+    as loaded too and their trained output role is kept: the head is copied, never drawn over it."""
+    return not loaded_as(model)
 
 
 def choose_plan(
@@ -125,10 +175,11 @@ def choose_plan(
         return PolicyChoice(
             policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
         )
-    fresh = is_freshly_built(model)
+    loaded = loaded_as(model)
+    fresh = not loaded
     if policy == "fresh-untied":
         if not fresh:
-            reason = "a loaded model: untie_at / untie_when as set ('fresh-untied' decides for a model built fresh)"
+            reason = f"{loaded}: untie_at / untie_when as set ('fresh-untied' decides for a model built fresh)"
             return PolicyChoice(policy, "as set", reason, share, total)
         reason = (
             "a freshly built model: on the decision map's larger corpus a tied phase cost more than it saved at "
@@ -140,7 +191,7 @@ def choose_plan(
         start = (
             "a freshly built model: the head is drawn by the model's initialiser"
             if fresh
-            else "a loaded model: the head starts as a copy of the embedding"
+            else f"{loaded}: the head starts as a copy of the embedding"
         )
         reason = (
             f"at {limit:.0%} or more, a tied phase cost more than it saved on every budget the decision map measured; "
