@@ -211,6 +211,23 @@ def _policy_heldout(
     return (*maps, table)
 
 
+def _tie_then_untie() -> tuple[tuple[str, ...], ...]:
+    """Every map with a tied phase on the corpus with Debian's manuals (the policy's development cells, both held-out
+    validations), then every tie-then-untie arm of their reports against the better of tied and untied, seed by
+    seed (issue 48's second criterion, asked of every arm)."""
+    dev = tuple(_policy_dev_cell("128", layers, "model", ("1", "2"))[0] for layers in ("2", "4"))
+    heldout = _policy_heldout()[:-1]
+    heldout2 = _policy_heldout("heldout2", _HELDOUT2_SHAPES, ("10", "11", "12"), "fresh-untied")[:-1]
+    folders = (
+        "{out}/dev-d128x2",
+        "{out}/dev-d128x4",
+        *(_heldout_folder("heldout", *shape) for shape in _HELDOUT_SHAPES),
+        *(_heldout_folder("heldout2", *shape) for shape in _HELDOUT2_SHAPES),
+    )
+    table = ("python", "scripts/policy_table.py", "--tie_then_untie", *folders, "--output", "{out}/tie-then-untie.md")
+    return (*dev, *heldout, *heldout2, table)
+
+
 #: The extra memory of a DeepSpeed measuring step, ZeRO-2 and ZeRO-3 on 2 CPU ranks (docs/benchmarks.md).
 _DEEPSPEED_MEMORY = (
     "python",
@@ -263,6 +280,9 @@ TABLES: dict[str, Table] = {
             "heldout2", _HELDOUT2_SHAPES, ("10", "11", "12"), "fresh-untied", "--per_seed", "policy-heldout2-seeds.md"
         ),  # fmt: skip
         output="policy-heldout2-seeds.md",
+    ),
+    "tie-then-untie": Table(
+        page="docs/recipes/decision-map.md", commands=_tie_then_untie(), output="tie-then-untie.md"
     ),
     # One command, two tables (it runs once): the claims' verdicts hold on any x86 CPU, so CI compares them; the
     # single-seed numbers are exact on one CPU kind only (tied and untied swap places between CPU kinds).

@@ -2,7 +2,8 @@
 untied from the start, paired by seed, next to tied and untied; or, with ``--validation``, the held-out validation of
 a policy (``--policy``, issue 48; "auto" by default) over the folders' reports; or, with ``--per_seed``, that
 validation seed by seed from the records, including seeds whose fixed branches are not all recorded yet (what a
-shape says before its report exists).
+shape says before its report exists); or, with ``--tie_then_untie``, every arm with a tied phase of the folders'
+reports against the better of tied and untied, seed by seed (issue 48's second criterion, asked of every arm).
 
     python scripts/policy_table.py docs/data/decision-map/dev-d128x2 docs/data/decision-map/dev-d128x4 \\
         --output docs/data/decision-map/policy-dev.md
@@ -10,6 +11,8 @@ shape says before its report exists).
         --output docs/data/decision-map/policy-heldout.md
     python scripts/policy_table.py --per_seed docs/data/decision-map/heldout-d128x8 ... \\
         --output docs/data/decision-map/policy-heldout-seeds.md
+    python scripts/policy_table.py --tie_then_untie docs/data/decision-map/heldout-d128x8 ... \\
+        --output docs/data/decision-map/tie-then-untie.md
 
 Each folder is a `recipes/decision_map.py` output_dir that ran the arms tied, untied and auto (the default
 `Untier()`), then ``--arms auto --untie_at 0 --untie_when none --head_init model``: the run `policy="auto"` makes
@@ -246,6 +249,64 @@ def seed_markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _is_tie_then_untie(arm: str, cell: dict) -> bool:
+    """Whether a report's arm had a tied phase and then untied: a fixed untie step, or the auto arm where it did not
+    train untied from the start (a policy's "0 (start)")."""
+    if arm.startswith("fixed-"):
+        return True
+    return arm == "auto" and not all(untie.startswith("0 ") for untie in cell["arms"]["auto"]["untie"])
+
+
+def tie_then_untie_rows(folders: list[Path]) -> list[dict]:
+    """Per report of each folder (``results*.json``) and cell: every tie-then-untie arm against the better of tied and
+    untied seed by seed (in how many seeds it was below both, and its margin over the better, paired by seed), the
+    best of them (most such seeds, then the lowest mean margin), and whether any arm was below both in every seed:
+    issue 48's second criterion asked of every arm the maps ran, not only the policy."""
+    out = []
+    for folder in folders:
+        reports = sorted(folder.glob("results*.json"))
+        if not reports:
+            print(f"{folder}: no report (run the map with --report_only true), left out", file=sys.stderr)
+        for report in reports:
+            for cell in json.loads(report.read_text())["cells"]:
+                arms = cell["arms"]
+                if "tied" not in arms or "untied" not in arms:
+                    continue
+                better = [min(t, u) for t, u in zip(arms["tied"]["per_seed"], arms["untied"]["per_seed"], strict=True)]
+                margins = {
+                    arm: [x - b for x, b in zip(values["per_seed"], better, strict=True)]
+                    for arm, values in arms.items()
+                    if _is_tie_then_untie(arm, cell)
+                }
+                if not margins:
+                    continue
+                below = {arm: sum(m < 0 for m in values) for arm, values in margins.items()}
+                best = min(margins, key=lambda arm: (-below[arm], statistics.fmean(margins[arm])))
+                out.append({
+                    "map": f"{folder.name}/{report.stem}", "width": cell["width"], "budget": cell["budget"],
+                    "seeds": cell["seeds"], "arms": sorted(margins), "best": best, "best_below": below[best],
+                    "best_margin": _spread(margins[best]),
+                    "every_seed": sorted(arm for arm, count in below.items() if count == len(better)),
+                })  # fmt: skip
+    return out
+
+
+def tie_then_untie_markdown(table: list[dict]) -> str:
+    lines = [
+        "| map (report) | width | budget (steps) | seeds | tie-then-untie arms | best of them | seeds it was below "
+        "tied and untied | its loss − the better of tied, untied (paired) | arms below both in every seed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in table:
+        mean, sd = row["best_margin"]
+        lines.append(
+            f"| {row['map']} | d{row['width']} | {row['budget']:,} | {' '.join(map(str, row['seeds']))} | "
+            f"{len(row['arms'])} | {row['best']} | {row['best_below']}/{len(row['seeds'])} | {mean:+.4f} ± {sd:.4f} | "
+            f"{', '.join(row['every_seed']) or 'none'} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", type=Path, help="decision-map output folders")
@@ -267,10 +328,17 @@ def main(argv: list[str] | None = None) -> str:
         "--per_seed", action="store_true",
         help="the held-out validation seed by seed, from the folders' records (fixed branches may be unfinished)",
     )  # fmt: skip
+    parser.add_argument(
+        "--tie_then_untie", action="store_true",
+        help="every tie-then-untie arm of the folders' reports against the better of tied and untied, seed by seed",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.validation and args.per_seed:
-        parser.error("--validation and --per_seed are two views: pass one")
-    if args.validation:
+    if args.validation + args.per_seed + args.tie_then_untie > 1:
+        parser.error("--validation, --per_seed and --tie_then_untie are three views: pass one")
+    if args.tie_then_untie:
+        table = tie_then_untie_rows(args.folders)
+        text = tie_then_untie_markdown(table)
+    elif args.validation:
         table = validation_rows(args.folders, args.policy)
         text = validation_markdown(table)
     elif args.per_seed:

@@ -524,3 +524,31 @@ def test_the_heatmap_draws_a_map_where_auto_beat_the_oracle_in_every_cell(tmp_pa
     path = tmp_path / "figures" / "map.png"
     report.heatmap(cells, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_tie_then_untie_view_counts_the_seeds_each_arm_with_a_tied_phase_beat_both(recipe, tmp_path, monkeypatch):
+    """Issue 48's second criterion asked of every arm with a tied phase: the fixed untie steps always, the auto arm
+    only where it did not train untied from the start."""
+    monkeypatch.setattr(untie.core.policy, "UNTIED_FROM_START_SHARE", 0.01)  # the policy: untied from the start
+    table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
+    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
+    policy_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy_table)
+    assert policy_table.tie_then_untie_rows([tmp_path / "elsewhere"]) == []  # no report there: left out, said
+    output = tmp_path / "tie-then-untie.md"
+    text = policy_table.main(["--tie_then_untie", str(tmp_path / "map"), "--output", str(output)])
+    rows = json.loads(output.with_suffix(".json").read_text())
+    assert len(rows) == 2 and len(text.splitlines()) == 4  # header, rule, budgets 8 and 16
+    for row, cell in zip(rows, table, strict=True):
+        assert row["arms"] == [f"fixed-{round(f * 100)}" for f in runs.FIXED_FRACTIONS]  # not auto: untied at 0
+        arms = cell["arms"]
+        better = [min(t, u) for t, u in zip(arms["tied"]["per_seed"], arms["untied"]["per_seed"], strict=True)]
+        below = {arm: sum(x < b for x, b in zip(arms[arm]["per_seed"], better, strict=True)) for arm in row["arms"]}
+        assert row["best_below"] == max(below.values()) == below[row["best"]]
+        assert row["every_seed"] == sorted(arm for arm, count in below.items() if count == 2)
+        margin = [x - b for x, b in zip(arms[row["best"]]["per_seed"], better, strict=True)]
+        assert row["best_margin"][0] == pytest.approx(sum(margin) / 2, abs=1e-12)
+    monkeypatch.setattr(untie.core.policy, "UNTIED_FROM_START_SHARE", 0.5)  # d 32 is under it: the default schedule
+    recipe.main(_map_args(tmp_path, "--policy", "auto", "--output_dir", str(tmp_path / "scheduled")))
+    scheduled = policy_table.tie_then_untie_rows([tmp_path / "scheduled"])
+    assert all("auto" in row["arms"] and len(row["arms"]) == 5 for row in scheduled)
