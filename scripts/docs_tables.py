@@ -274,6 +274,13 @@ TABLES: dict[str, Table] = {
         commands=_policy_heldout(view="--per_seed", output="policy-heldout-seeds.md"),
         output="policy-heldout-seeds.md",
     ),
+    "policy-heldout2": Table(
+        page="docs/recipes/decision-map.md",
+        commands=_policy_heldout(
+            "heldout2", _HELDOUT2_SHAPES, ("10", "11", "12"), "fresh-untied", "--validation", "policy-heldout2.md"
+        ),  # fmt: skip
+        output="policy-heldout2.md",
+    ),
     "policy-heldout2-seeds": Table(
         page="docs/recipes/decision-map.md",
         commands=_policy_heldout(
