@@ -131,7 +131,9 @@ def embedding_row_spread(model: nn.Module) -> tuple[float, float] | None:
 
 def looks_trained(model: nn.Module) -> str:
     """Why the input embedding does not look like an initialiser's draw ("" where it does, or cannot be read): its
-    row norms vary more than `DRAWN_SPREAD_LIMIT` times as much as a Gaussian draw's."""
+    row norms vary more than `DRAWN_SPREAD_LIMIT` times as much as a Gaussian draw's. Every rank of a distributed
+    run reads its own copy and they agree without a collective: a fresh draw sits near 1 times on every rank, whatever
+    its seed, and weights loaded by hand are the same on every rank."""
     measured = embedding_row_spread(model)
     if measured is None or measured[0] <= DRAWN_SPREAD_LIMIT * measured[1]:
         return ""
