@@ -259,3 +259,11 @@ def test_weights_loaded_by_hand_count_as_loaded_so_no_policy_draws_a_head_over_t
     assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "copy"
     assert torch.equal(by_hand.lm_head.weight, by_hand.transformer.wte.weight)  # the trained output role is kept
     untier.close()
+
+
+def test_an_embedding_that_cannot_be_read_here_counts_by_its_config_alone(monkeypatch):
+    model = tiny_model("gpt2").to_empty(device="meta")  # a model not materialised yet: its rows cannot be read
+    assert policy.embedding_row_spread(model) is None and policy.is_freshly_built(model)
+    trained = _trained_by_hand()
+    monkeypatch.setattr(policy, "is_sharded", lambda tensor: True)  # an FSDP2 shard: this rank holds a part
+    assert policy.embedding_row_spread(trained) is None and policy.is_freshly_built(trained)

@@ -113,12 +113,13 @@ def embedding_share(model: nn.Module) -> tuple[float, int]:
 def embedding_row_spread(model: nn.Module) -> tuple[float, float] | None:
     """How much the input embedding's row norms vary (their standard deviation over their mean, zero rows left out:
     padding), and how much they vary in a Gaussian draw of the same width (about 1 / sqrt(2 * width)); None where the
-    rows cannot be read here (a shard, a ZeRO-3 partition, the meta device) or are all zero.
+    rows cannot be read here (a shard, a ZeRO-3 partition, the meta device, quantized values) or are all zero.
 
     An initialiser draws the rows independently, so their norms barely differ (uniform and truncated normal draws
     differ less than a Gaussian one); training moves frequent and rare symbols' rows apart."""
     weight = input_weight(model)
-    if is_sharded(weight) or _compat.is_deepspeed_partitioned(weight) or weight.device.type == "meta":
+    split = is_sharded(weight) or _compat.is_deepspeed_partitioned(weight)
+    if split or weight.device.type == "meta" or not weight.is_floating_point():  # not read here, or quantized
         return None
     with torch.no_grad():
         norms = torch.linalg.vector_norm(weight.detach(), dim=-1, dtype=torch.float32)  # no float copy of bf16
