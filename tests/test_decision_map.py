@@ -437,12 +437,18 @@ def test_the_policy_arm_is_labelled_apart_and_reuses_the_tied_and_untied_runs(re
     assert all(cell["arms"]["auto"]["untie"] == ["0 (start)"] for cell in table)
 
 
+def _policy_table():
+    """`scripts/policy_table.py`, imported from its file (scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_policy_table_pairs_the_default_with_the_run_untied_from_the_start(recipe, tmp_path):
     recipe.main(_map_args(tmp_path, "--arms", "untied", "auto"))
     recipe.main(_map_args(tmp_path, "--arms", "auto", "--untie_at", "0", "--untie_when", "none"))
-    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
-    policy_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(policy_table)
+    policy_table = _policy_table()
     output = tmp_path / "policy.md"
     assert policy_table.rows([tmp_path / "map"]) == []  # no run with a drawn head yet
     text = policy_table.main([str(tmp_path / "map"), "--output", str(output), "--head_init", "copy"])
@@ -463,9 +469,7 @@ def test_the_policy_table_pairs_the_default_with_the_run_untied_from_the_start(r
 def test_the_validation_table_reads_the_policy_report_and_recomputes_nothing_by_hand(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr(untie.core.policy, "UNTIED_FROM_START_SHARE", 0.01)  # every model: untied from the start
     table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
-    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
-    policy_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(policy_table)
+    policy_table = _policy_table()
     assert policy_table.validation_rows([tmp_path / "elsewhere"]) == []  # no report there: left out, said
     output = tmp_path / "heldout.md"
     text = policy_table.main(["--validation", str(tmp_path / "map"), "--output", str(output)])
@@ -489,9 +493,7 @@ def test_the_per_seed_table_reads_unfinished_seeds_from_their_records(recipe, tm
     """The validation seed by seed: the policy's loss per budget as the report reads it (its deadline branch where it
     had not untied by then), and the best fixed arm among those recorded, before a seed's branches have all run."""
     table = recipe.main(_map_args(tmp_path, "--policy", "auto"))  # d 32: under the threshold, the default schedule
-    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
-    policy_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(policy_table)
+    policy_table = _policy_table()
     rows = policy_table.seed_rows([tmp_path / "map"])
     assert [(row["seed"], row["budget"]) for row in rows] == [(1, 8), (1, 16), (2, 8), (2, 16)]
     for cell in table:  # the two seeds' rows average to the report's cell, arm by arm
@@ -531,9 +533,7 @@ def test_the_tie_then_untie_view_counts_the_seeds_each_arm_with_a_tied_phase_bea
     only where it did not train untied from the start."""
     monkeypatch.setattr(untie.core.policy, "UNTIED_FROM_START_SHARE", 0.01)  # the policy: untied from the start
     table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
-    spec = importlib.util.spec_from_file_location("policy_table", ROOT / "scripts" / "policy_table.py")
-    policy_table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(policy_table)
+    policy_table = _policy_table()
     assert policy_table.tie_then_untie_rows([tmp_path / "elsewhere"]) == []  # no report there: left out, said
     output = tmp_path / "tie-then-untie.md"
     text = policy_table.main(["--tie_then_untie", str(tmp_path / "map"), "--output", str(output)])
