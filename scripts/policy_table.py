@@ -134,7 +134,8 @@ def validated(policy: str) -> UntieConfig:
 
 def validation_rows(folders: list[Path], policy: str = "auto") -> list[dict]:
     """Per (folder's shape, budget): each arm's mean and sd, the policy's untie steps and the validation's verdict,
-    from the report `recipes/decision_map.py` wrote for `validated(policy)` (``results-cfg<digest>.json``)."""
+    from the report `recipes/decision_map.py` wrote for `validated(policy)` (``results-cfg<digest>.json``). A cell
+    with fewer seeds than the map was run with, or with one (no paired sd), is left out, and said, until they are in."""
     config = validated(policy)
     suffix = MapContext(None, (1,), Path("."), untie=config).label.replace("+", "-")  # type: ignore[arg-type]
     out = []
@@ -143,7 +144,14 @@ def validation_rows(folders: list[Path], policy: str = "auto") -> list[dict]:
         if not report.exists():
             print(f"{folder}: no report {report.name} (run the map with --policy {policy}), left out", file=sys.stderr)
             continue
-        cells = [cell for cell in json.loads(report.read_text())["cells"] if cell["validation"] is not None]
+        content = json.loads(report.read_text())
+        cells = [cell for cell in content["cells"] if cell["validation"] is not None]
+        asked = content["settings"]["seeds"]
+        unfinished = [cell["budget"] for cell in cells if len(cell["seeds"]) < max(2, len(asked))]
+        if unfinished:  # a verdict needs every seed the map was asked for, and two for a paired sd
+            print(f"{folder}: budgets {unfinished} have fewer seeds than the map's {asked} (or one), left out until "
+                  "they are in (rerun the map, or its --report_only)", file=sys.stderr)  # fmt: skip
+            cells = [cell for cell in cells if cell["budget"] not in unfinished]
         tied = next(iter(sorted((folder / "records").glob("*-tied.json"))), None)
         if not cells or tied is None:
             print(f"{folder}: no finished cell with every arm, left out", file=sys.stderr)

@@ -487,6 +487,11 @@ def test_the_validation_table_reads_the_policy_report_and_recomputes_nothing_by_
             assert check["regret"] == pytest.approx(sum(a - b for a, b in zip(auto, base, strict=True)) / 2, abs=1e-12)
         assert check["passes"] == (check["regret"] <= max(check["sd"], 0.01))
         assert f"| {'yes' if check['passes'] else 'no'} |" in text.splitlines()[2 + rows.index(row)]
+    report = next((tmp_path / "map").glob("results-cfg*.json"))
+    content = json.loads(report.read_text())
+    content["cells"][0]["seeds"] = content["cells"][0]["seeds"][:1]  # the report of a map whose seed 2 is running
+    report.write_text(json.dumps(content))
+    assert [row["budget"] for row in policy_table.validation_rows([tmp_path / "map"])] == [16]  # no one-seed verdict
 
 
 def test_the_per_seed_table_reads_unfinished_seeds_from_their_records(recipe, tmp_path):
