@@ -265,5 +265,5 @@ def test_an_embedding_that_cannot_be_read_here_counts_by_its_config_alone(monkey
     model = tiny_model("gpt2").to_empty(device="meta")  # a model not materialised yet: its rows cannot be read
     assert policy.embedding_row_spread(model) is None and policy.is_freshly_built(model)
     trained = _trained_by_hand()
-    monkeypatch.setattr(policy, "is_sharded", lambda tensor: True)  # an FSDP2 shard: this rank holds a part
+    monkeypatch.setattr(policy, "is_split", lambda tensor: True)  # an FSDP2 shard: this rank holds a part
     assert policy.embedding_row_spread(trained) is None and policy.is_freshly_built(trained)

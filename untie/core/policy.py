@@ -34,7 +34,7 @@ from torch import nn
 
 from untie import _compat
 from untie.config import POLICIES, PolicyName
-from untie.engines.distributed import full_shape, is_sharded
+from untie.engines.distributed import full_shape, is_split
 from untie.structure.surgery import input_weight
 
 #: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
@@ -118,8 +118,7 @@ def embedding_row_spread(model: nn.Module) -> tuple[float, float] | None:
     An initialiser draws the rows independently, so their norms barely differ (uniform and truncated normal draws
     differ less than a Gaussian one); training moves frequent and rare symbols' rows apart."""
     weight = input_weight(model)
-    split = is_sharded(weight) or _compat.is_deepspeed_partitioned(weight)
-    if split or weight.device.type == "meta" or not weight.is_floating_point():  # not read here, or quantized
+    if is_split(weight) or weight.device.type == "meta" or not weight.is_floating_point():  # not here, or quantized
         return None
     with torch.no_grad():
         norms = torch.linalg.vector_norm(weight.detach(), dim=-1, dtype=torch.float32)  # no float copy of bf16

@@ -43,6 +43,7 @@ from untie.engines.distributed import (
     gather_rows,
     gathered,
     is_sharded,
+    is_split,
     resolve_tying_mode,
     sync_grads_across_ranks,
 )
@@ -741,11 +742,6 @@ class UntieRun:
                 "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
                 "torch._dynamo.reset() before building the Trainer."
             )
-
-
-def is_split(param: torch.Tensor) -> bool:
-    """Whether each rank holds only a part of `param` (an FSDP2 shard, a ZeRO-3 partition)."""
-    return is_sharded(param) or _compat.is_deepspeed_partitioned(param)
 
 
 def structure_of(model: nn.Module, emulating: bool = False) -> Structure:

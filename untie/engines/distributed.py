@@ -153,6 +153,11 @@ def is_sharded(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
+def is_split(param: torch.Tensor) -> bool:
+    """Whether each rank holds only a part of `param` (an FSDP2 shard, a ZeRO-3 partition)."""
+    return is_sharded(param) or _compat.is_deepspeed_partitioned(param)
+
+
 def union_rows(ids: torch.Tensor) -> torch.Tensor:
     """The sorted union of every rank's sorted, duplicate-free ids (lengths may differ). Every rank must call it."""
     sizes = [torch.zeros(1, dtype=torch.long, device=ids.device) for _ in range(dist.get_world_size())]
