@@ -218,6 +218,43 @@ def _fresh_untied_heldout(view: str = "", output: str = "") -> tuple[tuple[str, 
     return commands if view else commands[:-1]
 
 
+#: The frozen checkout of the pre-registered candidate (commit 1296c8f) that `scripts/map_on_device.py` runs on a GPU.
+_FROZEN = "/tmp/untie-1296c8f"
+_ON_GPU = ("env", "MAP_DEVICE=cuda", f"MAP_CODE={_FROZEN}", "CUBLAS_WORKSPACE_CONFIG=:4096:8", "python",
+           "scripts/map_on_device.py")  # fmt: skip
+
+
+def _on_gpu(folder: str, width: str, layers: str, seeds: tuple[str, ...], *extra: str) -> tuple[str, ...]:
+    """A map of `policy="fresh-untied"` run on a GPU by `scripts/map_on_device.py`, on the frozen checkout."""
+    budgets = () if "--budgets" in extra else _POLICY_CORPUS[4:]
+    return (*_ON_GPU, *_POLICY_CORPUS[:4], *budgets, *extra, "--widths", width, "--layers", layers, "--seeds",
+            *seeds, "--policy", "fresh-untied", "--output_dir", f"{{out}}/{folder}", "--disable_tqdm")  # fmt: skip
+
+
+def _gpu_maps(cells: tuple[tuple[str, tuple[str, ...]], ...], output: str) -> tuple[tuple[str, ...], ...]:
+    """The frozen checkout, the GPU maps of `cells` ((folder, map flags)), then their per-seed table."""
+    checkout = ("git", "worktree", "add", "--force", _FROZEN, "1296c8f")
+    maps = tuple(_on_gpu(folder, *flags) for folder, flags in cells)
+    folders = tuple(f"{{out}}/{folder}" for folder, _ in cells)
+    table = ("python", "scripts/policy_table.py", "--per_seed", "--policy", "fresh-untied", *folders, "--output",
+             f"{{out}}/{output}")  # fmt: skip
+    return (checkout, *maps, table)
+
+
+#: Seed 10 of both held-out shapes again, on a GPU: how far a device moves the map's numbers (not in the verdict).
+_GPU_CHECK = (
+    ("heldout2-gpu-check-d128x12", ("128", "12", ("10",))),
+    ("heldout2-gpu-check-d64x4-v32k", ("64", "4", ("10",), "--vocab_size", "32768")),
+)
+#: Development cells the earlier maps lacked (issue 48's wider map): a 21% embedding share, and about 10 tokens per
+#: parameter (6,000 steps of d 64 x 2); tied, untied and the candidate only.
+_GPU_DEV = (
+    ("dev-d128x20", ("128", "20", ("1", "2", "3"), "--arms", "tied", "untied", "auto")),
+    ("dev-d64x2-long", ("64", "2", ("1", "2", "3"), "--arms", "tied", "untied", "auto", "--budgets", "1000", "3000",
+                        "6000")),
+)  # fmt: skip
+
+
 def _tie_then_untie() -> tuple[tuple[str, ...], ...]:
     """Every map with a tied phase on the corpus with Debian's manuals (the policy's development cells, both held-out
     validations), then every tie-then-untie arm of their reports against the better of tied and untied, seed by
@@ -290,6 +327,16 @@ TABLES: dict[str, Table] = {
         page="docs/recipes/decision-map.md",
         commands=_fresh_untied_heldout("--per_seed", "policy-heldout2-seeds.md"),
         output="policy-heldout2-seeds.md",
+    ),
+    "policy-heldout2-gpu-check": Table(
+        page="docs/recipes/decision-map.md",
+        commands=_gpu_maps(_GPU_CHECK, "policy-heldout2-gpu-check.md"),
+        output="policy-heldout2-gpu-check.md",
+    ),
+    "policy-dev-wider": Table(
+        page="docs/recipes/decision-map.md",
+        commands=_gpu_maps(_GPU_DEV, "policy-dev-wider.md"),
+        output="policy-dev-wider.md",
     ),
     "tie-then-untie": Table(
         page="docs/recipes/decision-map.md", commands=_tie_then_untie(), output="tie-then-untie.md"

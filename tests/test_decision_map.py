@@ -557,3 +557,27 @@ def test_the_tie_then_untie_view_counts_the_seeds_each_arm_with_a_tied_phase_bea
     recipe.main(_map_args(tmp_path, "--policy", "auto", "--output_dir", str(tmp_path / "scheduled")))
     scheduled = policy_table.tie_then_untie_rows([tmp_path / "scheduled"])
     assert all("auto" in row["arms"] and len(row["arms"]) == 5 for row in scheduled)
+
+
+def _device_wrapper():
+    spec = importlib.util.spec_from_file_location("map_on_device", ROOT / "scripts" / "map_on_device.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_device_wrapper_moves_models_and_blocks_and_changes_no_number(recipe, tmp_path, monkeypatch):
+    args = ("--seeds", "1", "--budgets", "8", "--arms", "tied", "untied")
+    plain = recipe.main(_map_args(tmp_path / "plain", *args))
+    wrapper = _device_wrapper()
+    for module in (runs, training):  # place_on patches them: undone after the test
+        monkeypatch.setattr(module, "build_model", module.build_model)
+    placed_on = []
+    real_to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *a, **k: placed_on.append(a) or real_to(self, *a, **k))
+    wrapper.place_on(recipe, torch.device("cpu"))
+    placed = recipe.main(_map_args(tmp_path / "placed", *args))
+    assert placed_on and all(a == (torch.device("cpu"),) for a in placed_on)  # every model built was moved
+    assert json.dumps(placed, sort_keys=True) == json.dumps(plain, sort_keys=True)
+    with pytest.raises(SystemExit, match="MAP_CODE names a checkout"):
+        wrapper.load_recipe(tmp_path)
