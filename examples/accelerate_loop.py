@@ -54,9 +54,10 @@ def main() -> None:
         attn_pdrop=0.0,
     )  # fmt: skip
     model = tf.GPT2LMHeadModel(config)
-    # Before the optimizer and prepare(). The defaults: the tokenizer's case / word-start pairs feed the evidence
-    # trigger, with a deadline at 30% of max_steps.
-    untier = untie.Untier(model, max_steps=args.max_steps, accelerator=accelerator, tokenizer=tokenizer)
+    # Before the optimizer and prepare(). policy="off": the tied-phase schedule at its defaults (the default policy
+    # would train this freshly built model untied from the start): the tokenizer's case / word-start pairs feed the
+    # evidence trigger, with a deadline at 30% of max_steps.
+    untier = untie.Untier(model, max_steps=args.max_steps, accelerator=accelerator, tokenizer=tokenizer, policy="off")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
     scheduler = linear_decay(optimizer, args.max_steps, accelerator.num_processes)
     loader = torch.utils.data.DataLoader(shakespeare_blocks(tokenizer), batch_size=args.batch_size, shuffle=True)

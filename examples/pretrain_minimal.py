@@ -1,4 +1,6 @@
-"""Pre-train tied, untie when the divergence trigger fires or at the 30% deadline: the defaults, in a dozen lines.
+"""Pre-train with the defaults, in a dozen lines: the model is built fresh, so `UntieCallback()` trains it untied from
+the first step (policy "fresh-untied"; a log line at train begin says so). `UntieCallback(policy="off")` would train it
+tied and untie when the divergence trigger fires, at 30% of the run at the latest.
 
 Offline; 50 s wall on the 2-core development machine (`python examples/pretrain_minimal.py`, CPU)."""
 

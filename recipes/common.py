@@ -67,13 +67,14 @@ def fill(instance: Any, preset: dict[str, Any], explicit: set[str]) -> Any:
     return dataclasses.replace(instance, **values) if values else instance
 
 
-#: The arms every Trainer recipe knows, and the untie schedule each one trains with.
+#: The arms every Trainer recipe knows, and the untie schedule each one trains with. Every arm with a callback runs
+#: its schedule as set (policy "off"): the recipes compare schedules, and the default policy would train untied.
 ARM_SCHEDULES = {
     "untied": None,  # no callback: the model is untied from the start
-    "tied": {"untie_at": None, "untie_when": None},  # a tied baseline that still measures
-    "scheduled": {"untie_when": None},  # untie at untie_at
-    "scheduled-reset": {"untie_when": None, "optimizer_state": "reset"},
-    "auto": {},  # the divergence trigger (untie_when), with the recipe's deadline
+    "tied": {"untie_at": None, "untie_when": None, "policy": "off"},  # a tied baseline that still measures
+    "scheduled": {"untie_when": None, "policy": "off"},  # untie at untie_at
+    "scheduled-reset": {"untie_when": None, "optimizer_state": "reset", "policy": "off"},
+    "auto": {"policy": "off"},  # the divergence trigger (untie_when), with the recipe's deadline
 }
 
 

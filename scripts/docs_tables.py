@@ -143,7 +143,7 @@ def _clm_seed(seed: int) -> tuple[str, ...]:
 
 
 #: The decision map (hours on 2 cores): every arm at d 64 and 256, seeds 1-3; its report holds three tables.
-_MAP = (("python", "recipes/decision_map.py", "--output_dir", "{out}", "--disable_tqdm"),)
+_MAP = (("python", "recipes/decision_map.py", "--policy", "off", "--output_dir", "{out}", "--disable_tqdm"),)
 #: The map's arms that untie again with `optimizer_state="fresh"`, at d 64 (the tied and untied runs rerun too).
 _MAP_FRESH = (
     ("python", "recipes/decision_map.py", "--widths", "64", "--optimizer_state", "fresh", "--output_dir", "{out}",
@@ -160,7 +160,8 @@ _POLICY_CORPUS = ("--sources", "shakespeare", "kjv", "debian-docs", "--budgets",
 def _policy_dev_cell(width: str, layers: str, head_init: str, seeds: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
     """One development cell: the map's three runs, then the run untied from the start with the head `head_init`."""
     common = ("python", "recipes/decision_map.py", *_POLICY_CORPUS, "--widths", width, "--layers", layers, "--seeds",
-              *seeds, "--output_dir", f"{{out}}/dev-d{width}x{layers}", "--disable_tqdm")  # fmt: skip
+              *seeds, "--policy", "off", "--output_dir", f"{{out}}/dev-d{width}x{layers}",
+              "--disable_tqdm")  # fmt: skip
     start = (*common, "--arms", "auto", "--untie_at", "0", "--untie_when", "none")
     return (*common, "--arms", "tied", "untied", "auto"), (
         *start,

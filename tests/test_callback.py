@@ -99,13 +99,19 @@ def test_untie_is_loss_preserving(make_args):
     assert abs(losses[6] - losses[5]) <= max(jumps)  # the step after the untie continues the curve
 
 
-def test_class_passed_without_arguments_runs_the_trigger_with_a_30_percent_deadline(make_args):
+def test_class_passed_without_arguments_trains_a_fresh_model_untied_and_off_runs_the_trigger_with_a_30_percent_deadline(
+    make_args,
+):
     model = tiny_model("gpt2")
     trainer = tf.Trainer(
         model=model, args=make_args(max_steps=20), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback]
     )
     trainer.train()
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
+    assert (cb.untie_step, cb.untie_reason) == (0, "start") and cb.policy_choice.policy == "fresh-untied"
+    model = tiny_model("gpt2")
+    cb = untie.UntieCallback(policy="off")  # the tied-phase schedule at its defaults
+    _train(model, make_args(max_steps=20), [cb])
     assert cb.rule == untie.UntieWhen()  # the pair-free rule: no pairs were given
     assert (cb.untie_step, cb.untie_reason) == (6, "deadline")  # 0.3 * 20; no measurement before step 50
     assert not untie.is_tied(model)
@@ -280,8 +286,8 @@ def test_a_restored_default_callback_still_knows_its_trigger_is_the_default(make
     """The saved args keep the default rule's name ("divergence"), so the swapped-in callback still knows the user
     left it at its default (which FSDP2 turns off unless a rule is named)."""
     args = make_args(output_dir=str(tmp_path / "full"), save_strategy="steps", save_steps=8)
-    _train(tiny_model("gpt2"), args, [untie.UntieCallback()])
-    original = untie.UntieCallback()
+    _train(tiny_model("gpt2"), args, [untie.UntieCallback(policy="off")])
+    original = untie.UntieCallback(policy="off")
     args = make_args(output_dir=str(tmp_path / "full"), restore_callback_states_from_checkpoint=True)
     trainer = _train(tiny_model("gpt2"), args, [original], resume=str(tmp_path / "full" / "checkpoint-8"))
     live = trainer.callback_handler.callbacks[0]

@@ -146,7 +146,7 @@ def recipe(small_corpus, monkeypatch):
 
 def _map_args(tmp_path, *extra):
     return ["--preset", "quick", "--widths", "32", "--budgets", "8", "16", "--seeds", "1", "2", "--batch_size", "4",
-            "--output_dir", str(tmp_path / "map"), "--disable_tqdm", *extra]  # fmt: skip
+            "--policy", "off", "--output_dir", str(tmp_path / "map"), "--disable_tqdm", *extra]  # fmt: skip
 
 
 def test_the_map_reuses_finished_runs_and_reruns_only_the_missing_one(recipe, tmp_path, monkeypatch):

@@ -98,12 +98,13 @@ def test_callback_reads_the_pairs_from_the_trainers_tokenizer(tokenizers, make_a
 
 @pytest.mark.parametrize("with_tokenizer", [True, False])
 def test_the_default_reads_pairs_when_trainer_has_a_tokenizer(tokenizers, make_args, with_tokenizer, caplog):
-    """UntieCallback() with its defaults: pairs from Trainer's tokenizer and the evidence rule; without a tokenizer,
+    """The tied phase's defaults (`UntieCallback(policy="off")`, what `UntieCallback()` runs for a loaded model):
+    pairs from Trainer's tokenizer and the evidence rule; without a tokenizer,
     no pairs and the pair-free rule, said at the default log level. A per-pair rule the user chose, with no
     tokenizer, is refused with the fix."""
     tokenizer = tokenizers["byte-level-bpe"]
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
-    callback = untie.UntieCallback()
+    callback = untie.UntieCallback(policy="off")
     with caplog.at_level("WARNING", logger="untie"):
         _build_trainer(model, make_args, tokenizer if with_tokenizer else None, callback)
     if with_tokenizer:
@@ -164,7 +165,7 @@ def test_the_default_says_when_the_tokenizer_gives_no_pairs(make_args, caplog):
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(59)]
     tokenizer = tf.BertTokenizer(vocab={word: i for i, word in enumerate(words)})
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(words), n_embd=16, n_layer=1, n_head=2))
-    callback = untie.UntieCallback()
+    callback = untie.UntieCallback(policy="off")  # the tied phase's defaults
     with caplog.at_level("WARNING", logger="untie"):
         _build_trainer(model, make_args, tokenizer, callback)
     assert callback.pairs == [] and callback.rule == untie.RULES["cancellation"]

@@ -47,7 +47,8 @@ def test_auto_trains_untied_from_the_start_at_or_above_the_share_and_as_set_belo
 def test_the_policy_parses_from_a_command_line_and_a_wrong_one_is_refused():
     parser = tf.HfArgumentParser((untie.UntieConfig,))
     (config,) = parser.parse_args_into_dataclasses(["--policy", "auto"])
-    assert config.policy == "auto" and untie.UntieConfig().policy == "off"
+    assert config.policy == "auto" and untie.UntieConfig().policy is None
+    assert parser.parse_args_into_dataclasses([])[0].policy is None
     assert untie.UntieConfig.from_json(config.to_json()).policy == "auto"
     assert parser.parse_args_into_dataclasses(["--policy", "fresh-untied"])[0].policy == "fresh-untied"
     with pytest.raises(ValueError, match="policy='sometimes' is not one of"):
@@ -267,3 +268,58 @@ def test_an_embedding_that_cannot_be_read_here_counts_by_its_config_alone(monkey
     trained = _trained_by_hand()
     monkeypatch.setattr(policy, "is_split", lambda tensor: True)  # an FSDP2 shard: this rank holds a part
     assert policy.embedding_row_spread(trained) is None and policy.is_freshly_built(trained)
+
+
+_TIED_PHASE_ASKED = {"untie_at": 500, "untie_when": None, "metrics_every": 10, "pairs": [(1, 2)],
+                     "optimizer_state": "fresh", "tying_mode": "emulated"}  # fmt: skip
+
+
+def test_the_default_policy_is_fresh_untied_unless_a_tied_phase_is_asked_for():
+    assert set(_TIED_PHASE_ASKED) == set(untie.config.TIED_PHASE_SETTINGS)
+    assert untie.UntieConfig().chosen_policy() == ("fresh-untied", "policy unset: the default, 'fresh-untied'")
+    for name, value in _TIED_PHASE_ASKED.items():
+        chosen, why = untie.UntieConfig(**{name: value}).chosen_policy()
+        assert chosen == "off" and name in why, name
+    assert untie.UntieConfig(policy="fresh-untied", untie_at=500).chosen_policy() == ("fresh-untied", "")
+    assert untie.UntieConfig(policy="off").chosen_policy() == ("off", "")
+    assert untie.UntieConfig.from_json(untie.UntieConfig().to_json()).policy is None
+
+
+def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_tied_then_untied(make_args, tmp_path, caplog):
+    model = tiny_model("gpt2")
+    trainer = tf.Trainer(model=model, args=make_args(), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback])
+    (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback)]
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "policy='fresh-untied'" in r.getMessage()]
+    assert len(said) == 1 and "untied from the start" in said[0] and "policy unset: the default" in said[0]
+    assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(model)
+
+    tiny_model("gpt2").save_pretrained(tmp_path / "tied")
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
+    callback = untie.UntieCallback()
+    args = make_args(max_steps=10)
+    tf.Trainer(model=loaded, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert callback.policy_choice.plan == "as set" and "a loaded model" in callback.policy_choice.reason
+    assert callback.untie_step == 3 and callback.untie_reason == "deadline"  # 30% of 10 steps
+
+
+def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_args, tmp_path):
+    """A checkpoint of a run that kept a tied phase (policy "off", as the defaults were before), resumed with
+    `UntieCallback()`: the run continues tied and unties where its own run would have, to the same numbers."""
+    args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=20)
+    model = tiny_model("gpt2")
+    first = untie.UntieCallback(policy="off")
+    tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[first]).train()
+    assert first.untie_step == 6 and first.untie_reason == "deadline"
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    resumed_model = tiny_model("gpt2")
+    resumed = untie.UntieCallback()
+    trainer = tf.Trainer(model=resumed_model, args=args, train_dataset=ToyLMDataset(), callbacks=[resumed])
+    with pytest.warns(UserWarning, match="resumed at step 4 from a checkpoint whose run was still tied"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    assert resumed.untie_step == 6 and resumed.untie_reason == "deadline"
+    assert resumed.policy_choice.plan == "as set"
+    worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
+    assert worst <= 1e-6

@@ -32,6 +32,12 @@ TieInit = Literal["input", "output", "mean"]
 #: The untie policies (see `UntieConfig.policy`, `untie.core.policy`); kept here so that the config stays torch-free.
 POLICIES = ("off", "auto", "fresh-untied")
 PolicyName = Literal["off", "auto", "fresh-untied"]
+#: The policy an unset `UntieConfig.policy` follows where the schedule is left at its defaults (`chosen_policy`):
+#: validated on held-out cells of the decision map (docs/recipes/decision-map.md).
+DEFAULT_POLICY = "fresh-untied"
+#: The settings of a tied phase (its schedule, its trigger's measurements, its tying, the untie's optimizer state): set
+#: any of them and an unset policy is "off", so the tied phase asked for runs.
+TIED_PHASE_SETTINGS = ("untie_at", "untie_when", "metrics_every", "pairs", "optimizer_state", "tying_mode")
 #: How a head untied before the first step starts (see `UntieConfig.head_init`).
 HEAD_INITS = ("auto", "copy", "model")
 HeadInit = Literal["auto", "copy", "model"]
@@ -81,16 +87,20 @@ class UntieConfig:
             scratch, where a copied head trained worse on the decision map), or 'auto' (default): 'model' where a
             policy chose untied from the start for a freshly built model (its config names no checkpoint and its
             embedding looks freshly drawn: untie.core.policy.is_freshly_built), else 'copy'.
-        policy: 'off' (default) runs untie_at / untie_when as set. The others decide before the first step, for a
-            model that arrives tied, and log the choice and why at train begin (kept in the run state).
+        policy: None (default): 'fresh-untied', unless a tied phase was asked for (a setting of
+            `TIED_PHASE_SETTINGS`: untie_at, untie_when, metrics_every, pairs, optimizer_state, tying_mode, differs
+            from its default): then 'off', and the schedule runs as set (`chosen_policy`). 'off' runs untie_at /
+            untie_when as set. The others decide before the first step, for a model that arrives tied, and log the
+            choice and why at train begin (kept in the run state).
+            'fresh-untied': a freshly built model trains untied from the start whatever its share, its head drawn
+            by its initialiser; a loaded one (by from_pretrained, or by hand: weights whose embedding does not look
+            freshly drawn) runs untie_at / untie_when as set. Validated on held-out cells (docs/recipes/
+            decision-map.md, "`fresh-untied` held out: the verdict"): on the decision map's corpus a tied phase cost
+            more than it saved at every share and budget measured.
             'auto': where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the
             parameters, train untied from the start (untie_at=0, no trigger; see head_init); below, untie_at /
             untie_when as set. Its held-out validation failed at d 128 x 8 (40% embedding), where the default
             schedule it keeps trailed untied training (docs/recipes/decision-map.md).
-            'fresh-untied': a freshly built model trains untied from the start whatever its share, its head drawn
-            by its initialiser; a loaded one (by from_pretrained, or by hand: weights whose embedding does not look
-            freshly drawn) runs untie_at / untie_when as set.
-            The decision map's next candidate: written down before its held-out validation, not yet validated.
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT
@@ -102,7 +112,7 @@ class UntieConfig:
     tying_mode: TyingMode = "auto"
     save_at_untie: bool = True
     head_init: HeadInit = "auto"
-    policy: PolicyName = "off"
+    policy: PolicyName | None = None
 
     def __post_init__(self) -> None:
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
@@ -111,13 +121,16 @@ class UntieConfig:
         self.untie_at = _parse_untie_at(self.untie_at)
         _check_choice(self.tying_mode, TYING_MODES, "tying_mode")
         _check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
-        _check_choice(self.policy, POLICIES, "policy")
+        if self.policy is not None:
+            _check_choice(
+                self.policy, POLICIES, "policy", "or None (the default: 'fresh-untied' unless you set the schedule)"
+            )
         _check_choice(self.head_init, HEAD_INITS, "head_init")
         if self.tie_init is not None:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
         if not isinstance(self.save_at_untie, bool):
             raise ValueError(f"save_at_untie={self.save_at_untie!r}: pass True or False.")
-        if self.head_init == "model" and self.untie_at != 0 and self.policy == "off":
+        if self.head_init == "model" and self.untie_at != 0 and self.chosen_policy()[0] == "off":
             raise ValueError(
                 f"head_init='model' draws a head untied before the first step, and untie_at={self.untie_at!r} unties "
                 "later (a head drawn mid-run would drop what the tied phase trained): pass untie_at=0, or "
@@ -135,6 +148,18 @@ class UntieConfig:
             listed = self.pairs if isinstance(self.pairs, list) else None  # "auto": known once the tokenizer is read
             if self.pairs == [] or (wanted and listed and wanted not in {f"{a}-{b}" for a, b in listed}):
                 raise ValueError(f"untie_when.signal={rule.signal!r} needs that pair in pairs=..., got {self.pairs}.")
+
+    def chosen_policy(self) -> tuple[str, str]:
+        """The policy the run follows, and why in words: `policy` as set; unset (None), "fresh-untied", or "off" where
+        a schedule setting (`TIED_PHASE_SETTINGS`) differs from its default: a schedule set by hand runs as set."""
+        if self.policy is not None:
+            return self.policy, ""
+        defaults = UntieConfig.__dataclass_fields__
+        changed = [name for name in TIED_PHASE_SETTINGS if getattr(self, name) != defaults[name].default]
+        if changed:
+            settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in changed)
+            return "off", f"policy unset and the tied phase set ({settings}): it runs as set"
+        return DEFAULT_POLICY, f"policy unset: the default, {DEFAULT_POLICY!r}"
 
     @property
     def is_default_rule(self) -> bool:

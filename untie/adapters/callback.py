@@ -31,8 +31,10 @@ def _run_attribute(name: str, doc: str) -> property:
 class UntieCallback(TrainerCallback, ExportableState):
     """Train tied, then untie the LM head from the input embedding when tying starts to hurt, or at a deadline.
 
-    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: the divergence trigger, with a deadline at
-    30% of the run; `UntieCallback(untie_at=N, untie_when=None)` unties at N (a fixed schedule). Every `metrics_every`
+    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: a model built fresh from its config
+    trains untied from the first step (policy "fresh-untied", validated on the decision map), a loaded tied model
+    trains tied and unties when the divergence trigger fires, at 30% of the run at the latest. Setting the schedule
+    (`UntieCallback(untie_at=N, untie_when=None)`: untie at N) or ``policy="off"`` runs it as set. Every `metrics_every`
     steps it measures the role signals of the shared matrix (drift between the two spaces once untied), feeds them to
     the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next log, next to `untie/tied`
     and `untie/untie_step`; `history` keeps every measurement. Saves its state in checkpoints and restores the untied

@@ -14,7 +14,8 @@ schedule it kept trailed untied training.
 
 `policy="fresh-untied"` trains a freshly built model untied from the start whatever its share (on the map's larger
 corpus untied training was the best arm, or level with it, at every share measured), and runs a loaded model as
-set. It is the next candidate, written down before its own held-out validation.
+set. Written down before its own held-out validation, it passed it, and it is the default: an unset
+`UntieConfig.policy` follows it unless a tied phase is asked for (`UntieConfig.chosen_policy`).
 
 `policy="off"` always runs the settings as set. A model that arrives untied, or wrapped by PEFT, runs as set too
 (`tie_init` decides whether it is tied first): there is no tied phase to skip.

@@ -24,6 +24,7 @@ enforced here (`_enter`); a call out of order raises `RunOrderError`, naming the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -164,10 +165,9 @@ class UntieRun:
     def apply_policy(self, model: nn.Module) -> None:
         """Let `config.policy` choose the schedule for `model` (`untie.core.policy.choose_plan`), before its structure
         is planned: "untied from the start" is ``untie_at=0`` without a trigger."""
-        config = self.config
-        self.choice = choose_plan(
-            config.policy, model, tied=is_tied(model) and not was_untied(model), peft=is_peft_model(model)
-        )
+        policy, why = self.config.chosen_policy()
+        choice = choose_plan(policy, model, tied=is_tied(model) and not was_untied(model), peft=is_peft_model(model))
+        self.choice = dataclasses.replace(choice, reason=f"{choice.reason} ({why})") if why else choice
         self.follow_choice()
 
     def follow_choice(self) -> None:
@@ -537,6 +537,9 @@ class UntieRun:
         the measurements. The model is prepared and any checkpoint is loaded. It says nothing: `announce` does, once
         the adapter knows which run begins (`Untier` begins a fresh run at `start` and, when a checkpoint loads before
         the first step, the resumed one in its place)."""
+        if step and self.choice is not None and self.choice.untied_from_start and not self.untied:
+            if self.emulation is not None or is_tied(model):
+                self.keep_resumed_tied_phase(step)
         self.deadline.resolve(max_steps)
         if self.divergence is not None:
             self.divergence.resolve(max_steps)
@@ -558,6 +561,20 @@ class UntieRun:
         elif self.config.metrics_every:
             self.probe = RoleGradientProbe(model, pairs=self.pairs, registry=self.registry)
 
+    def keep_resumed_tied_phase(self, step: int) -> None:
+        """A checkpoint's run was still tied at `step` (made by a run that kept a tied phase: another policy, or a
+        version whose default was the schedule): the policy's "untied from the start" was not its plan. It continues
+        under untie_at / untie_when as set, so that a resumed run does what its checkpoint's run was doing."""
+        assert self.choice is not None
+        reason = (
+            f"resumed at step {step} from a checkpoint whose run was still tied: it continues under untie_at / "
+            f"untie_when as set (policy {self.choice.policy!r} chooses for a run that starts at step 0)"
+        )
+        self.choice = dataclasses.replace(self.choice, plan="as set", reason=reason, head_init="copy")
+        self.use_schedule(self.config.untie_at, self.config.rule(with_pairs=bool(self.pairs)))
+        self.match_rule_to_pairs()
+        _compat.warn_in_user_code(f"{self.owner}: {reason}.")
+
     def _begin_emulated(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
         emulation = self.emulation
         assert emulation is not None
@@ -575,7 +592,7 @@ class UntieRun:
     def announce(self, step: int, max_steps: int | None) -> None:
         """Say what the user should know about the run that `begin` set up at `step`, before its first step runs (a
         trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
-        if self.choice is not None and self.config.policy != "off":
+        if self.choice is not None and self.choice.policy != "off":
             logger.warning(self.choice.message())
         if self.probe is not None:
             self._warn_short_run(step, max_steps)

@@ -150,9 +150,9 @@ class BookCorpusSetup(RecipeSetup):
             raise ValueError(f"Unknown arm {arm!r}; choose from {ARMS}.")
         if arm in ("tied", "untied"):
             return None
-        if arm == "scheduled":
-            return self.untie.replace(untie_when=None, metrics_every=0)
-        return self.untie.replace(untie_at=self.args.auto_deadline, untie_when=AUTO_RULE, pairs=pairs)
+        if arm == "scheduled":  # the schedule as set (policy "off"): the default policy would train untied
+            return self.untie.replace(untie_when=None, metrics_every=0, policy="off")
+        return self.untie.replace(untie_at=self.args.auto_deadline, untie_when=AUTO_RULE, pairs=pairs, policy="off")
 
 
 def sampling_arguments(strategy: str) -> dict:

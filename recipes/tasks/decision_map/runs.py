@@ -49,8 +49,9 @@ class MapContext:
     budgets: tuple[int, ...]
     output_dir: Path
     untie: UntieConfig = field(default_factory=UntieConfig)
-    """The auto arm's settings (`UntieConfig()`, the default, unless the command line changed some); the branches
-    untie with its optimizer state. The tied and untied runs do not untie and are shared by every value."""
+    """The auto arm's settings (`UntieConfig()`, the default, unless the command line changed some: ``--policy off``
+    runs the tied-phase schedule); the branches untie with its optimizer state. The tied and untied runs do not
+    untie and are shared by every value."""
     arms: tuple[str, ...] = MAP_ARMS
     """The arms to run (`MAP_ARMS`): dropping "fixed" skips the fixed branches, dropping "auto" the auto run and its
     deadline branches, dropping "untied" the untied run. The tied run always runs."""
@@ -61,12 +62,15 @@ class MapContext:
 
     @property
     def label(self) -> str:
-        """What tells this map's untying arms from the default's: "" for `UntieConfig()`, "+fresh" for another
-        optimizer state, "+cfg<digest>" for other settings (the first 8 hex digits of the SHA-256 of the JSON of the
-        settings that differ from the defaults)."""
+        """What tells this map's untying arms from the schedule's (`UntieConfig(policy="off")`, the default when the
+        map's first records were made): "" for it, "+fresh" for another optimizer state, "+cfg<digest>" for other
+        settings (the first 8 hex digits of the SHA-256 of the JSON of the settings that differ from it). The policy
+        counts as the one the settings choose (`UntieConfig.chosen_policy`): `UntieConfig()` and
+        ``--policy fresh-untied`` make the same runs and share their records."""
         label = "" if self.optimizer_state == "copy" else f"+{self.optimizer_state}"
-        default = UntieConfig().to_json_dict()
-        changed = {k: v for k, v in self.untie.to_json_dict().items() if k != "optimizer_state" and v != default[k]}
+        default = UntieConfig(policy="off").to_json_dict()
+        settings = {**self.untie.to_json_dict(), "policy": self.untie.chosen_policy()[0]}
+        changed = {k: v for k, v in settings.items() if k != "optimizer_state" and v != default[k]}
         if changed:  # only the settings that differ from the defaults: a setting added later keeps the labels
             digest = hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
             label += f"+cfg{digest}"
