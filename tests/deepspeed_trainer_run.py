@@ -8,8 +8,9 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_trainer_run.py OUT STAGE``. Runs,
 * ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
 * ``trigger``: `UntieCallback(untie_when=RULE)` with no deadline, measuring every 2 steps: the role signals of the
   tied phase (captured in autograd under DeepSpeed) feed the divergence trigger;
-* ``default``: `UntieCallback()`'s defaults (metrics every 2 steps) with Trainer's tokenizer: the default trigger reads
-  its pairs and measures, the deadline unties;
+* ``default``: the tied phase's defaults (`UntieCallback(metrics_every=2)`: a tied-phase setting, so the schedule
+  runs) with Trainer's tokenizer: the default trigger reads its pairs and measures, the deadline unties;
+* ``fresh``: `UntieCallback()` itself on a model built fresh: the default policy trains it untied from the first step;
 * ZeRO-3 only, ``nogather`` and ``nogather-resume-8`` / ``-4``: the ``untie`` run and its resumes without
   `stage3_gather_16bit_weights_on_model_save` (ZeRO-3's default), whose checkpoints hold no `model.safetensors`.
 
@@ -17,11 +18,11 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_trainer_run.py OUT STAGE``. Runs,
 and the probe reads the live tied gradient: the reference for the steps after the untie (the head's Adam state a copy
 of the shared matrix's, as DeepSpeed's must be) and for the role signals.
 
-The ``default`` run's model is built by `_from_config` after its TrainingArguments, so under ZeRO-3 transformers builds
-it partitioned (`zero.Init`), as `from_pretrained` does for users; the other runs' models are plain, with the DDP
-reference's weights. The pairs it reads must be those of the plain model: a partitioned embedding holds no rows
-locally (shape [0]). Each run saves, per rank: losses and gradient norms per step; the full fp32
-matrices and Adam moments (DeepSpeed's `safe_get_full_*`) after the untie step, and the full matrices at the end.
+The ``default`` and ``fresh`` runs' models are built by `_from_config` after their TrainingArguments, so under ZeRO-3
+transformers builds them partitioned (`zero.Init`), as `from_pretrained` does for users; the other runs' models are
+plain, with the DDP reference's weights. The pairs ``default`` reads must be those of the plain model: a partitioned
+embedding holds no rows locally (shape [0]). Each run saves, per rank: losses and gradient norms per step; the full
+fp32 matrices and Adam moments (DeepSpeed's `safe_get_full_*`) after the untie step, and the full matrices at the end.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def train(
         data_seed=0,
         disable_tqdm=True,
     )
-    model = build_model(partitioned=name == "default")
+    model = build_model(partitioned=name in ("default", "fresh"))
     partitioned = hasattr(model.get_input_embeddings().weight, "ds_id")
     record = Record()
     callbacks = [record] + ([callback] if callback is not None else [])
@@ -151,7 +152,7 @@ def train(
     if callback is not None:
         result.update(tying_mode=callback.tying_mode, untie_step=callback.untie_step, reason=callback.untie_reason)
         result["history"] = callback.history
-        result.update(pairs=callback.pairs, rule=repr(callback.rule))
+        result.update(pairs=callback.pairs, rule=repr(callback.rule), plan=callback.policy_choice.plan)
     return trainer, result
 
 
@@ -175,6 +176,7 @@ def main() -> None:
         )
     default = untie.UntieCallback(metrics_every=2)
     _, results["default"] = train(out, stage, "default", default, save=False, tokenizer=tiny_tokenizer())
+    _, results["fresh"] = train(out, stage, "fresh", untie.UntieCallback(), save=False)
     if stage == 3:  # ZeRO-3's default: checkpoints without model.safetensors, DeepSpeed's folder only
         callback = untie.UntieCallback(untie_at=UNTIE_AT, untie_when=None)
         _, results["nogather"] = train(out, stage, "nogather", callback, gather=False)

@@ -186,6 +186,22 @@ def test_trainer_defaults_under_zero_measure_and_untie_at_the_deadline(trainer_r
         assert runs[stage][rank]["default"]["rule"] == repr(untie.RULES["evidence"])
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_trainer_default_policy_under_zero_trains_a_fresh_model_untied_from_the_first_step(trainer_runs, stage):
+    """`UntieCallback()` on a model built fresh (under ZeRO-3 partitioned at construction, zero.Init): untied before
+    the engine wraps it, the head a parameter of its own that trains apart from the embedding, on every rank."""
+    _, runs = trainer_runs
+    for rank in (0, 1):
+        run = runs[stage][rank]["fresh"]
+        assert (run["untie_step"], run["reason"], run["plan"]) == (0, "start", "untied from the start")
+        assert not run["tied_parameter"]
+        assert torch.isfinite(run["losses"]).all() and run["losses"][-1] < run["losses"][0]
+        assert not torch.equal(run["final"]["head"], run["final"]["embedding"])
+        assert run["final"]["head.exp_avg_sq"].abs().sum() > 0  # the head is in the optimizer and trains
+    torch.testing.assert_close(runs[stage][0]["fresh"]["losses"], runs[stage][1]["fresh"]["losses"], rtol=0, atol=0)
+    torch.testing.assert_close(runs[stage][0]["fresh"]["final"]["head"], runs[stage][1]["fresh"]["final"]["head"])
+
+
 # -- Untier in an accelerate loop (DeepSpeedPlugin) ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def untier_runs(tmp_path_factory):
