@@ -39,23 +39,34 @@ def main(argv: list[str] | None = None) -> dict:
     setup = resolve(argv)
     os.makedirs(setup.output_dir, exist_ok=True)
     args = setup.args
+    if args.threads < 0:
+        raise ValueError(f"--threads {args.threads}: pass 1 or more, or 0 for torch's default (one per core).")
     if not args.report_only:
         todo = [a for a in args.arms if args.overwrite or not Path(setup.output_dir, "arms", f"{a}.json").exists()]
         if todo:
-            data = prepare_data(setup)
-            progress = None
-            if not setup.training.disable_tqdm:  # one line for every arm; its length: the first arm's max_steps
-                progress = JobProgress(len(todo), None, description="BookCorpus", disable=launch_rank() != 0)
-            try:
-                for arm in todo:
-                    train_arm(arm, setup, data, progress)
-            finally:
-                if progress:
-                    progress.close()
+            train_arms(todo, setup)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return report(setup.output_dir) if launch_rank() == 0 else {}
+
+
+def train_arms(arms: list[str], setup) -> None:
+    """Train `arms` one after another with `--threads` CPU threads, put back after (a caller keeps its own)."""
+    threads = torch.get_num_threads()
+    if setup.args.threads:
+        torch.set_num_threads(setup.args.threads)
+    data = prepare_data(setup)
+    progress = None
+    if not setup.training.disable_tqdm:  # one line for every arm; its length: the first arm's max_steps
+        progress = JobProgress(len(arms), None, description="BookCorpus", disable=launch_rank() != 0)
+    try:
+        for arm in arms:
+            train_arm(arm, setup, data, progress)
+    finally:
+        torch.set_num_threads(threads)
+        if progress:
+            progress.close()
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ data and models, `setup` (the settings), `training` (the runs), `claims` and `re
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
+from untie_recipes.kernels import portable_environment, requested_kernels
 from untie_recipes.tasks.exor.report import report
 from untie_recipes.tasks.exor.setup import resolve
 from untie_recipes.tasks.exor.training import launch_rank, run_grid
@@ -29,9 +31,11 @@ from untie_recipes.tasks.exor.training import launch_rank, run_grid
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Train the grid's missing runs and report on it; returns the claims (rank 0; other ranks: [])."""
-    setup = resolve(argv)
-    os.makedirs(setup.output_dir, exist_ok=True)
-    records = run_grid(setup)
+    # Set before this process computes anything (a rank of a launch trains in it) and inherited by the runs' workers.
+    with portable_environment(requested_kernels(sys.argv[1:] if argv is None else argv)):
+        setup = resolve(argv)
+        os.makedirs(setup.output_dir, exist_ok=True)
+        records = run_grid(setup)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank finished; rank 0 has written every record
         torch.distributed.destroy_process_group()

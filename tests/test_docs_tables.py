@@ -113,14 +113,14 @@ def test_every_results_table_is_registered_with_its_commands_and_its_commit(real
             assert "exact on the CPU kind" in around, f"{table.page}: {name} does not say which CPU kind it is exact on"
 
 
-def test_ci_checks_only_tables_that_hold_on_any_cpu_kind(real_tables):
-    """The cheap tables CI compares hold no single-seed loss of a chaotic run: EXor's claims' verdicts, not numbers."""
+def test_ci_checks_the_quick_starts_tables_and_every_verdict_is_one_of_three(real_tables):
+    """CI compares the quick start's tables (its runs use portable kernels: the kernel-path record in
+    tests/test_kernel_paths.py shows each the same on every path tried); no verdict but yes / no / not tested."""
     cheap = {name for name, table in real_tables.TABLES.items() if table.cost == "cheap"}
-    assert cheap == {"exor-quick-claims"}
-    assert real_tables.TABLES["exor-quick"].cost == "cpu-kind"
+    assert cheap == {"exor-quick", "exor-quick-claims"}
     claims = real_tables.committed("exor-quick-claims")
-    assert claims.splitlines()[0] == "| claim | holds |"
-    verdicts = {line.rstrip(" |").rsplit("|", 1)[1].strip() for line in claims.splitlines()[2:]}
+    assert claims.splitlines()[0] == "| claim | holds | evidence |"
+    verdicts = {line.split(" | ")[1].strip() for line in claims.splitlines()[2:]}
     assert verdicts <= {"yes", "**no**", "not tested"}, verdicts
 
 

@@ -14,7 +14,8 @@ from untie.errors import UntieError
 _UNTIE_FIRST = (
     "Untie the base model before wrapping it: `untie.untie_embeddings(base_model)`, then `get_peft_model(base_model, "
     'LoraConfig(..., modules_to_save=["lm_head"]))` so the untied head trains and is saved with the adapter (add '
-    "the input embedding's module to train it too). Load the adapter onto a base model untied the same way."
+    "the input embedding's module to train it too). Load the adapter onto a base model untied the same way. "
+    "The whole route, with new tokens, merge and TRL: docs/guides/tied-checkpoints.md."
 )
 
 

@@ -102,6 +102,15 @@ class BookCorpusArguments:
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training set (debugging)."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Evaluation examples per evaluation."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenisation."})
+    threads: int = field(
+        default=1,
+        metadata={
+            "help": "CPU threads for training (torch.set_num_threads). 1 (default): a job never oversubscribes a "
+            "machine it shares (with one thread per core, torch's default, another busy process made every step "
+            "wait: 2 s a step on 2 cores against 18 min for the whole preset with one), and the numbers do not "
+            "depend on the core count. 0: torch's default, one per core (faster on a machine of your own)."
+        },
+    )
     tokenizer: str | None = field(
         default=None,
         metadata={"help": "offline (shipped vocab), train (WordPiece on the corpus, cached), or a hub id / path."},

@@ -17,6 +17,48 @@ SEPARATION = 0.3
 MIN_SEEDS_FOR_OUTCOMES = 3
 
 
+def chance_accuracy(variant: str) -> float:
+    """The masked-bit accuracy of a model that ignores the parity (the chance plateau): it always names the likeliest
+    surface form over both bits, each bit being as frequent as the other."""
+    vocab = vocabulary(variant)
+    return max(0.5 * w for w in (*vocab.zero_weights, *vocab.one_weights))
+
+
+def learned(record: dict) -> bool:
+    """Whether a run learned the task: its final masked-bit accuracy on the training strings is at least halfway from
+    the chance plateau (`chance_accuracy`) to the Bayes ceiling. A run still at chance has learned nothing that tells
+    the bits apart, so its tables answer none of the paper's geometry claims, whatever their distances."""
+    chance, ceiling = chance_accuracy(record["variant"]), vocabulary(record["variant"]).bayes_accuracy()
+    return record["train_accuracy"] >= (chance + ceiling) / 2
+
+
+def learned_text(records: list[dict], kept: list[dict]) -> str:
+    """ "N of M seeds learned the task" with the runs' accuracies, for a geometry claim's evidence."""
+    variant = records[0]["variant"]
+    chance, ceiling = chance_accuracy(variant), vocabulary(variant).bayes_accuracy()
+    accuracies = ", ".join(f"{r['seed']}: {r['train_accuracy']:.3f}" for r in sorted(records, key=lambda r: r["seed"]))
+    return (
+        f"{records[0]['arm']}: {len(kept)} of {len(records)} seeds learned the task (train accuracy {accuracies}; "
+        f"chance {chance:.3f}, "
+        f"ceiling {ceiling:.3f}, learned from {(chance + ceiling) / 2:.3f})"
+    )
+
+
+def geometry_runs(*groups: list[dict]) -> tuple[list[list[dict]], str]:
+    """The groups restricted to the seeds on which every group's run learned the task (`learned`), and the evidence
+    that says how many did. Geometry claims are judged on those seeds only."""
+    shared = on_common_seeds(*groups)
+    seeds = {r["seed"] for r in shared[0]}
+    for runs in shared:
+        seeds &= {r["seed"] for r in runs if learned(r)}
+    kept = [[r for r in runs if r["seed"] in seeds] for runs in shared]
+    return kept, "; ".join(learned_text(runs, [r for r in runs if learned(r)]) for runs in shared)
+
+
+def no_learned_seed(evidence: str) -> str:
+    return f"not tested: no seed learned the task, and a run at chance answers no geometry claim ({evidence})"
+
+
 def mean_spread(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
@@ -80,21 +122,7 @@ def check_claims(records: list[dict]) -> list[dict]:
             for arm in ARMS
         }
         untied, tied = arms["main", "untied"], arms["main", "tied"]
-        text = f"[{model}] untied (main): input (0,1) and (2,3) close; output (2,3) close, output (0,1) apart"
-        if untied:
-            d = {(s, p): mean_relative(untied, s, p) for s in ("input", "output") for p in ("0-1", "2-3")}
-            holds = max(d["input", "0-1"], d["input", "2-3"], d["output", "2-3"]) < SEPARATION <= d["output", "0-1"]
-            evidence = ", ".join(f"{s} {p} {v:.3f}" for (s, p), v in d.items())
-            claim(text, holds, f"d/d(0,2): {evidence} ({seeds_text(untied)})")
-        else:
-            claim(text, None, "not run: needs the untied arm on main")
-
-        text = f"[{model}] tied (main): (2,3) close, (0,1) apart"
-        if tied:
-            t01, t23 = mean_relative(tied, "input", "0-1"), mean_relative(tied, "input", "2-3")
-            claim(text, t23 < SEPARATION <= t01, f"d/d(0,2): 0-1 {t01:.3f}, 2-3 {t23:.3f} ({seeds_text(tied)})")
-        else:
-            claim(text, None, "not run: needs the tied arm on main")
+        _geometry_claims(model, untied, tied, claim)
 
         text = f"[{model}] tied (main): final loss above the untied arm's"
         tied_, untied_ = on_common_seeds(tied, untied)
@@ -125,7 +153,12 @@ def check_claims(records: list[dict]) -> list[dict]:
             if not scheduled:
                 continue
             step = scheduled[0]["untie_step"]
-            claim(*scheduled_geometry_claim(model, arm, step, scheduled, tied_))
+            (learned_scheduled, learned_tied), learning = geometry_runs(scheduled, tied_)
+            if learned_scheduled:
+                text, holds, evidence = scheduled_geometry_claim(model, arm, step, learned_scheduled, learned_tied)
+                claim(text, holds, f"{evidence}; {learning}")
+            else:
+                claim(scheduled_geometry_claim(model, arm, step, scheduled, tied_)[0], None, no_learned_seed(learning))
             gap_before = loss_gap_at(scheduled, untied_, step)
             gap_end = seed_mean(scheduled, "final_loss") - seed_mean(untied_, "final_loss")
             claim(
@@ -137,6 +170,34 @@ def check_claims(records: list[dict]) -> list[dict]:
             )
         claims_for_auto(model, arms, claim)
     return claims
+
+
+def _geometry_claims(model: str, untied: list[dict], tied: list[dict], claim) -> None:
+    """Claims 1 and 2: the untied and the tied arm's geometry on main, each on the seeds that learned the task."""
+    text = f"[{model}] untied (main): input (0,1) and (2,3) close; output (2,3) close, output (0,1) apart"
+    if untied:
+        (learned_untied,), learning = geometry_runs(untied)
+        if learned_untied:
+            d = {(s, p): mean_relative(learned_untied, s, p) for s in ("input", "output") for p in ("0-1", "2-3")}
+            holds = max(d["input", "0-1"], d["input", "2-3"], d["output", "2-3"]) < SEPARATION <= d["output", "0-1"]
+            evidence = ", ".join(f"{s} {p} {v:.3f}" for (s, p), v in d.items())
+            claim(text, holds, f"d/d(0,2): {evidence} ({seeds_text(learned_untied)}; {learning})")
+        else:
+            claim(text, None, no_learned_seed(learning))
+    else:
+        claim(text, None, "not run: needs the untied arm on main")
+
+    text = f"[{model}] tied (main): (2,3) close, (0,1) apart"
+    if tied:
+        (learned_tied,), learning = geometry_runs(tied)
+        if learned_tied:
+            t01, t23 = mean_relative(learned_tied, "input", "0-1"), mean_relative(learned_tied, "input", "2-3")
+            evidence = f"d/d(0,2): 0-1 {t01:.3f}, 2-3 {t23:.3f} ({seeds_text(learned_tied)}; {learning})"
+            claim(text, t23 < SEPARATION <= t01, evidence)
+        else:
+            claim(text, None, no_learned_seed(learning))
+    else:
+        claim(text, None, "not run: needs the tied arm on main")
 
 
 def scheduled_geometry_claim(

@@ -18,6 +18,7 @@ import transformers as tf
 
 import untie
 from untie_recipes.common import training_arguments, untie_outcome
+from untie_recipes.kernels import check_portable
 from untie_recipes.progress import JobProgress, StepReporter, quiet_trainer
 from untie_recipes.schedules import periodic_cosine
 from untie_recipes.tasks.exor.data import PAIRS, ExorDataset, vocabulary
@@ -170,6 +171,7 @@ def _settings(setup: ExorSetup) -> dict:
 def train_run(spec: RunSpec, setup: ExorSetup, runs_dir: str, progress: JobProgress | Any | None = None) -> dict:
     """Train one run and write its record (summary + histories) to runs_dir/<name>.json. `progress` is the job's
     progress line (same process) or its queue (a worker process); None keeps Trainer's own bar or log printer."""
+    check_portable(setup.args.kernels, on_cpu=setup.training.use_cpu)  # before this process computes anything
     torch.set_num_threads(1)  # the models are tiny: parallel runs beat intra-op threads
     tf.logging.set_verbosity_warning()
     started = time.perf_counter()
@@ -256,7 +258,10 @@ def train_missing(todo: list[RunSpec], total: int, setup: ExorSetup, runs_dir: s
     else:
         progress = JobProgress(len(todo), setup.training.max_steps, description="EXor", disable=launch_rank() != 0)
     try:
-        if workers == 1:
+        # Portable kernels need a process that has computed nothing yet: each run gets a fresh worker unless this
+        # process is one already (a rank of a multi-process launch, started in the portable environment).
+        fresh_processes = setup.args.kernels == "portable" and launch_world_size() == 1
+        if workers == 1 and not fresh_processes:
             for spec in todo:
                 train_run(spec, setup, runs_dir, progress)
         else:

@@ -1,0 +1,44 @@
+"""`benchmarks/gpu_check.py`, the device check, on the CPU at tiny shapes: what a CPU can show of it (bf16 end to end,
+the report's parts); on a lent GPU the same script runs bf16 and fp16 at the shapes of real tied models."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_bf16_run_unties_mid_run_and_reloads_exactly(gpu_check, tmp_path):
+    args = gpu_check.CheckArguments(tiny=True)
+    bf16 = gpu_check.precision_run("bf16", args, tmp_path)
+    assert bf16["untie_step"] == 3 and bf16["losses_finite"] and bf16["head_moved_after_untie"]
+    assert bf16["reload_max_parameter_difference"] == 0 and bf16["reload_max_logit_difference"] == 0
+    assert bf16["reloaded_untied"]
+    if not torch.cuda.is_available():
+        assert "needs CUDA" in gpu_check.precision_run("fp16", args, tmp_path)["skipped"]
+
+
+@pytest.mark.slow
+def test_the_device_check_runs_tiny_on_the_cpu_and_reports_every_part(gpu_check, tmp_path):
+    report = gpu_check.main(["--tiny", "--output_dir", str(tmp_path)])
+    assert [run["precision"] for run in report["precision"]] == ["bf16", "fp16"]
+    (shape,) = report["shapes"]
+    assert shape["measuring"][0]["ratio"] > 0 and shape["untie"][0]["ratio"] > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["device"] == report["device"] and "| tiny | 1,024 x 64 |" in (tmp_path / "results.md").read_text()
