@@ -4,6 +4,7 @@ JSON with the library version, and taken as it is by both adapters (`config=` an
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.config import VERSION_KEY
+from untie.config import VERSION_KEY, UntieConfig
 from untie.testing import ToyLMDataset, tiny_model
 
 
@@ -147,3 +148,43 @@ def test_importing_the_config_imports_neither_torch_nor_transformers():
     code = f"import sys, untie.config; print(sorted(m for m in sys.modules if m.split('.')[0] in {roots}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("pairs", "says"),
+    [
+        ("[[1.5, 2]]", "holds 1.5, not a whole-number token id"),
+        ('["12", "34"]', "'12' is not a pair of token ids"),
+        ('{"12": 1}', "pairs={'12': 1}: pass a list"),
+        ("[[true, false]]", "holds True, a bool"),
+        ("[[3, 3]]", "measures a symbol against itself"),
+        ("[[1, -2]]", "holds a negative id"),
+        ("[[1, 2, 3]]", "is not a pair of token ids"),
+    ],
+)
+def test_pairs_are_two_different_whole_number_ids_or_refused_by_name(pairs, says):
+    """Before: [[1.5, 2]] read as (1, 2), ["12", "34"] as (1, 2), (3, 4), [[true, false]] as (1, 0): other symbols."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        UntieConfig(pairs=pairs)
+
+
+def test_pairs_take_numpy_and_torch_integers():
+    import numpy as np
+    import torch
+
+    assert UntieConfig(pairs=[(np.int64(12), torch.tensor(345))]).pairs == [(12, 345)]
+
+
+def test_a_rule_field_of_the_wrong_type_is_named():
+    with pytest.raises(ValueError, match=re.escape("untie_when.threshold='high': pass a number")):
+        UntieConfig(untie_when='{"signal": "gap", "threshold": "high"}')
+
+
+@pytest.mark.parametrize(("content", "says"), [("", "not valid JSON"), ('{"untie_at": ', "not valid JSON"),
+                                               ("[1, 2]", "holds list"), ("null", "holds NoneType")])  # fmt: skip
+def test_a_damaged_or_non_object_json_file_is_refused_naming_it(content, says, tmp_path):
+    path = tmp_path / "untie.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=re.escape(f"UntieConfig.from_json_file('{path}'): the file ")) as error:
+        UntieConfig.from_json_file(path)
+    assert says in str(error.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import operator
 import os
 import re
 import warnings
@@ -221,8 +222,22 @@ class UntieConfig:
 
     @classmethod
     def from_json_file(cls, path: str | os.PathLike) -> UntieConfig:
+        """The config saved in `path` (`to_json_file`); a file that is not a JSON object is refused, naming it."""
         with open(path, encoding="utf-8") as file:
-            return cls.from_json(file.read())
+            text = file.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"UntieConfig.from_json_file({os.fspath(path)!r}): the file is not valid JSON ({error}); it should "
+                "hold one object of settings, as UntieConfig.to_json_file writes."
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"UntieConfig.from_json_file({os.fspath(path)!r}): the file holds {type(data).__name__} "
+                f"{text.strip()[:40]!r}, not an object of settings such as UntieConfig.to_json_file writes."
+            )
+        return cls.from_dict(data)
 
 
 def build_config(config: UntieConfig | None, overrides: dict[str, Any], owner: str) -> UntieConfig:
@@ -321,13 +336,32 @@ def _parse_pairs(pairs: Any) -> list[tuple[int, int]] | str | None:
             ) from None
     if pairs is None:
         return None
+    fix = "pass a list of (token_id, token_id) pairs of two different whole-number ids, e.g. [[12, 345], [67, 89]], or "
+    fix += "'auto' (read from the tokenizer Trainer is given as processing_class)"
+    if isinstance(pairs, str | bytes | dict) or not isinstance(pairs, list | tuple):
+        raise ValueError(f"pairs={pairs!r}: {fix}.")
+    parsed = []
+    for pair in pairs:
+        if isinstance(pair, str | bytes | dict) or not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise ValueError(f"pairs: {pair!r} is not a pair of token ids; {fix}.")
+        first, second = (_token_id(value, pair, fix) for value in pair)
+        if first == second:
+            raise ValueError(f"pairs: {pair!r} measures a symbol against itself; {fix}.")
+        parsed.append((first, second))
+    return parsed
+
+
+def _token_id(value: Any, pair: Any, fix: str) -> int:
+    """A token id: a whole number (int, numpy or torch integer), never a bool, a float or a string."""
+    if isinstance(value, bool):
+        raise ValueError(f"pairs: {pair!r} holds {value!r}, a bool, not a token id; {fix}.")
     try:
-        return [(int(a), int(b)) for a, b in pairs]
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"pairs={pairs!r}: pass a list of (token_id, token_id) pairs, or 'auto' (read from the tokenizer Trainer "
-            "is given as processing_class)."
-        ) from None
+        index = operator.index(value)
+    except TypeError:
+        raise ValueError(f"pairs: {pair!r} holds {value!r}, not a whole-number token id; {fix}.") from None
+    if index < 0:
+        raise ValueError(f"pairs: {pair!r} holds a negative id; {fix}.")
+    return index
 
 
 def _warn_if_newer(written_by: str) -> None:
