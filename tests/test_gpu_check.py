@@ -3,13 +3,12 @@ the report's parts); on a lent GPU the same script runs bf16 and fp16 at the sha
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,11 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def gpu_check(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks", "gpu_check")
 
 
 def test_a_bf16_run_unties_mid_run_and_reloads_exactly(gpu_check, tmp_path):

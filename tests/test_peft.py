@@ -107,13 +107,18 @@ def test_callback_refuses_peft_cases_when_the_trainer_is_built(config, match, ma
     assert "untie.untie_embeddings(base_model)" in str(error.value)
 
 
-def test_callback_refuses_to_tie_an_untied_peft_model(make_args):
+def test_an_untied_peft_model_stays_untied_as_without_peft_and_a_tie_is_refused(make_args):
+    """Issue 59: an untied model trains untied under every default, wrapped by PEFT or not; only a tie asked for
+    (tie_init) is refused, as PEFT cannot take it."""
     config = tiny_model("gpt2").config
     config.tie_word_embeddings = False  # an untied checkpoint (Pythia-like), not untied by this library
     model = _wrap(tf.GPT2LMHeadModel(config), modules_to_save=["lm_head"])
-    with pytest.raises(PeftUnsupported, match="untie_at=0"):
-        _trainer(model, make_args, untie_at=0.5)
-    _trainer(model, make_args, untie_at=0).train()  # kept untied: accepted
+    with pytest.raises(PeftUnsupported, match="tie_init asks UntieCallback to tie it first"):
+        _trainer(model, make_args, untie_at=0.5, tie_init="input")
+    for settings in ({}, {"untie_at": 0.5}, {"untie_at": 0}):  # the default, a schedule, untied from the start
+        trainer = _trainer(model, make_args, **settings)
+        trainer.train()
+        assert not untie.is_tied(model.base_model.model), settings
 
 
 def test_untie_and_tie_refuse_peft_models_and_transformers_adapters():

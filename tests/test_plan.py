@@ -125,7 +125,8 @@ def test_a_peft_model_keeps_its_structure_and_is_checked():
     peft = ModelFacts("untied", peft=True, config_says_untied=True)
     assert plan_structure(peft, CALLBACK).check_peft
     assert plan_structure(peft, CALLBACK).target is None
-    assert not plan_structure(peft, CALLBACK).keep_untied
+    assert plan_structure(peft, CALLBACK).keep_untied  # as without PEFT: an untied model stays untied (issue 59)
+    assert not plan_structure(peft, TIE_FROM_INPUT).keep_untied  # a tie asked for: check_peft_run refuses it
     assert plan_structure(peft, UNTIE_AT_ZERO).keep_untied
     assert plan_structure(peft, CALLBACK, UNTIED_CKPT).keep_untied
 

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def quick_start():
-    spec = importlib.util.spec_from_file_location("quick_start", ROOT / "scripts" / "quick_start.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quick_start"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts", "quick_start")
 
 
 def test_the_readme_has_two_lines_one_runs_the_main_job_one_the_tests(quick_start):

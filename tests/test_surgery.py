@@ -281,3 +281,48 @@ def test_unknown_init_and_state_choices_are_refused():
         untie.tie_embeddings(model, init="avg")
     with pytest.raises(ValueError, match="optimizer_state='zeros' is not one of"):
         untie.untie_embeddings(tiny_model("gpt2"), optimizer_state="zeros")
+
+
+def test_the_untie_never_changes_the_config_object_the_model_was_built_from():
+    """A second model built from the same config (or a model_init that closes over it) must come out as the first
+    did: the untie gives the model a config of its own, and every module that held the old one holds the copy."""
+
+    config = tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=48, n_positions=64, bos_token_id=0,
+                           eos_token_id=0)  # fmt: skip
+    first = tf.GPT2LMHeadModel(config)
+    untie.untie_embeddings(first)
+    assert config.tie_word_embeddings is True and not hasattr(config, "untied_output_embeddings")
+    assert first.config.tie_word_embeddings is False and first.transformer.config is first.config
+    assert untie.is_tied(tf.GPT2LMHeadModel(config))  # before: built untied, silently
+    untie.tie_embeddings(first)
+    assert config.tie_word_embeddings is True and first.config is not config
+
+
+def test_a_multimodal_untie_leaves_the_text_sub_config_it_was_built_from_alone():
+    config = tf.Gemma3Config(
+        text_config=dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                         intermediate_size=32, head_dim=8, vocab_size=64),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=63, boi_token_index=62, eoi_token_index=61,
+    )  # fmt: skip
+    text = config.text_config
+    model = tf.Gemma3ForConditionalGeneration(config)
+    untie.untie_embeddings(model)
+    assert text.tie_word_embeddings is True and model.config.text_config.tie_word_embeddings is False
+    assert model.model.language_model.config is model.config.text_config
+
+
+def test_a_model_init_that_closes_over_one_config_trains_the_same_schedule_on_every_train(make_args):
+    """Trainer's hyperparameter search calls model_init once per train(): each model must start tied."""
+
+    config = tf.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=48, n_positions=64, bos_token_id=0,
+                           eos_token_id=0)  # fmt: skip
+    steps = []
+    for _ in range(2):
+        callback = untie.UntieCallback(untie_at=2, untie_when=None, policy="off")
+        trainer = tf.Trainer(model_init=lambda: tf.GPT2LMHeadModel(config), args=make_args(max_steps=4),
+                             train_dataset=ToyLMDataset(n=16), callbacks=[callback])  # fmt: skip
+        trainer.train()
+        steps.append((callback.untie_step, callback.untie_reason))
+    assert steps == [(2, "deadline"), (2, "deadline")] and config.tie_word_embeddings is True

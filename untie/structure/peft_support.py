@@ -62,7 +62,7 @@ def check_peft_run(model: nn.Module, *, tied: bool, untie_recorded: bool, keep_u
         )
     if not keep_untied:
         raise PeftUnsupported(
-            "This PEFT model is untied, and UntieCallback would tie it first (it ties untied models, then unties at "
-            "untie_at); it cannot do that under PEFT. Pass UntieCallback(untie_at=0) to train it untied, or tie the "
-            "base model before wrapping it (`untie.tie_embeddings(base_model)`)."
+            "This PEFT model is untied, and tie_init asks UntieCallback to tie it first (then untie at untie_at); it "
+            "cannot do that under PEFT. Leave tie_init unset to train it untied, as without PEFT, or tie the base "
+            "model before wrapping it (`untie.tie_embeddings(base_model)`)."
         )

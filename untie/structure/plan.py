@@ -98,7 +98,9 @@ class StructurePlan:
 def plan_structure(model: ModelFacts, settings: RunSettings, saved: SavedFacts | None = None) -> StructurePlan:
     """The structure the model must have to start this run (`saved` None) or to resume the run saved in `saved`."""
     if model.peft:
+        # As without PEFT: an untied model stays untied unless tie_init asks for a tie (which PEFT cannot take).
         keep_untied = model.marked_untied or settings.untie_at_zero or bool(saved and saved.untied)
+        keep_untied = keep_untied or (model.structure == "untied" and settings.tie_init is None)
         return StructurePlan(None, check_peft=True, keep_untied=keep_untied)
     if saved is None:
         return _plan_start(model, settings)

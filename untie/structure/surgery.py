@@ -7,6 +7,7 @@ checkpoints, to prepare a model for fine-tuning, or from a training callback.
 from __future__ import annotations
 
 import copy
+from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +175,25 @@ def _configs(model: nn.Module) -> list:
     return configs
 
 
+def _own_config(model: nn.Module) -> None:
+    """Give `model` a config of its own before the tie flags are written: the config object it was built from may be
+    shared (a second model built from it, a `model_init` that closes over it for Trainer's hyperparameter search), and
+    a flag written there would build the next model untied, silently. Every module of the model that held the old
+    config, or one of its sub-configs (a multimodal model's text_config), is pointed at the copy."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return
+    copy = deepcopy(config)
+    replaced = {id(config): copy}
+    for name, value in vars(config).items():
+        if hasattr(value, "to_dict") and hasattr(getattr(copy, name, None), "to_dict"):
+            replaced[id(value)] = getattr(copy, name)  # text_config, vision_config, ...
+    for module in model.modules():
+        held = module.__dict__.get("config")
+        if held is not None and id(held) in replaced:
+            module.__dict__["config"] = replaced[id(held)]
+
+
 def _drop_head_ties(model: nn.Module, layout: EmbeddingLayout) -> None:
     """Remove the LM-head entries (weight and bias) from every module's tied-weights mapping, on the instance."""
     head_names = {layout.output_weight, layout.output_bias} - {None}
@@ -194,6 +214,7 @@ def _restore_head_ties(model: nn.Module) -> None:
 
 
 def _mark_untied(model: nn.Module, layout: EmbeddingLayout) -> None:
+    _own_config(model)
     _drop_head_ties(model, layout)
     remaining_ties = _remaining_ties(model)
     keeps_other_ties = False
@@ -276,6 +297,7 @@ def _mark_tied(model: nn.Module) -> None:
         handle.remove()
         setattr(model, _STORE_APART_ATTR, None)
     _restore_head_ties(model)
+    _own_config(model)
     for config in _configs(model):
         if hasattr(config, "tie_word_embeddings"):
             config.tie_word_embeddings = True
