@@ -39,6 +39,8 @@ HERE = Path(__file__).resolve().parent
 #: (name, vocabulary, width) of the tied models whose embedding shapes are measured.
 REAL_SHAPES = (("gemma-3-270m", 262_144, 640), ("qwen3-0.6b", 151_936, 1_024))
 TINY_SHAPES = (("tiny", 1_024, 64),)
+#: Trainer's mixed-precision flags and the autocast dtype each runs in.
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass
@@ -103,9 +105,6 @@ def precision_run(precision: str, args: CheckArguments, workdir: Path) -> dict:
         "reload_max_logit_difference": logit_difference,
         "reloaded_untied": not untie.is_tied(reloaded),
     }
-
-
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def _script(name: str, *arguments: str) -> dict | list:

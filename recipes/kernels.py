@@ -5,8 +5,9 @@ kernels (`ATEN_CPU_CAPABILITY`), the BLAS (Intel MKL, whose Conditional Numerica
 fixes its code path) and oneDNN (`ONEDNN_MAX_CPU_ISA`). On a one-layer EXor model sitting on a chance plateau, a
 last-bit difference between an AVX2 and an AVX-512 reduction becomes another trajectory, so the same seed learned the
 task on one CPU kind and not on another. "portable" pins all three to a code path every x86-64 CPU runs the same
-way: ATen's baseline kernels, MKL's COMPATIBLE branch (strict), oneDNN's SSE4.1 kernels. Each of the three was
-checked to matter on its own (`scripts/kernel_paths.py`: lifting any one of them changed a run's numbers).
+way: ATen's baseline kernels, MKL's COMPATIBLE branch (strict), oneDNN's SSE4.1 kernels. With ATen and MKL pinned,
+lifting oneDNN's cap alone still changed a run's loss within 3,000 steps; `scripts/kernel_paths.py` checks that the
+pinned runs come out the same when the CPU offers fewer instructions.
 
 The variables are read when each library first runs a kernel, so they are set before a run's process computes
 anything: the recipes train portable runs in fresh worker processes that inherit them (`portable_environment`), and

@@ -66,16 +66,6 @@ def without_columns(*names: str, index: int = 0) -> Callable[[str], str]:
     return extract
 
 
-def without_rows(containing: str, extract: Callable[[str], str]) -> Callable[[str], str]:
-    """The table `extract` reads, without its body rows that contain `containing`."""
-
-    def rows(text: str) -> str:
-        lines = extract(text).splitlines()
-        return "\n".join(lines[:2] + [line for line in lines[2:] if containing not in line])
-
-    return rows
-
-
 def nth_table(index: int) -> Callable[[str], str]:
     """The `index`-th Markdown table of a file (0: the first), for a command that writes several."""
 
@@ -283,7 +273,6 @@ _DEEPSPEED_MEMORY = (
     "--output_dir",
     "{out}",
 )
-#: Words of EXor's claims on the geometry after the untie (scheduled arms), left out of the CI-checked table.
 #: The EXor quick preset, the README's first line's job (its tables in docs/recipes/exor.md).
 _EXOR_QUICK = (_exor("--output_dir", "{out}"),)
 
@@ -341,8 +330,6 @@ TABLES: dict[str, Table] = {
     "tie-then-untie": Table(
         page="docs/recipes/decision-map.md", commands=_tie_then_untie(), output="tie-then-untie.md"
     ),
-    # One command, two tables (it runs once): the claims' verdicts hold on any x86 CPU, so CI compares them; the
-    # single-seed numbers are exact on one CPU kind only (tied and untied swap places between CPU kinds).
     # One command, two tables (it runs once). Its runs use portable kernels (untie_recipes.kernels), so the numbers
     # are the same on every x86-64 CPU: scripts/kernel_paths.py showed both tables the same on every kernel path it
     # tried (docs/data/kernel-paths.json), and CI compares both.

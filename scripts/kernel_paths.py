@@ -42,9 +42,8 @@ PATHS: dict[str, dict[str, str]] = {
         "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
         "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX512F,-AVX2,-FMA,-AVX",
     },
-    "native": {"UNTIE_KERNEL_PATH_NATIVE": "1"},
+    "native": {},
     "native-avx2": {
-        "UNTIE_KERNEL_PATH_NATIVE": "1",
         "ATEN_CPU_CAPABILITY": "avx2",
         "MKL_CBWR": "AVX2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -52,27 +51,27 @@ PATHS: dict[str, dict[str, str]] = {
 }
 
 
-#: The paths a default (portable) run takes on other CPUs: a table CI compares must be the same on all of them. The
-#: native paths are there for contrast: what the same command gives without the pin.
-PORTABLE_PATHS = tuple(path for path in PATHS if path.startswith("portable"))
+#: The paths that run the recipes with `--kernels native`, for contrast: what the same command gives without the pin.
+NATIVE_PATHS = ("native", "native-avx2")
+#: The paths a default (portable) run takes on other CPUs: a table CI compares must be the same on all of them.
+PORTABLE_PATHS = tuple(path for path in PATHS if path not in NATIVE_PATHS)
 
 
-def with_native(command: tuple[str, ...], environment: dict[str, str]) -> list[str]:
-    """The command, with `--kernels native` where the path is a native one."""
-    native = environment.get("UNTIE_KERNEL_PATH_NATIVE") == "1"
-    return [*command, "--kernels", "native"] if native and "recipes/" in " ".join(command) else list(command)
+def with_native(command: tuple[str, ...], path: str) -> list[str]:
+    """The command, with `--kernels native` on a native path where it runs a recipe."""
+    native = path in NATIVE_PATHS and "recipes/" in " ".join(command)
+    return [*command, "--kernels", "native"] if native else list(command)
 
 
 def run_path(table: docs_tables.Table, path: str, workdir: Path) -> str:
     """Run the table's commands with the path's environment; the text of the file (or output) the table is read
     from."""
     environment = {**os.environ, **PATHS[path]}
-    environment.pop("UNTIE_KERNEL_PATH_NATIVE", None)
     out = workdir / path
     out.mkdir(parents=True, exist_ok=True)
     stdout = ""
     for command in table.commands:
-        argv = [part.replace("{out}", str(out)) for part in with_native(command, PATHS[path])]
+        argv = [part.replace("{out}", str(out)) for part in with_native(command, path)]
         argv[0] = sys.executable if argv[0] == "python" else argv[0]
         result = subprocess.run(argv, cwd=ROOT, env=environment, capture_output=True, text=True)
         if result.returncode != 0:
@@ -104,9 +103,7 @@ def summary(record: dict) -> str:
     header = ["path", "environment", *(f"{name} same as {paths[0]}" for name in names), "claims"]
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for path in paths:
-        shown = [f"`{k}={v}`" for k, v in PATHS[path].items() if k != "UNTIE_KERNEL_PATH_NATIVE"]
-        if "UNTIE_KERNEL_PATH_NATIVE" in PATHS[path]:
-            shown.insert(0, "`--kernels native`")
+        shown = ["`--kernels native`"] * (path in NATIVE_PATHS) + [f"`{k}={v}`" for k, v in PATHS[path].items()]
         environment = " ".join(shown) or "as is"
         same = ["yes" if record[n]["paths"][path]["table"] == record[n]["paths"][paths[0]]["table"] else "**no**"
                 for n in names]  # fmt: skip

@@ -338,11 +338,11 @@ def _parse_pairs(pairs: Any) -> list[tuple[int, int]] | str | None:
         return None
     fix = "pass a list of (token_id, token_id) pairs of two different whole-number ids, e.g. [[12, 345], [67, 89]], or "
     fix += "'auto' (read from the tokenizer Trainer is given as processing_class)"
-    if isinstance(pairs, str | bytes | dict) or not isinstance(pairs, list | tuple):
+    if not isinstance(pairs, list | tuple):
         raise ValueError(f"pairs={pairs!r}: {fix}.")
     parsed = []
     for pair in pairs:
-        if isinstance(pair, str | bytes | dict) or not isinstance(pair, list | tuple) or len(pair) != 2:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
             raise ValueError(f"pairs: {pair!r} is not a pair of token ids; {fix}.")
         first, second = (_token_id(value, pair, fix) for value in pair)
         if first == second:

@@ -108,9 +108,9 @@ class UntieWhen:
             raise ValueError(f"untie_when.signal={self.signal!r}: pass a signal's name, e.g. 'gap' or 'cancellation'.")
         for name in ("threshold", "smoothing", "warmup", "significance"):
             value = getattr(self, name)
-            if (value is not None or name != "significance") and (
-                isinstance(value, bool) or not isinstance(value, int | float)
-            ):
+            if name == "significance" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"untie_when.{name}={value!r}: pass a number (see help(untie.UntieWhen)).")
         if self.signal not in SIGNAL_DIRECTIONS and pair_signal(self.signal) is None:
             raise ValueError(

@@ -7,7 +7,6 @@ checkpoints, to prepare a model for fine-tuning, or from a training callback.
 from __future__ import annotations
 
 import copy
-from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,11 +182,11 @@ def _own_config(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         return
-    copy = deepcopy(config)
-    replaced = {id(config): copy}
+    owned = copy.deepcopy(config)
+    replaced = {id(config): owned}
     for name, value in vars(config).items():
-        if hasattr(value, "to_dict") and hasattr(getattr(copy, name, None), "to_dict"):
-            replaced[id(value)] = getattr(copy, name)  # text_config, vision_config, ...
+        if hasattr(value, "to_dict") and hasattr(getattr(owned, name, None), "to_dict"):
+            replaced[id(value)] = getattr(owned, name)  # text_config, vision_config, ...
     for module in model.modules():
         held = module.__dict__.get("config")
         if held is not None and id(held) in replaced:

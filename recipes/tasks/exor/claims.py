@@ -32,15 +32,14 @@ def learned(record: dict) -> bool:
     return record["train_accuracy"] >= (chance + ceiling) / 2
 
 
-def learned_text(records: list[dict], kept: list[dict]) -> str:
+def learned_text(records: list[dict]) -> str:
     """ "N of M seeds learned the task" with the runs' accuracies, for a geometry claim's evidence."""
     variant = records[0]["variant"]
     chance, ceiling = chance_accuracy(variant), vocabulary(variant).bayes_accuracy()
     accuracies = ", ".join(f"{r['seed']}: {r['train_accuracy']:.3f}" for r in sorted(records, key=lambda r: r["seed"]))
     return (
-        f"{records[0]['arm']}: {len(kept)} of {len(records)} seeds learned the task (train accuracy {accuracies}; "
-        f"chance {chance:.3f}, "
-        f"ceiling {ceiling:.3f}, learned from {(chance + ceiling) / 2:.3f})"
+        f"{records[0]['arm']}: {sum(map(learned, records))} of {len(records)} seeds learned the task (train accuracy "
+        f"{accuracies}; chance {chance:.3f}, ceiling {ceiling:.3f}, learned from {(chance + ceiling) / 2:.3f})"
     )
 
 
@@ -52,7 +51,7 @@ def geometry_runs(*groups: list[dict]) -> tuple[list[list[dict]], str]:
     for runs in shared:
         seeds &= {r["seed"] for r in runs if learned(r)}
     kept = [[r for r in runs if r["seed"] in seeds] for runs in shared]
-    return kept, "; ".join(learned_text(runs, [r for r in runs if learned(r)]) for runs in shared)
+    return kept, "; ".join(learned_text(runs) for runs in shared)
 
 
 def no_learned_seed(evidence: str) -> str:
