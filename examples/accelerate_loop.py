@@ -21,6 +21,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 import untie
+from untie.config import parse_command_line
 from untie_recipes.offline import shakespeare_blocks  # the shipped Shakespeare text, as 64-token blocks
 from untie_recipes.tasks.bookcorpus.data import load_tokenizer  # the shipped Shakespeare WordPiece vocabulary
 
@@ -38,7 +39,7 @@ class LoopArguments:
 
 
 def main() -> None:
-    (args,) = tf.HfArgumentParser(LoopArguments).parse_args_into_dataclasses()
+    (args,) = parse_command_line(LoopArguments)
     # The seedable sampler makes the data order a function of (seed, epoch), which save_state / load_state keep.
     accelerator = Accelerator(
         cpu=not torch.cuda.is_available(),  # on CPU, torchrun then gives DDP on gloo (else one process per rank)
@@ -54,9 +55,9 @@ def main() -> None:
         attn_pdrop=0.0,
     )  # fmt: skip
     model = tf.GPT2LMHeadModel(config)
-    # Before the optimizer and prepare(). policy="off": the tied-phase schedule at its defaults (the default policy
-    # would train this freshly built model untied from the start): the tokenizer's case / word-start pairs feed the
-    # evidence trigger, with a deadline at 30% of max_steps.
+    # Before the optimizer and prepare(). policy="off": the tied-phase schedule at its default values (the defaults
+    # alone would train this model, built fresh, untied from the start): the tokenizer's case / word-start pairs feed
+    # the evidence trigger, with a deadline at 30% of max_steps.
     untier = untie.Untier(model, max_steps=args.max_steps, accelerator=accelerator, tokenizer=tokenizer, policy="off")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
     scheduler = linear_decay(optimizer, args.max_steps, accelerator.num_processes)

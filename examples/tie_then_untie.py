@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 
 import untie
+from untie.config import parse_command_line
 
 TEXT = """\
 The miller rose before the sun and walked down to the river, where the wheel turned slowly in the dark water.
@@ -54,7 +55,7 @@ class CharDataset(torch.utils.data.Dataset):
 
 
 def main() -> None:
-    (args,) = tf.HfArgumentParser(ExampleArguments).parse_args_into_dataclasses()
+    (args,) = parse_command_line(ExampleArguments)
     untie_at = int(args.untie_at) if args.untie_at >= 1 else args.untie_at
     tf.set_seed(args.seed)
     data = CharDataset(TEXT, args.seq_len)

@@ -18,6 +18,7 @@ import torch
 import transformers as tf
 
 import untie
+from untie.config import parse_command_line
 from untie_recipes.offline import shakespeare_blocks, small_checkpoint
 
 
@@ -37,7 +38,7 @@ class ExampleArguments:
 
 
 def main() -> None:
-    (args,) = tf.HfArgumentParser(ExampleArguments).parse_args_into_dataclasses()
+    (args,) = parse_command_line(ExampleArguments)
     path = args.model_name_or_path or small_checkpoint(
         os.path.join(args.output_dir, "base"), tied=False, pretrain_steps=args.base_pretrain_steps, seed=args.seed
     )

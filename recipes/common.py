@@ -22,6 +22,7 @@ from typing import Any
 import transformers as tf
 
 import untie
+from untie.config import parse_command_line
 
 _UNSET = object()
 
@@ -30,7 +31,7 @@ def parse(types: Sequence[type], argv: list[str] | None) -> tuple[list[Any], set
     """The dataclasses of `types` parsed from `argv` (default: the process's arguments), and the names of the fields
     the command line set (whatever their value, the default included)."""
     argv = _bare_flags_mean_yes(types, sys.argv[1:] if argv is None else list(argv))
-    parsed = tf.HfArgumentParser(types).parse_args_into_dataclasses(args=argv)
+    parsed = parse_command_line(types, args=argv)  # a bad value: one line naming the setting, exit status 2
     return list(parsed), explicit_flags(types, argv)
 
 

@@ -12,7 +12,8 @@ parameters), its optimizer, gradient clipping and DCP / full-state-dict checkpoi
 * ``full``: the same with full state-dict checkpoints, then `save_model`; ``full-resume-8`` resumes from it;
 * ``trigger``: `UntieCallback(untie_when=...)` with no deadline: the role signals measured in the emulated tied
   phase feed the divergence trigger. The ``tied`` run records the same signals with a live `RoleGradientProbe`;
-* ``default``: `UntieCallback()`'s defaults (metrics every 2 steps): the default trigger measures under FSDP2 too.
+* ``default``: `UntieCallback()`'s defaults for trained weights (`from_scratch=False`; metrics every 2 steps): the
+  default trigger measures under FSDP2 too.
 
 Each run saves, per rank: losses and gradient norms per step, the full matrices after the untie step and at the end.
 """
@@ -170,7 +171,7 @@ def main(out_dir: str) -> None:
     trigger = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=PAIRS)
     _run(out_dir, "trigger", "SHARDED_STATE_DICT", trigger)
     # The defaults under FSDP2: the pair-free trigger measures at step 2 (O(|T| d) per rank); the 30% deadline, step 3.
-    _run(out_dir, "default", "SHARDED_STATE_DICT", untie.UntieCallback(metrics_every=2))
+    _run(out_dir, "default", "SHARDED_STATE_DICT", untie.UntieCallback(metrics_every=2, from_scratch=False))
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ def test_default_trigger_unties_before_the_deadline_when_it_fires(make_args, mon
     # Half of the two roles' updates cancel at every measurement: the default rule (warm-up 5% = step 2, patience 5)
     # fires at step 6, before the default deadline at 30% of 40 steps (12).
     monkeypatch.setattr(untie.core.run, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
-    callback = untie.UntieCallback(metrics_every=1)
+    callback = untie.UntieCallback(metrics_every=1, from_scratch=False)  # the default plan for trained weights
     _train(tiny_model("gpt2"), make_args(max_steps=40), [callback])
     assert (callback.untie_step, callback.untie_reason, callback.divergence.fired_step) == (6, "trigger", 6)
 

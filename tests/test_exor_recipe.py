@@ -301,9 +301,15 @@ def test_periodic_cosine_matches_torch_cosine_annealing_past_t_max():
         ours.step(), theirs.step(), ours_schedule.step(), theirs_schedule.step()
 
 
-def test_bad_arguments_fail_early(tmp_path):
-    with pytest.raises(ValueError, match="not a known signal"):
+def test_bad_arguments_fail_early(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:  # a bad setting: one line naming it, no traceback
         recipe.main(["--output_dir", str(tmp_path), "--arms", "auto", "--untie_when", '{"signal": "loss"}', *SHORT])
+    error = capsys.readouterr().err.strip()
+    assert exited.value.code == 2 and len(error.splitlines()) == 1 and "not a known signal" in error
+    with pytest.raises(SystemExit):
+        recipe.main(["--output_dir", str(tmp_path), "--optimizer_state", "keep"])
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "invalid choice: 'keep'" in error and "--optimizer_state" in error
     with pytest.raises(ValueError, match="Unknown arm 'frozen'"):
         recipe.main(["--output_dir", str(tmp_path), "--arms", "frozen"])
     with pytest.raises(ValueError, match="Unknown preset"):

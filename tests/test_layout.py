@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import untie
 import untie_recipes
 
@@ -197,3 +199,24 @@ def test_every_refusal_of_the_library_is_an_untie_error():
         c for c in classes if not issubclass(c, untie.UntieError)
     ]
     assert issubclass(untie.UntieStateError, ValueError) and issubclass(untie.PeftUnsupported, ValueError)
+
+
+def test_no_refusal_of_the_library_raises_a_bare_built_in():
+    """`errors.py` promises that ``except untie.UntieError`` catches every refusal: no ``raise ValueError(...)`` (or
+    TypeError, RuntimeError, FileNotFoundError, FileExistsError) is left in the package; each raises the UntieError of
+    that built-in type (`untie.errors`)."""
+    bare = {"ValueError", "TypeError", "RuntimeError", "FileNotFoundError", "FileExistsError"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                names = {n.id for n in ast.walk(node.exc.func) if isinstance(n, ast.Name)}
+                if names & bare:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, found
+    for error in (untie.errors.UntieValueError, untie.errors.UntieRuntimeError, untie.core.run.RunOrderError):
+        assert issubclass(error, untie.UntieError)
+    with pytest.raises(untie.UntieError):
+        untie.UntieConfig(untie_at=-1)
+    with pytest.raises(ValueError):
+        untie.UntieConfig(untie_at=-1)

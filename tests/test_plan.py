@@ -135,3 +135,15 @@ def test_only_call_order_refusals_are_runtime_errors():
     built = plan_structure(TIED_BUILT, RunSettings("Untier", tying_mode="emulated"))
     live_asked = plan_structure(TIED, ASKED_LIVE, EMULATED_CKPT)
     assert built.call_order and not live_asked.call_order
+
+
+def test_a_tied_phase_checkpoint_overrides_an_untie_the_default_plan_made_before_it_was_known():
+    live = SavedFacts("ckpt", untied=False, head_stored=False)
+    untied_built = ModelFacts("untied", optimizer_built=True)
+    by_default = RunSettings("Untier", untie_at=0, untied_by_default=True)
+    plan = plan_structure(untied_built, by_default, live)
+    assert plan.target == "tied" and plan.drop_head and plan.refusal is None
+    wrapped = plan_structure(ModelFacts("untied", optimizer_built=True, distributed=True), by_default, live)
+    assert wrapped.target is None and "policy='off'" in wrapped.refusal  # a wrapper holds the head: the fix is named
+    asked = plan_structure(untied_built, RunSettings("Untier", untie_at=0), live)  # the user's untie_at=0: refused
+    assert asked.target is None and "untie_at=0" in asked.refusal

@@ -12,7 +12,7 @@ import transformers as tf
 
 import untie
 from untie.core import policy
-from untie.testing import ToyLMDataset, tiny_model
+from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 
 def _share(arch: str = "gpt2") -> float:
@@ -88,31 +88,37 @@ def test_untier_auto_above_the_share_is_the_untie_at_zero_run_and_below_it_the_s
     assert all(torch.equal(below[n], as_set[n]) for n in below)
 
 
-def test_trainer_says_the_choice_once_at_train_begin_and_keeps_it_in_the_checkpoint(
-    make_args, tmp_path, monkeypatch, caplog
-):
-    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", _share())
+def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_checkpoint(make_args, tmp_path, caplog):
     args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=8)
-    callback = untie.UntieCallback(policy="auto")
+    callback = untie.UntieCallback()
     model = tiny_model("gpt2")
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback])
     with caplog.at_level(logging.WARNING, logger="untie"):
         trainer.train()
-    said = [r.getMessage() for r in caplog.records if "policy='auto'" in r.getMessage()]
-    assert len(said) == 1 and "untied from the start" in said[0]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
+    assert said == [
+        "untie: trains untied from step 0; the head is drawn by the model's initialiser (head_init), because the "
+        "model is built fresh (its embedding matches a fresh draw of its own initialiser); from scratch, a tied phase "
+        "cost more than it saved on the decision map (the default policy, 'fresh-untied')"
+    ]
     assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(model)
     state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
-    saved = json.dumps(state["stateful_callbacks"])
-    assert '"plan": "untied from the start"' in saved and '"policy": "auto"' in saved
+    saved = state["stateful_callbacks"]["UntieCallback"]["attributes"]["untie_state"]["attributes"]
+    assert saved["policy"]["plan"] == "untied from the start" and saved["plan"] == said[0]
 
-    # resumed, the policy chooses the same again and the run continues untied to the uninterrupted run's numbers
+    # resumed, the run continues untied to the uninterrupted run's numbers, and says so
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
     resumed_model = tiny_model("gpt2")
-    resumed = untie.UntieCallback(policy="auto")
+    resumed = untie.UntieCallback()
     args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=8)
     trainer = tf.Trainer(model=resumed_model, args=args, train_dataset=ToyLMDataset(), callbacks=[resumed])
-    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert resumed.untie_step == 0 and not untie.is_tied(resumed_model)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: resumed")] == [
+        "untie: resumed at step 4: trains untied (untied at step 0, start)"
+    ]
     worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
     assert worst <= 1e-6
 
@@ -126,20 +132,24 @@ def test_trainer_auto_below_the_share_runs_the_default_schedule(make_args, monke
     assert callback.policy_choice.plan == "as set"
 
 
-def test_inspect_says_the_share_and_what_auto_would_choose(tmp_path, monkeypatch):
+def test_inspect_says_the_share_and_what_the_default_does_with_the_checkpoint(tmp_path):
     from untie.checkpoints import inspection
 
-    model = tiny_model("gpt2")
+    model = _trained_by_hand(30)
     model.save_pretrained(tmp_path / "tied")
     share, total = policy.embedding_share(model)
     report = inspection.describe(tmp_path / "tied")
-    assert report["policy"] == {"embedding_share": pytest.approx(share), "parameters": total, "auto": "as set"}
-    assert f"embedding share:   {share:.0%} of {total:,} parameters" in inspection.format_report(report)
-    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", share)
-    assert inspection.describe(tmp_path / "tied")["policy"]["auto"] == "untied from the start"
+    assert report["policy"]["embedding_share"] == pytest.approx(share) and report["policy"]["parameters"] == total
+    assert report["policy"]["default"].startswith("trains tied, unties when the divergence trigger fires")
+    assert report["policy"]["because"].startswith("the model holds trained weights")
+    text = inspection.format_report(report)
+    assert f"embedding share:   {share:.0%} of {total:,} parameters" in text and "auto" not in text
+    assert "UntieCallback():   trains tied, unties when the divergence trigger fires" in text
+    tiny_model("gpt2").save_pretrained(tmp_path / "drawn")  # saved as built: nothing trained to keep
+    assert inspection.describe(tmp_path / "drawn")["policy"]["default"].startswith("trains untied from step 0, its")
     untie.untie_embeddings(model)
     model.save_pretrained(tmp_path / "untied")
-    assert inspection.describe(tmp_path / "untied")["policy"]["auto"] == "as set"  # it arrives untied
+    assert "its head is a matrix of its own" in inspection.describe(tmp_path / "untied")["policy"]["default"]
 
 
 def test_a_run_attached_again_chooses_again_for_the_new_model(monkeypatch):
@@ -172,22 +182,21 @@ def test_head_init_model_draws_the_head_with_the_models_initialiser_and_copy_kee
     assert torch.equal(copied.get_output_embeddings().weight, copied.get_input_embeddings().weight)
 
 
-def test_auto_draws_the_head_of_a_freshly_built_model_and_copies_that_of_a_loaded_one(tmp_path, monkeypatch):
-    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", 0.01)
+def test_the_default_draws_the_head_of_a_model_built_fresh_and_never_over_loaded_weights(tmp_path):
     fresh = tiny_model("gpt2")
-    untier = untie.Untier(fresh, policy="auto", max_steps=4)
+    untier = untie.Untier(fresh, max_steps=4)
     choice = untier.policy_choice
-    assert choice.head_init == "model" and "drawn by the model's initialiser" in choice.reason
+    assert choice.head_init == "model" and choice.untied_from_start and "built fresh" in choice.reason
     assert not torch.equal(fresh.lm_head.weight, fresh.transformer.wte.weight)
     untier.close()
-    tiny_model("gpt2").save_pretrained(tmp_path / "tied")
+    _trained_by_hand(30).save_pretrained(tmp_path / "tied")
     loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
-    untier = untie.Untier(loaded, policy="auto", max_steps=4)
-    assert untier.policy_choice.head_init == "copy"  # its output role was trained: nothing of it is dropped
-    assert torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight) and not untie.is_tied(loaded)
+    untier = untie.Untier(loaded, max_steps=4)
+    assert untier.policy_choice.plan == "as set" and untier.policy_choice.head_init == "copy"
+    assert untie.is_tied(loaded)  # tied first; the untie copies: its output role was trained, nothing is dropped
     untier.close()
     kept = tiny_model("gpt2")
-    untie.Untier(kept, policy="auto", head_init="copy", max_steps=4).close()  # the user's word wins
+    untie.Untier(kept, untie_at=0, untie_when=None, head_init="copy", max_steps=4).close()  # the user's word wins
     assert torch.equal(kept.lm_head.weight, kept.transformer.wte.weight)
 
 
@@ -206,18 +215,18 @@ def test_a_drawn_head_is_refused_for_an_untie_after_the_first_step():
     assert untie.UntieConfig(head_init="model", policy="auto").head_init == "model"
 
 
-def test_fresh_untied_unties_a_freshly_built_model_whatever_its_share_and_runs_a_loaded_one_as_set(tmp_path):
+def test_fresh_untied_unties_a_model_built_fresh_whatever_its_share_and_runs_a_trained_one_as_set(tmp_path):
     fresh = tiny_model("gpt2")
     choice = policy.choose_plan("fresh-untied", fresh, tied=True, peft=False, threshold=1.0)  # the share is ignored
-    assert choice.untied_from_start and choice.head_init == "model" and "freshly built" in choice.reason
+    assert choice.untied_from_start and choice.head_init == "model" and "built fresh" in choice.reason
     untier = untie.Untier(fresh, policy="fresh-untied", max_steps=4)
     assert untier.policy_choice.untied_from_start and not untie.is_tied(fresh)
     assert not torch.equal(fresh.lm_head.weight, fresh.transformer.wte.weight)  # drawn, as a model built untied
     untier.close()
-    tiny_model("gpt2").save_pretrained(tmp_path / "tied")
+    _trained_by_hand(30).save_pretrained(tmp_path / "tied")
     loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
     untier = untie.Untier(loaded, policy="fresh-untied", untie_at=3, untie_when=None, max_steps=4)
-    assert untier.policy_choice.plan == "as set" and "loaded" in untier.policy_choice.reason
+    assert untier.policy_choice.plan == "as set" and "trained weights" in untier.policy_choice.reason
     assert untie.is_tied(loaded)  # tied until its untie_at
     untier.close()
     assert untie.UntieConfig(policy="fresh-untied", head_init="model").policy == "fresh-untied"
@@ -238,51 +247,67 @@ def _trained_by_hand(steps: int = 100) -> tf.PreTrainedModel:
     return model
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5", "bart"])
-def test_a_freshly_drawn_embedding_looks_drawn_whatever_the_seed(arch):
+@pytest.mark.parametrize("arch", TINY_MODELS)
+def test_a_freshly_drawn_embedding_matches_its_initialiser_whatever_the_seed(arch):
     for seed in range(5):
-        spread, drawn = policy.embedding_row_spread(tiny_model(arch, seed=seed))
-        assert spread <= policy.DRAWN_SPREAD_LIMIT * drawn and policy.is_freshly_built(tiny_model(arch, seed=seed))
+        evidence = policy.weights_evidence(tiny_model(arch, seed=seed))
+        assert evidence.verdict == "drawn", (seed, evidence.detail)
 
 
-def test_weights_loaded_by_hand_count_as_loaded_so_no_policy_draws_a_head_over_them(monkeypatch):
+def test_weights_loaded_by_hand_count_as_trained_so_no_policy_draws_a_head_over_them():
     trained = _trained_by_hand()
-    assert not trained.config.name_or_path and "trained weights" in policy.looks_trained(trained)
-    assert not policy.is_freshly_built(trained)
+    assert not trained.config.name_or_path and policy.weights_evidence(trained).verdict == "trained"
+    assert not policy.built_fresh(trained).fresh
     untier = untie.Untier(trained, policy="fresh-untied", untie_at=3, untie_when=None, max_steps=4)
-    assert untier.policy_choice.plan == "as set" and "loaded by hand" in untier.policy_choice.reason
+    assert untier.policy_choice.plan == "as set" and "trained weights" in untier.policy_choice.reason
     assert untie.is_tied(trained)  # tie-then-untie as set, not untied from the start with a drawn head
     untier.close()
-    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", 0.01)
     by_hand = tiny_model("gpt2")
     by_hand.load_state_dict(_trained_by_hand().state_dict())
-    untier = untie.Untier(by_hand, policy="auto", max_steps=4)
-    assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "copy"
-    assert torch.equal(by_hand.lm_head.weight, by_hand.transformer.wte.weight)  # the trained output role is kept
+    untier = untie.Untier(by_hand, max_steps=4)  # the defaults
+    assert untier.policy_choice.plan == "as set" and untier.run.head_init() == "copy" and untie.is_tied(by_hand)
     untier.close()
 
 
-def test_an_embedding_that_cannot_be_read_here_counts_by_its_config_alone(monkeypatch):
+def test_an_embedding_that_cannot_be_read_here_counts_as_trained_unless_the_user_says_from_scratch(monkeypatch):
     model = tiny_model("gpt2").to_empty(device="meta")  # a model not materialised yet: its rows cannot be read
-    assert policy.embedding_row_spread(model) is None and policy.is_freshly_built(model)
-    trained = _trained_by_hand()
-    monkeypatch.setattr(policy, "is_split", lambda tensor: True)  # an FSDP2 shard: this rank holds a part
-    assert policy.embedding_row_spread(trained) is None and policy.is_freshly_built(trained)
+    assert policy.weights_evidence(model).verdict == "unreadable" and not policy.built_fresh(model).fresh
+    fresh = tiny_model("gpt2")
+    monkeypatch.setattr(policy, "is_sharded", lambda tensor: True)  # an FSDP2 shard
+    assert policy.weights_evidence(fresh).verdict == "unreadable"
+    why = policy.built_fresh(fresh).why
+    assert not policy.built_fresh(fresh).fresh and "pass from_scratch=True" in why
+    assert policy.built_fresh(fresh, from_scratch=True).fresh
 
 
 _TIED_PHASE_ASKED = {"untie_at": 500, "untie_when": None, "metrics_every": 10, "pairs": [(1, 2)],
                      "optimizer_state": "fresh", "tying_mode": "emulated"}  # fmt: skip
 
 
-def test_the_default_policy_is_fresh_untied_unless_a_tied_phase_is_asked_for():
-    assert set(_TIED_PHASE_ASKED) == set(untie.config.TIED_PHASE_SETTINGS)
-    assert untie.UntieConfig().chosen_policy() == ("fresh-untied", "policy unset: the default, 'fresh-untied'")
-    for name, value in _TIED_PHASE_ASKED.items():
+_SCHEDULE_ASKED = {"untie_at": 0.3, "untie_when": "divergence"}  # the defaults' values, written out
+_NOT_THE_PLAN = {"metrics_every": 10, "pairs": [(1, 2)], "optimizer_state": "fresh", "tying_mode": "emulated"}
+
+
+def test_the_default_policy_is_fresh_untied_unless_the_schedule_is_set_whatever_its_value():
+    assert set(_SCHEDULE_ASKED) == set(untie.config.SCHEDULE_SETTINGS)
+    assert untie.UntieConfig().chosen_policy() == ("fresh-untied", "the default policy, 'fresh-untied'")
+    for name, value in _SCHEDULE_ASKED.items():
         chosen, why = untie.UntieConfig(**{name: value}).chosen_policy()
         assert chosen == "off" and name in why, name
+        assert untie.UntieConfig().replace(**{name: value}).chosen_policy()[0] == "off", name
+        parsed = tf.HfArgumentParser((untie.UntieConfig,)).parse_args_into_dataclasses([f"--{name}", str(value)])[0]
+        assert parsed.chosen_policy()[0] == "off", name  # on a command line
+        assert untie.UntieConfig.from_json(json.dumps({name: value})).chosen_policy()[0] == "off", name  # JSON
+    for name, value in _NOT_THE_PLAN.items():  # measurement knobs, and how a tied phase runs: not whether
+        assert untie.UntieConfig(**{name: value}).chosen_policy()[0] == "fresh-untied", name
+    assert tf.HfArgumentParser((untie.UntieConfig,)).parse_args_into_dataclasses([])[0].chosen_policy()[0] == (
+        "fresh-untied"
+    )
     assert untie.UntieConfig(policy="fresh-untied", untie_at=500).chosen_policy() == ("fresh-untied", "")
     assert untie.UntieConfig(policy="off").chosen_policy() == ("off", "")
-    assert untie.UntieConfig.from_json(untie.UntieConfig().to_json()).policy is None
+    for config in (untie.UntieConfig(), untie.UntieConfig(untie_at=0.3), untie.UntieConfig(metrics_every=10)):
+        again = untie.UntieConfig.from_json(config.to_json())  # a checkpoint's settings read back
+        assert again.chosen_policy() == config.chosen_policy() and again == config
 
 
 def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_tied_then_untied(make_args, tmp_path, caplog):
@@ -291,17 +316,24 @@ def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_tied_then_
     (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback)]
     with caplog.at_level(logging.WARNING, logger="untie"):
         trainer.train()
-    said = [r.getMessage() for r in caplog.records if "policy='fresh-untied'" in r.getMessage()]
-    assert len(said) == 1 and "untied from the start" in said[0] and "policy unset: the default" in said[0]
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
+    assert len(said) == 1 and "trains untied from step 0" in said[0] and "the default policy" in said[0]
     assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(model)
 
-    tiny_model("gpt2").save_pretrained(tmp_path / "tied")
+    _trained_by_hand(30).save_pretrained(tmp_path / "tied")
     loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
     callback = untie.UntieCallback()
     args = make_args(max_steps=10)
-    tf.Trainer(model=loaded, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
-    assert callback.policy_choice.plan == "as set" and "a loaded model" in callback.policy_choice.reason
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        tf.Trainer(model=loaded, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert callback.policy_choice.plan == "as set" and "trained weights" in callback.policy_choice.reason
     assert callback.untie_step == 3 and callback.untie_reason == "deadline"  # 30% of 10 steps
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
+    assert len(said) == 1 and said[0].startswith(
+        "untie: trains tied; unties when the divergence trigger (cancellation) fires, at step 3 (untie_at=0.3 of 10) "
+        "at the latest; the head starts as a copy of the embedding, because the model holds trained weights"
+    ), said
 
 
 def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_args, tmp_path):
@@ -317,9 +349,52 @@ def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_a
     resumed_model = tiny_model("gpt2")
     resumed = untie.UntieCallback()
     trainer = tf.Trainer(model=resumed_model, args=args, train_dataset=ToyLMDataset(), callbacks=[resumed])
-    with pytest.warns(UserWarning, match="resumed at step 4 from a checkpoint whose run was still tied"):
-        trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert resumed.untie_step == 6 and resumed.untie_reason == "deadline"
     assert resumed.policy_choice.plan == "as set"
+    assert resumed.run.plan.startswith("untie: resumed at step 4: trains tied; unties when the divergence trigger")
+    assert "the checkpoint's run was still tied at step 4: it continues its tied phase" in resumed.run.plan
     worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
     assert worst <= 1e-6
+
+
+def test_a_default_untier_resumes_a_tied_phase_state_as_trainer_does():
+    """A custom loop's checkpoint saved in the tied phase, resumed by a default `Untier` on a model built fresh: the
+    default plan (untied from step 0, made before the checkpoint was known) yields to the checkpoint's run, which
+    continues tied and unties where it would have, to the uninterrupted run's numbers."""
+    import copy
+
+    def train(model, untier, optimizer, steps, start=0):
+        data = ToyLMDataset()
+        for step in range(start, steps):
+            batch = data[step]
+            model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            untier.step()
+
+    model = tiny_model("gpt2")
+    untier = untie.Untier(model, policy="off", max_steps=20)  # a tied phase: the deadline at step 6
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    untier.start(optimizer)
+    train(model, untier, optimizer, 4)
+    state, weights = untier.state_dict(), copy.deepcopy(model.state_dict())
+    moments = copy.deepcopy(optimizer.state_dict())
+    torch.manual_seed(7)
+    train(model, untier, optimizer, 8, 4)
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    resumed_model = tiny_model("gpt2")
+    resumed = untie.Untier(resumed_model, max_steps=20)
+    assert resumed.policy_choice.untied_from_start and not untie.is_tied(resumed_model)
+    optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=5e-3)
+    resumed.start(optimizer)
+    resumed.load_state_dict(state)
+    assert untie.is_tied(resumed_model) and resumed.policy_choice.plan == "as set"
+    resumed_model.load_state_dict(weights)
+    optimizer.load_state_dict(moments)
+    torch.manual_seed(7)
+    train(resumed_model, resumed, optimizer, 8, 4)
+    assert resumed.untie_step == 6 and resumed.untie_reason == "deadline"
+    worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
+    assert worst == 0.0

@@ -138,13 +138,18 @@ def test_settings_mean_what_they_say(settings, rule, untie_at):
     config = untie.UntieConfig(**settings)
     assert (config.rule(with_pairs=config.pairs != []), config.untie_at) == (rule, untie_at)
     assert untie.UntieConfig.from_json(config.to_json()) == config  # the JSON form round-trips
-    assert json.loads(config.to_json())["untie_at"] == untie_at
+    written = json.loads(config.to_json())  # an unset schedule setting is left out: read back, it stays unset
+    assert written.get("untie_at", 0.3) == untie_at and ("untie_at" in written) == config.was_set("untie_at")
 
 
-def test_the_default_and_the_default_spelled_out_are_the_same_callback():
-    assert untie.UntieCallback().config == untie.UntieCallback(untie_at=0.3, untie_when="divergence").config
-    assert untie.UntieConfig() == untie.UntieConfig(untie_at=0.3)
-    assert type(untie.UntieConfig().untie_at) is float
+def test_the_default_spelled_out_has_the_same_values_but_asks_for_the_schedule():
+    default, spelled = untie.UntieCallback().config, untie.UntieCallback(untie_at=0.3, untie_when="divergence").config
+    assert (default.untie_at, default.untie_when) == (spelled.untie_at, spelled.untie_when) == (0.3, "divergence")
+    assert default != spelled and untie.UntieConfig() != untie.UntieConfig(untie_at=0.3)  # set: the schedule runs
+    assert untie.UntieConfig() == untie.UntieConfig() and untie.UntieConfig(untie_at=0.3) == untie.UntieConfig(
+        untie_at=0.3
+    )
+    assert isinstance(untie.UntieConfig().untie_at, float) and type(untie.UntieConfig(untie_at=0.3).untie_at) is float
 
 
 def test_metrics_every_0_with_a_trigger_names_the_fix():

@@ -75,6 +75,12 @@ def init_module_weights(model: nn.Module, module: nn.Module) -> None:
     model._init_weights(module)  # type: ignore[operator]  # undeclared upstream attribute
 
 
+def has_initialiser(model: nn.Module) -> bool:
+    """Whether `model` has transformers' per-module initialiser (`_init_weights`, which `init_module_weights`
+    calls). Checked: transformers 5.24.0 (CI's oldest step: 5.12.1)."""
+    return callable(getattr(model, "_init_weights", None))
+
+
 def loaded_from(model: nn.Module) -> str:
     """Where `from_pretrained` loaded `model` from: its config's `_name_or_path` (the public `model.name_or_path`
     reads the same), "" for a model built from a config. Checked: transformers 5.24.0 (CI's oldest step: 5.12.1)."""

@@ -5,6 +5,7 @@ transformers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import numbers
@@ -14,13 +15,36 @@ import re
 import warnings
 from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
+from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 from untie.signals.triggers import UntieWhen, pair_signal
+
+
+class Unset:
+    """A default the user did not set (`UntieConfig.was_set`). The schedule's defaults are instances of it, equal to
+    their values, so that a value written out (``untie_at=0.3``, ``--untie_at 0.3``, ``"untie_at": 0.3``) counts as
+    asked for while the default does not."""
+
+    __slots__ = ()
+
+
+class _UnsetFraction(float, Unset):
+    __slots__ = ()
+
+
+class _UnsetRule(str, Unset):
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self  # argparse converts a string default with type=str: it stays the unset default
+
 
 #: Default deadline: untie after 30% of the run's optimizer steps unless the divergence trigger fires first. Tying
 #: speeds up the start of training and the untie leaves 70% of the budget for the two spaces to separate.
-DEFAULT_UNTIE_AT = 0.3
+DEFAULT_UNTIE_AT: float = _UnsetFraction(0.3)
+#: Default trigger: the divergence rule (the evidence rule when pairs are measured, the pair-free rule otherwise).
+DEFAULT_UNTIE_WHEN: str = _UnsetRule("divergence")
 #: How the tied phase is implemented (see `UntieConfig.tying_mode`).
 TYING_MODES = ("auto", "live", "emulated")
 #: What the untied head's (and embedding's) optimizer state starts from (see `UntieConfig.optimizer_state`).
@@ -33,12 +57,13 @@ TieInit = Literal["input", "output", "mean"]
 #: The untie policies (see `UntieConfig.policy`, `untie.core.policy`); kept here so that the config stays torch-free.
 POLICIES = ("off", "auto", "fresh-untied")
 PolicyName = Literal["off", "auto", "fresh-untied"]
-#: The policy an unset `UntieConfig.policy` follows where the schedule is left at its defaults (`chosen_policy`):
-#: validated on held-out cells of the decision map (docs/recipes/decision-map.md).
+#: The policy an unset `UntieConfig.policy` follows where the schedule is not set (`chosen_policy`): validated on
+#: held-out cells of the decision map (docs/recipes/decision-map.md).
 DEFAULT_POLICY = "fresh-untied"
-#: The settings of a tied phase (its schedule, its trigger's measurements, its tying, the untie's optimizer state): set
-#: any of them and an unset policy is "off", so the tied phase asked for runs.
-TIED_PHASE_SETTINGS = ("untie_at", "untie_when", "metrics_every", "pairs", "optimizer_state", "tying_mode")
+#: The schedule's settings: set either of them (whatever the value: by keyword, on a command line or in JSON) and an
+#: unset policy is "off", so the schedule asked for runs. Measurement knobs (metrics_every, pairs) and how a tied
+#: phase runs (tying_mode, optimizer_state) do not change the plan.
+SCHEDULE_SETTINGS = ("untie_at", "untie_when")
 #: How a head untied before the first step starts (see `UntieConfig.head_init`).
 HEAD_INITS = ("auto", "copy", "model")
 HeadInit = Literal["auto", "copy", "model"]
@@ -50,9 +75,13 @@ VERSION_KEY = "untie_version"
 class UntieConfig:
     """Every setting of a tie-then-untie run (`untie.UntieCallback`, `untie.Untier`).
 
-    The defaults are the product's behaviour: train tied, untie when the divergence trigger fires, and at 30% of the
-    run at the latest. A fixed schedule is ``untie_when=None`` with ``untie_at=<step or fraction>``; a tied baseline
-    that still logs is ``untie_at=None, untie_when=None``. Every field parses from a command line
+    The defaults decide from the model (`untie.core.decision`): a model whose weights are an initialiser's draw
+    (pretraining from scratch) trains untied from the first step, its head drawn by the model's initialiser; a model
+    holding trained weights (loaded, by `from_pretrained` or by hand) trains tied and unties when the divergence
+    trigger fires, at 30% of the run at the latest, its head starting as a copy of the embedding: nothing trained is
+    drawn over. Setting the schedule (`untie_at` or `untie_when`, whatever the value) runs it as set. A fixed schedule
+    is ``untie_when=None`` with ``untie_at=<step or fraction>``; a tied baseline that still logs is
+    ``untie_at=None, untie_when=None``. Every field parses from a command line
     (``HfArgumentParser((UntieConfig, TrainingArguments))``: ``--untie_at 500 --untie_when none --pairs auto``) and
     from JSON (`from_json`, `from_json_file`).
 
@@ -60,17 +89,21 @@ class UntieConfig:
         untie_at: The untie step at the latest. A whole number is a global optimizer step (0: before the first
             step; ``500`` and ``500.0`` are the same step), a number in (0, 1) a fraction of max_steps, None or
             ``inf`` (what a command line can say) no deadline. With untie_when=None it is a fixed schedule.
+            Unset: 0.3 (30% of the run), and the plan is decided from the model (see policy); set, whatever its
+            value, it runs as set.
         untie_when: The divergence trigger: 'divergence' (the default rule: the evidence rule when pairs are
             measured, the pair-free rule otherwise), a rule name from untie.RULES ('evidence', 'gap',
             'cancellation', ...), a rule as JSON ('{"signal": "gap", "threshold": 0.3}') or an untie.UntieWhen, or
             'none' / None (untie at untie_at only). The model unties when it fires or at untie_at, whichever is first.
+            Unset: 'divergence', and the plan is decided from the model; set, whatever its value, it runs as set.
         metrics_every: Measure every this many optimizer steps: role signals while tied (they feed the trigger),
             drift between the two spaces after the untie, logged as untie/... 0 measures nothing (needs
-            untie_when=None).
+            untie_when=None). It does not change the plan.
         pairs: Symbol pairs (token ids) known to be semantically equivalent, measured too. 'auto': the tokenizer's
             most frequent case and word-start variants (the/The, Ġthe/the, ▁the/the, the/##the), refused without a
             tokenizer; None (default): 'auto' when there is a tokenizer, else none; 'none' or []: none; a JSON list
-            ('[[12, 345], [67, 89]]') or the path of a JSON file holding one; in Python a list of (id, id) pairs.
+            ('[[12, 345], [67, 89]]') or the path of a JSON file holding one; in Python a list of (id, id) pairs of
+            two different whole-number ids. It does not change the plan.
         optimizer_state: What the untied head's optimizer state starts from: 'copy' (the shared matrix's moments:
             the head continues smoothly), 'reset' (fresh state, as for a new parameter), or 'fresh' (fresh state for
             the head and for the embedding, whose kept moments would otherwise come mostly from the head's role).
@@ -82,30 +115,31 @@ class UntieConfig:
             what FSDP2 and DeepSpeed need, at the cost of one more (V, d) parameter while tied), or 'auto'
             (emulated under FSDP2 and DeepSpeed, else live).
         save_at_untie: Ask Trainer for a checkpoint at the untie step (Trainer only; `untie.Untier` ignores it).
-        head_init: How a head untied before the first step starts (untie_at=0, or a policy training untied from
-            the start): 'copy' of the input embedding (lossless: a pretrained tied model keeps its trained output
-            role), 'model' (drawn by the model's own initialiser, as a model built untied has it: for training from
-            scratch, where a copied head trained worse on the decision map), or 'auto' (default): 'model' where a
-            policy chose untied from the start for a freshly built model (its config names no checkpoint and its
-            embedding looks freshly drawn: untie.core.policy.is_freshly_built), else 'copy'.
-        policy: None (default): 'fresh-untied', unless a tied phase was asked for (a setting of
-            `TIED_PHASE_SETTINGS`: untie_at, untie_when, metrics_every, pairs, optimizer_state, tying_mode, differs
-            from its default): then 'off', and the schedule runs as set (`chosen_policy`). 'off' runs untie_at /
-            untie_when as set. The others decide before the first step, for a model that arrives tied, and log the
-            choice and why at train begin (kept in the run state).
-            'fresh-untied': a freshly built model trains untied from the start whatever its share, its head drawn
-            by its initialiser; a loaded one (by from_pretrained, or by hand: weights whose embedding does not look
-            freshly drawn) runs untie_at / untie_when as set. Validated on held-out cells (docs/recipes/
-            decision-map.md, "`fresh-untied` held out: the verdict"): on the decision map's corpus a tied phase cost
-            more than it saved at every share and budget measured.
-            'auto': where the input embedding is at least untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the
-            parameters, train untied from the start (untie_at=0, no trigger; see head_init); below, untie_at /
-            untie_when as set. Its held-out validation failed at d 128 x 8 (40% embedding), where the default
-            schedule it keeps trailed untied training (docs/recipes/decision-map.md).
+        head_init: How a head untied before the first step starts (untie_at=0, or the default plan for a model
+            trained from scratch): 'copy' of the input embedding (lossless: a trained tied model keeps its trained
+            output role), 'model' (drawn by the model's own initialiser, as a model built untied has it: for
+            training from scratch, where a copied head trained worse on the decision map), or 'auto' (default):
+            'model' for a model trained from scratch (see from_scratch), else 'copy'.
+        from_scratch: Whether the model's weights are an initialiser's draw that no training has touched: True
+            (pretraining from scratch: the default plan trains it untied from the first step, its head drawn),
+            False (trained weights: a head untied from them starts as a copy), or None (default): decided from the
+            weights themselves, by positive evidence only: the input embedding matches a fresh draw of the model's
+            own initialiser (untie.core.decision.weights_evidence); weights that do not match, or that cannot be
+            read here (a ZeRO-3 partition, a shard, quantized values, a model without an initialiser), count as
+            trained. The config's name (what from_pretrained records) decides nothing.
+        policy: None (default): 'fresh-untied', unless the schedule is set (untie_at or untie_when, whatever the
+            value): then 'off', and the schedule runs as set (`chosen_policy`). 'off' runs untie_at / untie_when as
+            set. 'fresh-untied': a model trained from scratch (see from_scratch) that arrives tied trains untied
+            from the first step, its head drawn by its initialiser; a model holding trained weights runs untie_at /
+            untie_when (by default: tied, the trigger, the deadline). Validated on held-out cells (docs/recipes/
+            decision-map.md, "`fresh-untied` held out: the verdict"): on the decision map's corpus a tied phase
+            cost more than it saved at every share and budget measured. 'auto' is retired: its held-out validation
+            failed (docs/recipes/decision-map.md); it is still read, with a warning, and runs as 'fresh-untied'
+            above untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the parameters in the embedding.
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT
-    untie_when: dict | str | UntieWhen | None = "divergence"
+    untie_when: dict | str | UntieWhen | None = DEFAULT_UNTIE_WHEN
     metrics_every: int = 50
     pairs: list[tuple[int, int]] | str | None = None
     optimizer_state: OptimizerStateInit = "copy"
@@ -113,13 +147,16 @@ class UntieConfig:
     tying_mode: TyingMode = "auto"
     save_at_untie: bool = True
     head_init: HeadInit = "auto"
+    from_scratch: bool | None = None
     policy: PolicyName | None = None
 
     def __post_init__(self) -> None:
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
         self.pairs = _parse_pairs(self.pairs)
-        self.untie_when = _parse_rule(self.untie_when)
-        self.untie_at = _parse_untie_at(self.untie_at)
+        if not isinstance(self.untie_when, Unset):
+            self.untie_when = _parse_rule(self.untie_when)
+        if not isinstance(self.untie_at, Unset):
+            self.untie_at = _parse_untie_at(self.untie_at)
         _check_choice(self.tying_mode, TYING_MODES, "tying_mode")
         _check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
         if self.policy is not None:
@@ -130,16 +167,21 @@ class UntieConfig:
         if self.tie_init is not None:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
         if not isinstance(self.save_at_untie, bool):
-            raise ValueError(f"save_at_untie={self.save_at_untie!r}: pass True or False.")
+            raise UntieValueError(f"save_at_untie={self.save_at_untie!r}: pass True or False.")
+        if self.from_scratch is not None and not isinstance(self.from_scratch, bool):
+            raise UntieValueError(
+                f"from_scratch={self.from_scratch!r}: pass True (the weights are an initialiser's draw), False "
+                "(trained weights) or None (decided from the weights)."
+            )
         if self.head_init == "model" and self.untie_at != 0 and self.chosen_policy()[0] == "off":
-            raise ValueError(
+            raise UntieValueError(
                 f"head_init='model' draws a head untied before the first step, and untie_at={self.untie_at!r} unties "
                 "later (a head drawn mid-run would drop what the tied phase trained): pass untie_at=0, or "
                 "a policy ('auto', 'fresh-untied'), or leave head_init at 'auto'."
             )
         rule = self.rule(with_pairs=self.pairs != [])  # refuses an unknown name or a bad rule now
         if rule is not None and self.metrics_every == 0:
-            raise ValueError(
+            raise UntieValueError(
                 f"untie_when={self.untie_when!r} reads measurements, and metrics_every=0 takes none: set "
                 "metrics_every > 0 (e.g. 50), or untie_when=None for a fixed schedule at untie_at."
             )
@@ -148,19 +190,35 @@ class UntieConfig:
             wanted = per_pair[1]
             listed = self.pairs if isinstance(self.pairs, list) else None  # "auto": known once the tokenizer is read
             if self.pairs == [] or (wanted and listed and wanted not in {f"{a}-{b}" for a, b in listed}):
-                raise ValueError(f"untie_when.signal={rule.signal!r} needs that pair in pairs=..., got {self.pairs}.")
+                raise UntieValueError(
+                    f"untie_when.signal={rule.signal!r} needs that pair in pairs=..., got {self.pairs}."
+                )
+
+    def __eq__(self, other: object) -> bool:
+        """Equal values, and the same schedule settings set: ``UntieConfig(untie_at=0.3)`` asks for the schedule that
+        ``UntieConfig()`` leaves to the default plan, so the two differ."""
+        if not isinstance(other, UntieConfig):
+            return NotImplemented
+        same_set = all(self.was_set(name) == other.was_set(name) for name in SCHEDULE_SETTINGS)
+        return same_set and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
+
+    def was_set(self, name: str) -> bool:
+        """Whether setting `name` was set by the user (by keyword, on a command line or in JSON), whatever its value:
+        only `SCHEDULE_SETTINGS` keep the difference (`Unset`); the other fields count as set."""
+        return not isinstance(getattr(self, name), Unset)
 
     def chosen_policy(self) -> tuple[str, str]:
         """The policy the run follows, and why in words: `policy` as set; unset (None), "fresh-untied", or "off" where
-        a schedule setting (`TIED_PHASE_SETTINGS`) differs from its default: a schedule set by hand runs as set."""
+        the schedule (`SCHEDULE_SETTINGS`) was set, whatever its value: a schedule asked for runs as set."""
         if self.policy is not None:
             return self.policy, ""
-        defaults = UntieConfig.__dataclass_fields__
-        changed = [name for name in TIED_PHASE_SETTINGS if getattr(self, name) != defaults[name].default]
-        if changed:
-            settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in changed)
-            return "off", f"policy unset and the tied phase set ({settings}): it runs as set"
-        return DEFAULT_POLICY, f"policy unset: the default, {DEFAULT_POLICY!r}"
+        asked = [name for name in SCHEDULE_SETTINGS if self.was_set(name)]
+        if asked:
+            settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in asked)
+            return "off", f"the schedule is set ({settings}): it runs as set"
+        return DEFAULT_POLICY, f"the default policy, {DEFAULT_POLICY!r}"
 
     @property
     def is_default_rule(self) -> bool:
@@ -176,10 +234,10 @@ class UntieConfig:
         known = {f.name for f in fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise TypeError(
+            raise UntieTypeError(
                 f"Unknown untie settings {unknown}; the settings are the fields of UntieConfig: {sorted(known)}."
             )
-        return type(self)(**{**self.to_dict(), **overrides})
+        return dataclasses.replace(self, **overrides)  # an unset schedule setting stays unset
 
     # -- JSON ----------------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -187,8 +245,10 @@ class UntieConfig:
         return asdict(self)
 
     def to_json_dict(self) -> dict[str, Any]:
-        """`to_dict` as a JSON round trip gives it (tuples become lists): what a checkpoint holds."""
-        return json.loads(json.dumps(self.to_dict()))
+        """`to_dict` as a JSON round trip gives it (tuples become lists): what a checkpoint holds. A schedule setting
+        left unset is left out, so that the JSON read back leaves it unset too (`was_set`)."""
+        kept = {name: value for name, value in self.to_dict().items() if self.was_set(name)}
+        return json.loads(json.dumps(kept))
 
     def to_json(self) -> str:
         """The settings as JSON, with the library version that wrote them (`untie_version`)."""
@@ -213,7 +273,7 @@ class UntieConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"Unknown UntieConfig keys {unknown}; known keys: {sorted(known)}.")
+            raise UntieValueError(f"Unknown UntieConfig keys {unknown}; known keys: {sorted(known)}.")
         return cls(**data)
 
     @classmethod
@@ -228,12 +288,12 @@ class UntieConfig:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as error:
-            raise ValueError(
+            raise UntieValueError(
                 f"UntieConfig.from_json_file({os.fspath(path)!r}): the file is not valid JSON ({error}); it should "
                 "hold one object of settings, as UntieConfig.to_json_file writes."
             ) from None
         if not isinstance(data, dict):
-            raise ValueError(
+            raise UntieValueError(
                 f"UntieConfig.from_json_file({os.fspath(path)!r}): the file holds {type(data).__name__} "
                 f"{text.strip()[:40]!r}, not an object of settings such as UntieConfig.to_json_file writes."
             )
@@ -243,12 +303,32 @@ class UntieConfig:
 def build_config(config: UntieConfig | None, overrides: dict[str, Any], owner: str) -> UntieConfig:
     """What the adapters run with: `config` (default `UntieConfig()`) with the keyword `overrides` applied."""
     if config is not None and not isinstance(config, UntieConfig):
-        raise TypeError(
+        raise UntieTypeError(
             f"{owner}(config={config!r}): config is an untie.UntieConfig; pass single settings by name instead, "
             f"e.g. {owner}(untie_at=500, untie_when=None)."
         )
     base = config if config is not None else UntieConfig()
     return base.replace(**overrides) if overrides else base
+
+
+def parse_command_line(types: Any, args: list[str] | None = None, prog: str | None = None) -> tuple[Any, ...]:
+    """``HfArgumentParser(types).parse_args_into_dataclasses(args)``, where a bad value is one line on stderr that
+    names the setting and the fix (exit status 2), instead of a traceback or argparse's whole usage text."""
+    import sys
+
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(types, prog=prog)
+
+    def one_line(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message} (--help lists every setting)\n")
+
+    parser.error = one_line  # type: ignore[method-assign]  # argparse: error() may be overridden
+    try:
+        return parser.parse_args_into_dataclasses(args=args)
+    except (ValueError, TypeError) as error:  # a dataclass refused a value (UntieConfig's checks name the setting)
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def settings_help() -> str:
@@ -260,12 +340,12 @@ def settings_help() -> str:
 def _whole_number(value: Any, name: str, note: str) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0:
         return int(value)
-    raise ValueError(f"{name}={value!r} must be an int >= 0 ({note}).")
+    raise UntieValueError(f"{name}={value!r} must be an int >= 0 ({note}).")
 
 
 def _check_choice(value: Any, choices: tuple[str, ...], name: str, extra: str = "") -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {choices}{' ' + extra if extra else ''}.")
+        raise UntieValueError(f"{name}={value!r} is not one of {choices}{' ' + extra if extra else ''}.")
 
 
 def _parse_untie_at(at: Any) -> int | float | None:
@@ -273,7 +353,9 @@ def _parse_untie_at(at: Any) -> int | float | None:
     if at is None:
         return None
     if isinstance(at, bool) or not isinstance(at, numbers.Real):
-        raise ValueError(f"untie_at={at!r}: pass a step (500), a fraction of the run in (0, 1) (0.3), or None / inf.")
+        raise UntieValueError(
+            f"untie_at={at!r}: pass a step (500), a fraction of the run in (0, 1) (0.3), or None / inf."
+        )
     if isinstance(at, numbers.Integral):
         step = int(at)
     else:
@@ -283,13 +365,13 @@ def _parse_untie_at(at: Any) -> int | float | None:
         if 0.0 < value < 1.0:
             return value
         if math.isnan(value) or not value.is_integer():
-            raise ValueError(
+            raise UntieValueError(
                 f"untie_at={at} is neither a whole step nor a fraction in (0, 1): numbers >= 1 are optimizer steps "
                 "(e.g. 500), numbers in (0, 1) fractions of max_steps (e.g. 0.3)."
             )
         step = int(value)
     if step < 0:
-        raise ValueError(f"untie_at={at} is negative: pass a global step >= 0 or a fraction in (0, 1).")
+        raise UntieValueError(f"untie_at={at} is negative: pass a global step >= 0 or a fraction in (0, 1).")
     return step
 
 
@@ -303,14 +385,14 @@ def _parse_rule(rule: Any) -> str | UntieWhen | None:
             try:
                 rule = json.loads(text)
             except json.JSONDecodeError as error:
-                raise ValueError(f"untie_when={rule!r} is not valid JSON ({error}).") from None
+                raise UntieValueError(f"untie_when={rule!r} is not valid JSON ({error}).") from None
         else:
             return text
     if isinstance(rule, dict):
         return UntieWhen.coerce(rule)  # the JSON form of a rule: the rule itself
     if rule is None or isinstance(rule, UntieWhen):
         return rule
-    raise ValueError(
+    raise UntieValueError(
         f"untie_when={rule!r}: pass 'divergence', a rule name from untie.RULES, a rule (untie.UntieWhen, its dict or "
         "JSON), or None."
     )
@@ -330,7 +412,7 @@ def _parse_pairs(pairs: Any) -> list[tuple[int, int]] | str | None:
         try:
             pairs = json.loads(text)
         except json.JSONDecodeError:
-            raise ValueError(
+            raise UntieValueError(
                 f"pairs={pairs!r} is neither 'auto', 'none', a JSON list of id pairs ('[[12, 345], [67, 89]]') nor "
                 "the path of a file holding one."
             ) from None
@@ -339,14 +421,14 @@ def _parse_pairs(pairs: Any) -> list[tuple[int, int]] | str | None:
     fix = "pass a list of (token_id, token_id) pairs of two different whole-number ids, e.g. [[12, 345], [67, 89]], or "
     fix += "'auto' (read from the tokenizer Trainer is given as processing_class)"
     if not isinstance(pairs, list | tuple):
-        raise ValueError(f"pairs={pairs!r}: {fix}.")
+        raise UntieValueError(f"pairs={pairs!r}: {fix}.")
     parsed = []
     for pair in pairs:
         if not isinstance(pair, list | tuple) or len(pair) != 2:
-            raise ValueError(f"pairs: {pair!r} is not a pair of token ids; {fix}.")
+            raise UntieValueError(f"pairs: {pair!r} is not a pair of token ids; {fix}.")
         first, second = (_token_id(value, pair, fix) for value in pair)
         if first == second:
-            raise ValueError(f"pairs: {pair!r} measures a symbol against itself; {fix}.")
+            raise UntieValueError(f"pairs: {pair!r} measures a symbol against itself; {fix}.")
         parsed.append((first, second))
     return parsed
 
@@ -354,13 +436,13 @@ def _parse_pairs(pairs: Any) -> list[tuple[int, int]] | str | None:
 def _token_id(value: Any, pair: Any, fix: str) -> int:
     """A token id: a whole number (int, numpy or torch integer), never a bool, a float or a string."""
     if isinstance(value, bool):
-        raise ValueError(f"pairs: {pair!r} holds {value!r}, a bool, not a token id; {fix}.")
+        raise UntieValueError(f"pairs: {pair!r} holds {value!r}, a bool, not a token id; {fix}.")
     try:
         index = operator.index(value)
     except TypeError:
-        raise ValueError(f"pairs: {pair!r} holds {value!r}, not a whole-number token id; {fix}.") from None
+        raise UntieValueError(f"pairs: {pair!r} holds {value!r}, not a whole-number token id; {fix}.") from None
     if index < 0:
-        raise ValueError(f"pairs: {pair!r} holds a negative id; {fix}.")
+        raise UntieValueError(f"pairs: {pair!r} holds a negative id; {fix}.")
     return index
 
 
@@ -404,7 +486,7 @@ def _attach_field_help() -> None:
     texts = _field_help()
     for config_field in fields(UntieConfig):
         if config_field.name not in texts:
-            raise RuntimeError(f"UntieConfig's docstring does not describe {config_field.name}.")
+            raise UntieRuntimeError(f"UntieConfig's docstring does not describe {config_field.name}.")
         config_field.metadata = MappingProxyType({"help": texts[config_field.name].replace("%", "%%")})
 
 

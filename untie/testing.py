@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import transformers as tf
 
+from untie.errors import UntieValueError
 from untie.signals.metric_keys import pair_key
 from untie.signals.metrics import (
     Pairs,
@@ -181,7 +182,7 @@ def role_signals(
     """`untie.signals.metrics.role_signals_on_rows` (which defines the signals) from the two dense (V, d) role
     gradients of a tied matrix: the reference the tests check the probe's row-wise measurement against."""
     if pairs and weight is None:
-        raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
+        raise UntieValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
     grads = RoleGradients.from_dense(input_grad, output_grad, weight, pairs)
     return role_signals_on_rows(grads, pairs=pairs, sample_rows=sample_rows)
 

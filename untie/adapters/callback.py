@@ -14,8 +14,9 @@ from transformers.trainer_callback import ExportableState
 from untie.adapters import trainer_glue as glue
 from untie.checkpoints.checkpoint import STATE_KEY, read_saved_run, saved_callback_state
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import TRAINER_CALLBACK, UntieRun
+from untie.core.run import TRAINER_CALLBACK, RunOrderError, UntieRun
 from untie.engines.distributed import training_engine
+from untie.errors import UntieRuntimeError, UntieValueError
 from untie.registry import Registry
 from untie.structure.peft_support import is_peft_model
 
@@ -29,16 +30,20 @@ def _run_attribute(name: str, doc: str) -> property:
 
 
 class UntieCallback(TrainerCallback, ExportableState):
-    """Train tied, then untie the LM head from the input embedding when tying starts to hurt, or at a deadline.
+    """Decide, once, whether the LM head trains tied to the input embedding first, and untie it when tying starts to
+    hurt, or at a deadline; never draw a head over trained weights.
 
-    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: a model built fresh from its config
-    trains untied from the first step (policy "fresh-untied", validated on the decision map), a loaded tied model
-    trains tied and unties when the divergence trigger fires, at 30% of the run at the latest. Setting the schedule
-    (`UntieCallback(untie_at=N, untie_when=None)`: untie at N) or ``policy="off"`` runs it as set. Every `metrics_every`
-    steps it measures the role signals of the shared matrix (drift between the two spaces once untied), feeds them to
-    the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next log, next to `untie/tied`
-    and `untie/untie_step`; `history` keeps every measurement. Saves its state in checkpoints and restores the untied
-    structure by itself when a run resumes from a checkpoint saved after the untie.
+    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: a model built fresh (its embedding
+    matches a fresh draw of its initialiser, or ``from_scratch=True``) trains untied from the first step, its head
+    drawn (policy "fresh-untied", validated on the decision map); every other tied model counts as trained and trains
+    tied, then unties when the divergence trigger fires, at 30% of the run at the latest, its head a copy. One log
+    line at train begin says which, in the run's numbers, and why. Setting the schedule, whatever the value
+    (`UntieCallback(untie_at=N, untie_when=None)`: untie at N), or ``policy="off"`` runs it as set. Every
+    `metrics_every` steps it measures the role signals of the shared matrix (drift between the two spaces once
+    untied), feeds them to the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next
+    log, next to `untie/tied` and `untie/untie_step`; `history` keeps every measurement. Saves its state in
+    checkpoints and restores the untied structure by itself when a run resumes from a checkpoint saved after the
+    untie.
 
     The run logic is `untie.core.run.UntieRun` (shared with `untie.Untier`, for custom loops); this class only maps
     Trainer's events onto it and handles what only Trainer does (building the model, loading checkpoints, logs).
@@ -98,7 +103,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         handler = glue.find_handler(self)
         others = [cb for cb in getattr(handler, "callbacks", ()) if isinstance(cb, UntieCallback) and cb is not self]
         if others:
-            raise ValueError(
+            raise UntieValueError(
                 f"Trainer has {len(others) + 1} UntieCallbacks; one model has one untie. Pass a single "
                 "UntieCallback(...) with all its settings."
             )
@@ -136,7 +141,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         if self.run.phase == "new":
             self._adopt_attached_run()
         if model is not self.run.model:
-            raise RuntimeError(
+            raise UntieRuntimeError(
                 "UntieCallback: Trainer is about to train a model that UntieCallback did not prepare (was "
                 "trainer.model replaced after the Trainer was built?): its tied structure and checkpoint guard would "
                 "be missing. Build a new Trainer with that model, or give Trainer a model_init that returns it."
@@ -182,7 +187,7 @@ class UntieCallback(TrainerCallback, ExportableState):
         the call under way (`trainer_glue.train_entry`) knows the instance that attached."""
         entry = glue.train_entry(glue.find_trainer(self))
         if entry is None or entry.active is None or entry.active is self:
-            raise RuntimeError(
+            raise RunOrderError(
                 "UntieCallback was added after the Trainer was built (trainer.add_callback): it must prepare the "
                 "model before the optimizer and the checkpoint loader see it. Pass it to the constructor: "
                 "Trainer(..., callbacks=[UntieCallback(...)])."

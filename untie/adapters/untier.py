@@ -41,8 +41,9 @@ from untie.checkpoints.saved_state import (
     write_state_file,
 )
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import CUSTOM_LOOP, UntieRun
+from untie.core.run import CUSTOM_LOOP, RunOrderError, UntieRun
 from untie.engines.distributed import gathered, training_engine
+from untie.errors import UntieFileNotFoundError, UntieValueError
 from untie.structure.plan import SavedFacts
 from untie.structure.surgery import inner_optimizer, input_weight, output_weight
 
@@ -51,6 +52,11 @@ logger = logging.getLogger(__name__)
 
 class Untier:
     """Train tied, then untie the LM head from the input embedding, in a custom training loop.
+
+    With the defaults (`UntieConfig`), a model built fresh (its embedding matches a fresh draw of its initialiser,
+    or ``from_scratch=True``) trains untied from the first step, its head drawn; every other tied model trains tied
+    and unties by the trigger or at 30% of `max_steps`, its head a copy. A state loaded later whose run was still tied
+    decides instead (`load_state_dict`, `accelerator.load_state`), as under Trainer.
 
     It does what `UntieCallback` does under Trainer, from the same code (`untie.core.run.UntieRun`): the tied phase
     (live, or emulated under FSDP2 and DeepSpeed), the deadline and the divergence trigger fed by the role gradients
@@ -94,7 +100,7 @@ class Untier:
         """Optimizer steps done (restored by `load_state_dict`)."""
         config = build_config(config, overrides, "Untier")
         if isinstance(config.untie_at, float) and max_steps is None:
-            raise ValueError(
+            raise UntieValueError(
                 f"Untier: untie_at={config.untie_at} is a fraction of the run: pass max_steps=<the run's optimizer "
                 "steps>, or an int step (untie_at=N), or untie_at=None."
             )
@@ -169,7 +175,7 @@ class Untier:
         the model's structure (attaching did, at `Untier()`) nor says anything: what the run has to say is said at its
         first optimizer step, about the run then under way, fresh or resumed."""
         if self.optimizer is not None:
-            raise RuntimeError("Untier.start() was already called (or the optimizer was passed to Untier()).")
+            raise RunOrderError("Untier.start() was already called (or the optimizer was passed to Untier()).")
         self.optimizer = optimizer
         # The step's gradients are complete when the optimizer steps (after every micro-batch, every rank): measure
         # then, as UntieCallback does in Trainer's on_pre_optimizer_step.
@@ -205,7 +211,7 @@ class Untier:
             when it measured or untied, else an empty dict: e.g. `accelerator.log(untier.step(), step=step)`.
         """
         if self.optimizer is None:
-            raise RuntimeError("Untier.step() before untier.start(optimizer): pass the optimizer first.")
+            raise RunOrderError("Untier.step() before untier.start(optimizer): pass the optimizer first.")
         if self.accelerator is not None and not self.accelerator.sync_gradients:
             return {}
         self._check_loaded_weights()
@@ -248,7 +254,7 @@ class Untier:
 
     def _restore(self, state: Any, where: str, *, weights_checked: bool = False) -> None:
         if self.optimizer is None:
-            raise RuntimeError(
+            raise RunOrderError(
                 "Untier.load_state_dict() before untier.start(optimizer): the untied head must join the optimizer "
                 "before the optimizer's state loads."
             )
@@ -339,7 +345,7 @@ class Untier:
         model the saved structure before accelerate loads the weights and the optimizer into it."""
         state = read_state_file(input_dir)
         if not has_weights(input_dir):
-            raise FileNotFoundError(
+            raise UntieFileNotFoundError(
                 f"Untier: the checkpoint {input_dir} is incomplete: it has {STATE_FILE} but no model weights "
                 "(model.safetensors, pytorch_model.bin or FSDP's pytorch_model_fsdp_* folder): a copy or a save that "
                 "stopped part way. Resume from the previous complete folder."

@@ -12,6 +12,7 @@ from torch import nn
 from untie import _compat
 from untie.checkpoints.loading import CheckpointError, folder_weight_map, stored_name
 from untie.checkpoints.saved_state import ADAPTER_WEIGHT_PREFIXES, MODEL_WEIGHT_PREFIXES
+from untie.errors import UntieValueError
 from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
 from untie.structure.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
 
@@ -70,7 +71,7 @@ def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
     """
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        raise ValueError(f"resume_from_checkpoint={folder!r}: no such folder.")
+        raise UntieValueError(f"resume_from_checkpoint={folder!r}: no such folder.")
     names = os.listdir(folder)
     missing, keys = [], None
     if "trainer_state.json" not in names:
@@ -89,7 +90,7 @@ def check_complete(folder: str | os.PathLike) -> dict[str, str] | None:
             missing.append(f"its weights cannot be read ({error})")
     if missing:
         parent = os.path.dirname(os.path.abspath(folder))
-        raise ValueError(
+        raise UntieValueError(
             f"The checkpoint {folder} is incomplete: {'; '.join(missing)} (a run stopped while saving it?). Move it "
             f"out of {parent} or delete it, then resume again (resume_from_checkpoint=True takes the newest "
             "checkpoint-* folder), or pass the previous complete checkpoint-* folder explicitly."
@@ -125,7 +126,7 @@ def prepare_for_resume(model: nn.Module, checkpoint_dir: str | os.PathLike) -> n
     """
     untied = checkpoint_is_untied(checkpoint_dir)
     if untied is None:
-        raise ValueError(
+        raise UntieValueError(
             f"{checkpoint_dir} does not say whether its model is tied (no trainer_state.json with UntieCallback state "
             "and no config.json). Pass the checkpoint folder written by Trainer or save_pretrained."
         )

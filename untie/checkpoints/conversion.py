@@ -26,6 +26,7 @@ from untie.checkpoints.loading import (
     quiet_transformers,
 )
 from untie.config import TieInit
+from untie.errors import UntieFileExistsError, UntieValueError
 from untie.structure.surgery import (
     embedding_layout,
     input_weight,
@@ -164,13 +165,13 @@ def _check_output_dir(source: str, output_dir: str, *, overwrite: bool) -> None:
                 where = "lies inside the source"
             else:
                 where = "contains the source"
-            raise ValueError(
+            raise UntieValueError(
                 f"convert writes a new folder: OUT ({output_dir}) {where} ({source}) once links are resolved "
                 f"({real_output}, {real_source}), and writing it would replace the source. Choose an OUT outside "
                 "the source folder that does not contain it."
             )
     if os.path.isdir(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise FileExistsError(f"{output_dir} exists and is not empty; choose a new folder or pass --overwrite.")
+        raise UntieFileExistsError(f"{output_dir} exists and is not empty; choose a new folder or pass --overwrite.")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise OutputNotWritable(f"OUT {output_dir} is a file; choose a folder path.")
     parent = os.path.dirname(os.path.abspath(output_dir))

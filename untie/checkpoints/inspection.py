@@ -23,6 +23,7 @@ from untie.checkpoints.loading import (
     stored_keys,
     stored_name,
 )
+from untie.errors import UntieTypeError, UntieValueError
 from untie.signals.metrics import knn_overlap, knn_overlap_chance, linear_cka, pair_distances, pair_key
 from untie.signals.pairs import tokenizer_pairs
 from untie.structure.surgery import UNTIED_MARKER, embedding_layout, input_weight, is_tied, output_weight
@@ -48,7 +49,7 @@ def describe(
     """
     unknown = set(sample) - set(SAMPLE)
     if unknown:
-        raise TypeError(f"describe() got unknown sample sizes {sorted(unknown)}; choose among {sorted(SAMPLE)}.")
+        raise UntieTypeError(f"describe() got unknown sample sizes {sorted(unknown)}; choose among {sorted(SAMPLE)}.")
     sample = {**SAMPLE, **sample}
     started = time.perf_counter()
     checkpoint = open_checkpoint(source, head=head, revision=revision)
@@ -57,10 +58,9 @@ def describe(
     check_stored_shapes(checkpoint, {layout.input_weight, layout.output_weight})
     declared_tied = is_tied(model)
     tensors = _read_embeddings(checkpoint, model, layout, declared_tied)
-    loaded = "embeddings only"
+    loaded = "embeddings only" if tensors is not None else "full model"
     if tensors is None:
         tensors = _load_embeddings(checkpoint)
-        loaded = "full model"
     input_weight, output_weight, head_stored, bias_stored = tensors
     tied = output_weight is None
     config = checkpoint.config
@@ -81,6 +81,7 @@ def describe(
         },
         "notes": [],
         "loaded": loaded,
+        "policy": _policy(model, declared_tied, input_weight),
     }
     if layout.output_bias is not None:
         # Only names that really share the bias in the model from_pretrained builds: an untied checkpoint stores the
@@ -90,7 +91,7 @@ def describe(
         report["output_bias"] = {"name": layout.output_bias, "tied_to": shared or None}
         if not bias_stored:
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
-    report["policy"], report["status"] = _policy(model, declared_tied), _status(report, declared_tied, head_stored)
+    report["status"] = _status(report, declared_tied, head_stored)
     report["notes"][:0] = _notes(report)
     if pairs == "auto":
         found = tokenizer_pairs(_tokenizer(checkpoint, "read the pairs"), max_id=input_weight.shape[0])
@@ -186,13 +187,28 @@ def _load_embeddings(checkpoint: Checkpoint):
     return embedding, head, layout.output_weight not in missing, layout.output_bias not in missing
 
 
-def _policy(model, tied: bool) -> dict[str, Any]:
-    """What `UntieConfig(policy="auto")` would choose for the model `from_pretrained` builds, and its embedding's
-    share of the parameters (`untie.core.policy`)."""
+def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
+    """What the defaults (`UntieCallback()`, `UntieConfig.chosen_policy`) would do with the model `from_pretrained`
+    builds, and why, and its embedding's share of the parameters (`untie.core.policy`)."""
+    from untie.config import DEFAULT_POLICY
     from untie.core.policy import choose_plan
 
-    choice = choose_plan("auto", model, tied=tied, peft=False)
-    return {"embedding_share": choice.embedding_share, "parameters": choice.parameters, "auto": choice.plan}
+    choice = choose_plan(DEFAULT_POLICY, model, tied=tied, peft=False, embedding=embedding)
+    if choice.untied_from_start:
+        plan = "trains untied from step 0, its head drawn by the model's initialiser"
+    elif tied:
+        plan = (
+            "trains tied, unties when the divergence trigger fires, at 30% of the run at the latest; the head starts "
+            "as a copy of the embedding"
+        )
+    else:
+        plan = "trains untied from step 0: its head is a matrix of its own (nothing is tied or dropped)"
+    return {
+        "embedding_share": choice.embedding_share,
+        "parameters": choice.parameters,
+        "default": plan,
+        "because": choice.reason,
+    }
 
 
 def _entry(name: str, weight: torch.Tensor) -> dict[str, Any]:
@@ -253,7 +269,7 @@ def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | st
                 tokenizer = _tokenizer(checkpoint, f"look up {token!r}")
             pieces = tokenizer(token, add_special_tokens=False)["input_ids"]
             if len(pieces) != 1:
-                raise ValueError(
+                raise UntieValueError(
                     f"{token!r} is {len(pieces)} tokens for this tokenizer "
                     f"({tokenizer.convert_ids_to_tokens(pieces)}); a pair needs single tokens. "
                     "Pass token ids, or a word the vocabulary holds whole."
@@ -263,7 +279,7 @@ def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | st
     vocab = checkpoint.config.get_text_config().vocab_size if hasattr(checkpoint.config, "get_text_config") else None
     for pair in ids:
         if vocab is not None and any(not 0 <= i < vocab for i in pair):
-            raise ValueError(f"token pair {pair} is outside the vocabulary (0 .. {vocab - 1}).")
+            raise UntieValueError(f"token pair {pair} is outside the vocabulary (0 .. {vocab - 1}).")
     return ids
 
 
@@ -317,10 +333,8 @@ def format_report(report: dict[str, Any]) -> str:
     flags = ", ".join(f"{k}={v}" for k, v in report["config"].items())
     lines.append(f"  config:            {flags}")
     policy = report["policy"]
-    lines.append(
-        f"  embedding share:   {policy['embedding_share']:.0%} of {policy['parameters']:,} parameters "
-        f"(UntieCallback(policy='auto'): {policy['auto']})"
-    )
+    lines.append(f"  embedding share:   {policy['embedding_share']:.0%} of {policy['parameters']:,} parameters")
+    lines.append(f"  UntieCallback():   {policy['default']}, because {policy['because']}")
     drift = report.get("drift")
     if drift is not None:
         s = drift["sample"]

@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from untie import _compat
-from untie.errors import UntieError
+from untie.errors import UntieError, UntieValueError
 
 #: `--head` choices: the Auto class used to load a checkpoint with a language-modeling head.
 HEADS = {
@@ -164,7 +164,7 @@ def open_checkpoint(source: str | os.PathLike, head: str = "auto", revision: str
     """Resolve `source` and pick its LM-head class: the config's architecture (`head="auto"`) or an Auto class."""
     source = os.fspath(source)
     if head != "auto" and head not in HEADS:
-        raise ValueError(f"head={head!r} is not one of auto, {', '.join(HEADS)}.")
+        raise UntieValueError(f"head={head!r} is not one of auto, {', '.join(HEADS)}.")
     config = _config(source, revision)
     model_class = _model_class(source, config, head)
     checkpoint = Checkpoint(source, config, model_class, revision)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from untie.engines.distributed import full_shape, is_sharded
-from untie.errors import UntieError
+from untie.errors import UntieError, UntieFileNotFoundError
 from untie.structure.surgery import embedding_layout, input_weight, is_tied, output_weight
 
 #: Version of the run state's layout (`UntieRun.state_dict()`); 3 is the first shared by both adapters.
@@ -220,14 +220,14 @@ def read_state_file(folder: str) -> dict[str, Any]:
     path = os.path.join(folder, STATE_FILE)
     if not os.path.isfile(path):
         if has_weights(folder):
-            raise FileNotFoundError(
+            raise UntieFileNotFoundError(
                 f"Untier: {folder} has model weights but no {STATE_FILE}. The Untier writes that file last, once "
                 "accelerator.save_state has written everything else, so either the save into this folder did not "
                 "finish (a run stopped while saving: resume from the previous complete folder) or the folder was "
                 "not saved with an Untier (create it with accelerator=accelerator before saving, or load this "
                 "folder without the Untier)."
             )
-        raise FileNotFoundError(
+        raise UntieFileNotFoundError(
             f"Untier: {folder} has neither model weights nor {STATE_FILE}, so it is not a complete "
             "accelerator.save_state folder of an Untier run (a save that stopped early, or the wrong folder). Resume "
             "from a folder that accelerator.save_state wrote with this Untier created with accelerator=accelerator."

@@ -1,27 +1,28 @@
-"""The untie policies: what a run does, chosen before training from what it can know of the model.
+"""The untie policies: what a run does, chosen before training from what it can vouch for about the model.
 
 Each policy reads the model at attach, before the optimizer exists, and picks one of two plans:
 
 * **untied from the start**: the head becomes its own matrix before the first step (``untie_at=0``, no trigger),
-  drawn by the model's own initialiser for a freshly built model, a copy of the embedding for a loaded one
-  (`UntieConfig.head_init` "auto"; weights loaded by hand count as loaded: `is_freshly_built`);
-* **as set**: the settings' `untie_at` / `untie_when` (by default: tied, the trigger, the deadline).
+  drawn by the model's own initialiser. Only for a model built fresh: one whose input embedding matches a fresh
+  draw of its own initialiser (`weights_evidence`: positive evidence that no training touched it), or that the user
+  says is (`UntieConfig.from_scratch=True`);
+* **as set**: the settings' `untie_at` / `untie_when` (by default: tied, the trigger, the deadline). Every model
+  holding trained weights (loaded by `from_pretrained` or by hand, or whose weights cannot be read here) runs so,
+  and a head untied from it starts as a copy of the embedding: a policy never draws over a trained output role.
 
-`policy="auto"` trains untied from the start where the input embedding is at least `UNTIED_FROM_START_SHARE` of the
-parameters: on the decision map, where the embedding was most of the model, every tied phase cost more than it saved
-(docs/recipes/decision-map.md, "The policy"). Its held-out validation failed below the share, at 40%, where the
-schedule it kept trailed untied training.
+The config's name (``_name_or_path``, which `from_pretrained` records, and `from_config(AutoConfig.from_pretrained(
+dir))` too) decides nothing; where it and the weights disagree, a warning names both and `from_scratch`.
 
-`policy="fresh-untied"` trains a freshly built model untied from the start whatever its share (on the map's larger
-corpus untied training was the best arm, or level with it, at every share measured), and runs a loaded model as
-set. Written down before its own held-out validation, it passed it, and it is the default: an unset
-`UntieConfig.policy` follows it unless a tied phase is asked for (`UntieConfig.chosen_policy`).
+`policy="fresh-untied"` trains a model built fresh untied from the start whatever its share (on the map's larger
+corpus untied training was the best arm, or level with it, at every share measured). Written down before its own
+held-out validation, it passed it, and it is the default: an unset `UntieConfig.policy` follows it unless the
+schedule is set (`UntieConfig.chosen_policy`). `policy="off"` always runs the settings as set. A model that arrives
+untied, or wrapped by PEFT, runs as set too (`tie_init` decides whether it is tied first): there is no tied phase
+to skip. `policy="auto"` (retired: its held-out validation failed at 40% embedding share) trains a model built fresh
+untied from the start only where the embedding is at least `UNTIED_FROM_START_SHARE` of the parameters.
 
-`policy="off"` always runs the settings as set. A model that arrives untied, or wrapped by PEFT, runs as set too
-(`tie_init` decides whether it is tied first): there is no tied phase to skip.
-
-The choice is said once at train begin and kept in the run state (`PolicyChoice.to_dict`), so a checkpoint says
-what its run chose and why.
+The choice is said once at train begin, in the run's own numbers (`untie.core.run.UntieRun.plan_line`), and kept in
+the run state (`PolicyChoice.to_dict`), so a checkpoint says what its run chose and why.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import nn
 
 from untie import _compat
 from untie.config import POLICIES, PolicyName
-from untie.engines.distributed import full_shape, is_split
+from untie.engines.distributed import full_shape, gathered, is_sharded
 from untie.structure.surgery import input_weight
 
 #: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
@@ -43,24 +44,32 @@ from untie.structure.surgery import input_weight
 #: start beat the default at every budget in both development seeds), rounded to 5%, by the rule written before those
 #: runs ended. Fixed before the held-out validation; see docs/recipes/decision-map.md, "The policy".
 UNTIED_FROM_START_SHARE = 0.5
-#: How many times a Gaussian draw's spread of row norms (`embedding_row_spread`) an embedding may show and still count
-#: as freshly drawn. Measured (2026-11-26): 0.82-1.14 times for the 9 tiny architectures of `untie.testing` over seeds
-#: 0-4, 1.00-1.01 for the decision map's GPT-2 shapes at widths 64-256; trained, the map's tied d 128 x 12 and d 64 x 4
-#: (32k vocabulary) runs showed 1.4 times at step 25 and 3.0-4.3 from step 50 on (their checkpoints).
-DRAWN_SPREAD_LIMIT = 2.0
+#: The sample of the input embedding `weights_evidence` compares with a fresh draw: at most this many entries (rows
+#: evenly spaced over the vocabulary), and at least `_MIN_ROWS` rows where the vocabulary has them.
+_SAMPLE_ENTRIES = 1 << 22
+_MIN_ROWS = 64
+#: How far a fresh draw's statistics may sit from the model's and still match: the larger of these floors and six
+#: sampling standard deviations of the statistic (two independent samples of the sample's size). Measured
+#: (2026-11-27, `tests/test_policy.py`): the 9 tiny architectures of `untie.testing` over seeds 0-4 sit within 0.02
+#: (entries' spread) and 0.10 (row norms' spread) of the floors' 1; trained rows leave them (e.g. 300 AdamW steps on
+#: 300 equally frequent symbols: row norms' spread 0.28 times a draw's).
+_ENTRY_SPREAD_FLOOR = 0.05
+_ROW_SPREAD_FLOOR = 0.25
+#: How much stronger than a fresh draw's the leading singular direction may be (fresh draws of the 9 tiny
+#: architectures: 0.90-0.98 of independent entries' value, so within 0.09 of each other; 10 AdamW steps at lr 1e-3 on
+#: a learnable 300-symbol task: 1.26).
+_TOP_DIRECTION_FLOOR = 0.15
 
 __all__ = [
     "POLICIES",
     "UNTIED_FROM_START_SHARE",
     "PolicyChoice",
     "PolicyName",
-    "DRAWN_SPREAD_LIMIT",
+    "WeightsEvidence",
+    "built_fresh",
     "choose_plan",
-    "embedding_row_spread",
     "embedding_share",
-    "is_freshly_built",
-    "loaded_as",
-    "looks_trained",
+    "weights_evidence",
 ]
 
 Plan = Literal["as set", "untied from the start"]
@@ -82,7 +91,9 @@ class PolicyChoice:
     """The model's parameters, a tied matrix counted once."""
     head_init: str = "copy"
     """How the head untied from the start begins (`UntieConfig.head_init` "auto" follows it): "model" (the model's
-    own initialiser) for a freshly built model, "copy" of the embedding otherwise."""
+    own initialiser) for a model built fresh, "copy" of the embedding otherwise."""
+    warning: str | None = None
+    """Where the weights' evidence and the config's name disagree (`built_fresh`): said once, at attach."""
 
     @property
     def untied_from_start(self) -> bool:
@@ -92,9 +103,9 @@ class PolicyChoice:
         return asdict(self)
 
     def message(self) -> str:
-        """The log line at train begin."""
+        """The reason, with the embedding's share (what `untie inspect` and the run's line say)."""
         share = "" if self.embedding_share is None else f" (embedding {self.embedding_share:.0%} of the parameters)"
-        return f"untie: policy={self.policy!r}: {self.plan}{share}: {self.reason}"
+        return f"policy {self.policy!r}: {self.plan}{share}: {self.reason}"
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -111,66 +122,184 @@ def embedding_share(model: nn.Module) -> tuple[float, int]:
     return (rows * width / total if total else 0.0), total
 
 
-def embedding_row_spread(model: nn.Module) -> tuple[float, float] | None:
-    """How much the input embedding's row norms vary (their standard deviation over their mean, zero rows left out:
-    padding), and how much they vary in a Gaussian draw of the same width (about 1 / sqrt(2 * width)); None where the
-    rows cannot be read here (a shard, a ZeRO-3 partition, the meta device, quantized values) or are all zero.
+@dataclass(frozen=True)
+class WeightsEvidence:
+    """What the input embedding's values say about the model's training (`weights_evidence`)."""
 
-    An initialiser draws the rows independently, so their norms barely differ (uniform and truncated normal draws
-    differ less than a Gaussian one); training moves frequent and rare symbols' rows apart."""
-    weight = input_weight(model)
-    if is_split(weight) or weight.device.type == "meta" or not weight.is_floating_point():  # not here, or quantized
-        return None
-    with torch.no_grad():
-        norms = torch.linalg.vector_norm(weight.detach(), dim=-1, dtype=torch.float32)  # no float copy of bf16
-        norms = norms[norms > 0]
-        if norms.numel() < 2:
-            return None
-        spread = float(norms.std() / norms.mean())
-    return spread, 1.0 / math.sqrt(2 * weight.shape[-1])
+    verdict: Literal["drawn", "trained", "unreadable"]
+    """"drawn": they match a fresh draw of the model's own initialiser (positive evidence that no training touched
+    them); "trained": they do not; "unreadable": they cannot be compared here."""
+    detail: str
+    """Why, in words."""
 
 
-def looks_trained(model: nn.Module) -> str:
-    """Why the input embedding does not look like an initialiser's draw ("" where it does, or cannot be read): its
-    row norms vary more than `DRAWN_SPREAD_LIMIT` times as much as a Gaussian draw's. Every rank of a distributed
-    run reads its own copy and they agree without a collective: a fresh draw sits near 1 times on every rank, whatever
-    its seed, and weights loaded by hand are the same on every rank."""
-    measured = embedding_row_spread(model)
-    if measured is None or measured[0] <= DRAWN_SPREAD_LIMIT * measured[1]:
-        return ""
-    spread, drawn = measured
-    return f"its embedding's row norms vary {spread / drawn:.1f} times as much as a random draw's: trained weights"
+def weights_evidence(model: nn.Module, embedding: torch.Tensor | None = None) -> WeightsEvidence:
+    """Whether `model`'s input embedding is an initialiser's draw that no training has touched: its entries' mean and
+    spread and its row norms' spread match those of a fresh draw of the model's own initialiser (`_init_weights`, on
+    an embedding and on a head of the same width; a tied matrix may hold either's draw), within six sampling standard
+    deviations (`_ENTRY_SPREAD_FLOOR`, `_ROW_SPREAD_FLOOR`). Training moves the rows apart or together and scales
+    them: weights loaded by hand (`load_state_dict`) after a few hundred steps do not match. Read on a sample of
+    rows (`_SAMPLE_ENTRIES`), drawn on the CPU under a fixed seed with the global random state untouched, so every
+    rank of a distributed run reads the same verdict and a run's numbers do not depend on it.
+
+    "unreadable": an FSDP2 shard, the meta device, quantized values, all-zero rows, or a model without a
+    transformers initialiser. A ZeRO-3 partition is gathered (every rank must call it then, as attach does).
+    `embedding`: the input embedding's values where the model holds none (a model built on the meta device to
+    inspect a checkpoint)."""
+    weight = input_weight(model) if embedding is None else embedding
+    if is_sharded(weight) or weight.device.type == "meta":
+        return WeightsEvidence("unreadable", "its embedding is sharded here (each rank holds a part)")
+    if not weight.is_floating_point():
+        return WeightsEvidence("unreadable", "its embedding is quantized")
+    if not _compat.has_initialiser(model):
+        return WeightsEvidence("unreadable", "it has no transformers initialiser to compare with")
+    with gathered(weight):  # a ZeRO-3 partition: every rank gathers it (attach runs on every rank)
+        rows, width = weight.shape[0], weight.shape[-1]
+        count = min(rows, max(_MIN_ROWS, _SAMPLE_ENTRIES // width))
+        index = torch.linspace(0, rows - 1, count, device=weight.device).round().long().unique()
+        with torch.no_grad():
+            actual = _nonzero_rows(weight.detach().index_select(0, index).to("cpu", torch.float32))
+    if actual.shape[0] < 2:
+        return WeightsEvidence("unreadable", "its embedding's rows are zero")
+    mismatches = []
+    for draw in _fresh_draws(model, actual.shape[0], width):
+        mismatch = _mismatch(actual, draw)
+        if not mismatch:
+            return WeightsEvidence("drawn", "its embedding matches a fresh draw of its own initialiser")
+        mismatches.append(mismatch)
+    if not mismatches:
+        return WeightsEvidence("unreadable", "its initialiser draws no bare embedding or head to compare with")
+    return WeightsEvidence("trained", f"its embedding does not match a fresh draw of its initialiser: {mismatches[0]}")
 
 
-def loaded_as(model: nn.Module) -> str:
-    """How `model` came by trained weights, in words ("" for a model built from its config): its config names the
-    checkpoint `from_pretrained` loaded (``name_or_path``), or its input embedding does not look like an
-    initialiser's draw (`looks_trained`: weights loaded by hand, `load_state_dict`)."""
-    if getattr(model, "config", None) is None:
-        return "a model without a transformers config"
-    if _compat.loaded_from(model):
-        return "a loaded model"
-    trained = looks_trained(model)
-    return f"a model loaded by hand ({trained})" if trained else ""
+def _nonzero_rows(rows: torch.Tensor) -> torch.Tensor:
+    return rows[torch.linalg.vector_norm(rows, dim=-1) > 0]
 
 
-def is_freshly_built(model: nn.Module) -> bool:
-    """Whether `model` was built from a config rather than loaded (`loaded_as`), so that weights loaded by hand count
-    as loaded too and their trained output role is kept: the head is copied, never drawn over it."""
-    return not loaded_as(model)
+def _fresh_draws(model: nn.Module, rows: int, width: int) -> list[torch.Tensor]:
+    """The model's initialiser's draws of an embedding and of a head of shape (rows, width), float32, on the CPU,
+    under a fixed seed; the global random state is left as it was."""
+    draws = []
+    with torch.random.fork_rng(devices=[]):
+        for module in (nn.Embedding(rows, width), nn.Linear(width, rows, bias=False)):
+            torch.manual_seed(0)
+            try:
+                _compat.init_module_weights(model, module)
+            except Exception:  # noqa: BLE001 - an initialiser that cannot take a bare module compares with nothing
+                continue
+            draws.append(_nonzero_rows(module.weight.detach().float()))
+    return [draw for draw in draws if draw.shape[0] >= 2]
+
+
+def _mismatch(actual: torch.Tensor, draw: torch.Tensor) -> str:
+    """How `actual` rows differ from a fresh `draw` of the same shape, in words ("" where they match)."""
+    entries = min(actual.numel(), draw.numel())
+    entry_std, drawn_std = float(actual.std()), float(draw.std())
+    if drawn_std == 0:
+        return "its initialiser draws a constant"
+    ratio = entry_std / drawn_std
+    if abs(ratio - 1) > max(_ENTRY_SPREAD_FLOOR, 6 / math.sqrt(entries)):
+        return f"its entries' spread is {ratio:.2f} times a fresh draw's"
+    if abs(float(actual.mean()) - float(draw.mean())) > 6 * drawn_std * math.sqrt(2 / entries):
+        return f"its entries' mean is {float(actual.mean()):.3g} (a fresh draw's: {float(draw.mean()):.3g})"
+    spread = _row_norm_spread(actual) / _row_norm_spread(draw)
+    rows = min(actual.shape[0], draw.shape[0])
+    if abs(math.log(spread)) > math.log1p(max(_ROW_SPREAD_FLOOR, 6 / math.sqrt(rows))):
+        return f"its row norms vary {spread:.2f} times as much as a fresh draw's"
+    # Training gives the rows shared directions (a common shift, a few leading components) within a few steps.
+    top = _top_direction(actual) / _top_direction(draw)
+    if top > 1 + _TOP_DIRECTION_FLOOR:
+        return f"its leading direction is {top:.2f} times as strong as a fresh draw's"
+    limit = 1 + 6 * math.sqrt(2 / actual.shape[1])  # a mean row of independent zero-mean entries: chi-square / width
+    shift = _mean_row_energy(actual)
+    if shift > limit and _mean_row_energy(draw) <= limit:
+        return f"its rows share a common shift {shift:.1f} times a fresh draw's expected one"
+    return ""
+
+
+def _top_direction(rows: torch.Tensor) -> float:
+    """The largest singular value over that of independent entries of the same spread (about sigma (sqrt(n) +
+    sqrt(d)))."""
+    count, width = rows.shape
+    return float(torch.linalg.svdvals(rows)[0] / (rows.std() * (math.sqrt(count) + math.sqrt(width))))
+
+
+def _mean_row_energy(rows: torch.Tensor) -> float:
+    """The mean row's squared norm over what independent zero-mean entries give (sigma^2 d / n): about 1 for a draw."""
+    count, width = rows.shape
+    return float(rows.mean(0).square().sum() / (rows.var() * width / count))
+
+
+def _row_norm_spread(rows: torch.Tensor) -> float:
+    norms = torch.linalg.vector_norm(rows, dim=-1)
+    return float(norms.std() / norms.mean())
+
+
+@dataclass(frozen=True)
+class Freshness:
+    """Whether a run counts its model as built fresh (`built_fresh`), why, and a warning to give."""
+
+    fresh: bool
+    why: str
+    warning: str | None = None
+
+
+def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: torch.Tensor | None = None) -> Freshness:
+    """Whether `model` counts as built fresh (its weights an initialiser's draw no training touched): as
+    `from_scratch` says (`UntieConfig.from_scratch`), else only on positive evidence (`weights_evidence`). The
+    config's name (`from_pretrained` records it; `from_config(AutoConfig.from_pretrained(dir))` too) decides
+    nothing: where it and the evidence disagree, the warning names both and the setting that settles it."""
+    if getattr(model, "config", None) is None and from_scratch is None:
+        return Freshness(False, "the model counts as trained (it has no transformers config; from_scratch=None)")
+    evidence = weights_evidence(model, embedding)
+    named = _compat.loaded_from(model)
+    if from_scratch is True:
+        warning = None
+        if evidence.verdict == "trained":
+            warning = (
+                f"from_scratch=True, but {evidence.detail}: the head untied before the first step is drawn over it, "
+                "as asked. Pass from_scratch=None (decided from the weights) or False to keep it as a copy."
+            )
+        return Freshness(True, "the model is built fresh (from_scratch=True)", warning)
+    if from_scratch is False:
+        return Freshness(False, "the model holds trained weights (from_scratch=False)")
+    if evidence.verdict == "drawn":
+        warning = None
+        if named:
+            warning = (
+                f"the model's config names {named!r} (as from_pretrained records it), but {evidence.detail}: it "
+                "counts as built fresh and trains as from scratch. Pass from_scratch=False if it holds trained "
+                "weights, or from_scratch=True to say it is built fresh."
+            )
+        return Freshness(True, f"the model is built fresh ({evidence.detail})", warning)
+    if evidence.verdict == "trained":
+        return Freshness(False, f"the model holds trained weights ({evidence.detail})")
+    return Freshness(
+        False,
+        f"the model counts as trained ({evidence.detail}; pass from_scratch=True if it is trained from scratch)",
+    )
 
 
 def choose_plan(
-    policy: str, model: nn.Module, *, tied: bool, peft: bool, threshold: float | None = None
+    policy: str,
+    model: nn.Module,
+    *,
+    tied: bool,
+    peft: bool,
+    from_scratch: bool | None = None,
+    threshold: float | None = None,
+    embedding: torch.Tensor | None = None,
 ) -> PolicyChoice:
-    """The plan for a run of `model` (`tied`: it arrives tied; `peft`: wrapped by PEFT) under `policy` (`POLICIES`).
+    """The plan for a run of `model` (`tied`: it arrives tied; `peft`: wrapped by PEFT) under `policy` (`POLICIES`),
+    with `from_scratch` as `UntieConfig.from_scratch` (`built_fresh`).
 
-    `threshold`: the share at which "auto" trains untied from the start (default `UNTIED_FROM_START_SHARE`). Untied
-    from the start, a freshly built model gets a head drawn by its own initialiser (`is_freshly_built`): on the
-    decision map's development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one."""
-    limit = UNTIED_FROM_START_SHARE if threshold is None else threshold
+    Untied from the start, a model built fresh gets a head drawn by its own initialiser: on the decision map's
+    development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one. A model holding
+    trained weights is never untied from the start by a policy, and a head untied from it starts as a copy.
+    `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`).
+    `embedding`: the input embedding's values, where `model` holds none (`weights_evidence`)."""
     if policy == "off":
-        return PolicyChoice(policy, "as set", "the settings' untie_at / untie_when (policy='off')")
+        return PolicyChoice(policy, "as set", "the schedule as set (policy='off')")
     if peft:
         return PolicyChoice(policy, "as set", "a PEFT model trains its adapters; the embedding's tying is its base's")
     share, total = embedding_share(model)
@@ -178,28 +307,13 @@ def choose_plan(
         return PolicyChoice(
             policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
         )
-    loaded = loaded_as(model)
-    fresh = not loaded
-    if policy == "fresh-untied":
-        if not fresh:
-            reason = f"{loaded}: untie_at / untie_when as set ('fresh-untied' decides for a model built fresh)"
-            return PolicyChoice(policy, "as set", reason, share, total)
-        reason = (
-            "a freshly built model: on the decision map's larger corpus a tied phase cost more than it saved at "
-            "every share measured; the head is drawn by the model's initialiser (head_init). policy='off' runs "
-            "untie_at / untie_when as set"
-        )
-        return PolicyChoice(policy, "untied from the start", reason, share, total, "model")
-    if share >= limit:
-        start = (
-            "a freshly built model: the head is drawn by the model's initialiser"
-            if fresh
-            else f"{loaded}: the head starts as a copy of the embedding"
-        )
-        reason = (
-            f"at {limit:.0%} or more, a tied phase cost more than it saved on every budget the decision map measured; "
-            f"{start} (head_init). policy='off' runs untie_at / untie_when as set"
-        )
-        return PolicyChoice(policy, "untied from the start", reason, share, total, "model" if fresh else "copy")
-    reason = f"under {limit:.0%}: tie, then untie by the trigger or at the deadline (untie_at / untie_when)"
-    return PolicyChoice(policy, "as set", reason, share, total)
+    fresh = built_fresh(model, from_scratch, embedding)
+    if not fresh.fresh:
+        reason = f"{fresh.why}; a head untied from them starts as a copy of the embedding"
+        return PolicyChoice(policy, "as set", reason, share, total, warning=fresh.warning)
+    limit = UNTIED_FROM_START_SHARE if threshold is None else threshold
+    if policy == "auto" and share < limit:
+        reason = f"{fresh.why}; under {limit:.0%} of the parameters in the embedding, policy 'auto' runs the schedule"
+        return PolicyChoice(policy, "as set", reason, share, total, warning=fresh.warning)
+    reason = f"{fresh.why}; from scratch, a tied phase cost more than it saved on the decision map"
+    return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)

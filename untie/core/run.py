@@ -25,6 +25,7 @@ enforced here (`_enter`); a call out of order raises `RunOrderError`, naming the
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -47,10 +48,11 @@ from untie.engines.distributed import (
     is_split,
     resolve_tying_mode,
     sync_grads_across_ranks,
+    world_size,
 )
 from untie.engines.emulation import EmulatedTying
 from untie.engines.zero_tying import ZeroTying
-from untie.errors import UntieError
+from untie.errors import UntieError, UntieRuntimeError, UntieValueError
 from untie.registry import Registry
 from untie.signals.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
 from untie.signals.pairs import is_tokenizer, tokenizer_pairs
@@ -60,6 +62,7 @@ from untie.structure.peft_support import check_peft_run, is_peft_model
 from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, Structure, StructurePlan, plan_structure
 from untie.structure.surgery import (
     add_param_like,
+    drop_param,
     inner_optimizer,
     input_weight,
     is_tied,
@@ -97,7 +100,7 @@ class RunOrderError(UntieError, RuntimeError):
 
 
 #: The run state a checkpoint keeps (the "attributes" of `UntieRun.state_dict`, read back by `restore`).
-SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history", "policy")
+SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history", "policy", "plan")
 
 
 class UntieRun:
@@ -151,6 +154,10 @@ class UntieRun:
         self._stepped = False
         self._announce_pending = False
         self._expected: SavedFacts | None = None
+        self.arrived_untied = False
+        """The attached model came untied (its head a matrix of its own, trained or reloaded)."""
+        self.plan: str | None = None
+        """What the run said at train begin it would do (`plan_line`), kept in the run state."""
 
     def use_schedule(self, untie_at: int | float | None, rule: UntieWhen | None) -> None:
         """The schedule the run follows: `untie_at` and the trigger's `rule` as set, or as the policy chose."""
@@ -166,8 +173,22 @@ class UntieRun:
         """Let `config.policy` choose the schedule for `model` (`untie.core.policy.choose_plan`), before its structure
         is planned: "untied from the start" is ``untie_at=0`` without a trigger."""
         policy, why = self.config.chosen_policy()
-        choice = choose_plan(policy, model, tied=is_tied(model) and not was_untied(model), peft=is_peft_model(model))
+        if policy == "auto":
+            _compat.warn_in_user_code(
+                f"{self.owner}(policy='auto'): 'auto' is retired (its held-out validation failed, docs/recipes/"
+                "decision-map.md). Leave policy unset for the default ('fresh-untied'), or pass policy='off'.",
+                FutureWarning,
+            )
+        choice = choose_plan(
+            policy,
+            model,
+            tied=is_tied(model) and not was_untied(model),
+            peft=is_peft_model(model),
+            from_scratch=self.config.from_scratch,
+        )
         self.choice = dataclasses.replace(choice, reason=f"{choice.reason} ({why})") if why else choice
+        if choice.warning is not None:
+            _compat.warn_in_user_code(f"{self.owner}: {choice.warning}")
         self.follow_choice()
 
     def follow_choice(self) -> None:
@@ -187,6 +208,7 @@ class UntieRun:
         self.close()
         self.registry = Registry(self.adapter.name)
         self.model = model
+        self.arrived_untied = not is_tied(model) and not is_peft_model(model)
         self.attach_args = {"engine": engine, "tokenizer": tokenizer}
         self.use_schedule(self.config.untie_at, self.config.rule(with_pairs=self.config.pairs != []))
         self.apply_policy(model)
@@ -208,7 +230,17 @@ class UntieRun:
         """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings: the model,
         its structure, the tying and every install); `other` is left empty."""
         self._enter("adopt", {"new"})
-        attached = ("model", "attach_args", "tying_mode", "engine", "emulation", "pairs", "no_pairs_because", "choice")
+        attached = (
+            "model",
+            "attach_args",
+            "tying_mode",
+            "engine",
+            "emulation",
+            "pairs",
+            "no_pairs_because",
+            "choice",
+            "arrived_untied",
+        )
         for name in (*attached, "registry", "planned_untie_reason"):
             setattr(self, name, getattr(other, name))
         other.registry, other.emulation, other.phase = Registry(other.adapter.name), None, "closed"
@@ -285,7 +317,7 @@ class UntieRun:
         pairs=None found a tokenizer (an empty result is only logged).
         """
         if tokenizer is None:
-            raise ValueError(
+            raise UntieValueError(
                 f"{self.owner}(pairs='auto') reads the pairs from the tokenizer: pass it ({self._tokenizer_hint}), or "
                 "list the pairs yourself: pairs=[(id_a, id_b), ...]."
             )
@@ -328,7 +360,7 @@ class UntieRun:
                 self._tokenizer_hint,
             )
             return
-        raise ValueError(
+        raise UntieValueError(
             f"untie_when.signal={rule.signal!r} reads pairs, and there are none: no tokenizer to read them from "
             f"({self._tokenizer_hint}) or its vocabulary has no case or word-start variants. Pass pairs=[(id_a, "
             "id_b), ...], or a pair-free rule (untie_when='cancellation')."
@@ -345,7 +377,8 @@ class UntieRun:
         mode: Literal["live", "emulated"] = (
             "emulated" if (self.tying_mode or config.tying_mode) == "emulated" else "live"
         )
-        return RunSettings(self.owner, self.untie_at, mode, config.tying_mode, config.tie_init)
+        by_default = self.choice is not None and self.choice.untied_from_start and config.policy is None
+        return RunSettings(self.owner, self.untie_at, mode, config.tying_mode, config.tie_init, by_default)
 
     def prepare(self, model: nn.Module, optimizer=None) -> None:
         """Give the model its tied-phase structure, before the optimizer exists and the model is wrapped (with an
@@ -369,7 +402,7 @@ class UntieRun:
         """Carry out `plan` (`untie.structure.plan.plan_structure`) on the model, and on the optimizer if it exists.
         `facts`: what the plan was made from (`model_facts`), not read again."""
         if plan.refusal is not None:
-            raise (RuntimeError if plan.call_order else ValueError)(plan.refusal)
+            raise (RunOrderError if plan.call_order else UntieValueError)(plan.refusal)
         facts = facts or model_facts(model, emulating=self.emulation is not None)
         if plan.check_peft:
             # PEFT owns the embedding and the head: only a base model untied before wrapping can train here.
@@ -384,6 +417,8 @@ class UntieRun:
         if plan.target == "untied":
             self._reach_untied(model, current, optimizer)
         elif plan.target == "tied" and current == "untied":
+            if plan.drop_head and optimizer is not None:
+                drop_param(optimizer, output_weight(model))
             tie_embeddings(model, init=plan.tie_init)
         elif plan.target == "emulated" and current != "emulated":
             if current == "untied":
@@ -415,7 +450,7 @@ class UntieRun:
             return
         module = getattr(model, "get_output_embeddings", lambda: None)()
         if not isinstance(module, nn.Module) or getattr(module, "weight", None) is not head:
-            raise RuntimeError(f"{self.owner}: head_init='model' found no output module holding the head to draw.")
+            raise UntieRuntimeError(f"{self.owner}: head_init='model' found no output module holding the head to draw.")
         _compat.init_module_weights(model, module)
         embedding = input_weight(model)
         if torch.equal(head, embedding):  # an initialiser that leaves this module to its parent (T5, transformers 5.12)
@@ -482,8 +517,9 @@ class UntieRun:
     def state_attributes(self) -> dict:
         """The run state a checkpoint keeps, as JSON-able values (read back by `restore`; the policy's choice is a
         record of what the run chose, made again from the model at `attach`)."""
-        attributes = {name: getattr(self, name) for name in SAVED_ATTRIBUTES if name != "policy"}
+        attributes = {name: getattr(self, name) for name in SAVED_ATTRIBUTES if name not in ("policy", "plan")}
         attributes["policy"] = self.choice.to_dict() if self.choice is not None else None
+        attributes["plan"] = self.plan
         return attributes
 
     def restore(self, attributes: dict, step: int) -> None:
@@ -502,13 +538,13 @@ class UntieRun:
 
     def warn_changed_settings(self, saved_config: dict, step: int) -> None:
         """Say which schedule settings differ from the checkpoint's run (`saved_config`, as JSON), and what they do."""
-        now = self.config.to_json_dict()
-        changed = [
-            k for k in ("untie_at", "untie_when") if k in saved_config and not self._same(k, saved_config[k], now[k])
-        ]
+        now = json.loads(json.dumps(self.config.to_dict()))  # every setting, set or left at its default
+        defaults = json.loads(json.dumps(UntieConfig().to_dict()))  # what a checkpoint leaves out was not set
+        then = {k: saved_config.get(k, defaults[k]) for k in ("untie_at", "untie_when")}
+        changed = [k for k in then if not self._same(k, then[k], now[k])]
         if not changed:
             return
-        what = ", ".join(f"{k}: {saved_config[k]!r} -> {now[k]!r}" for k in changed)
+        what = ", ".join(f"{k}: {then[k]!r} -> {now[k]!r}" for k in changed)
         if self.untied:
             _compat.warn_in_user_code(
                 f"{self.owner}: resumed with changed settings ({what}), which have no effect: the checkpoint's run "
@@ -552,7 +588,7 @@ class UntieRun:
             reason = self.untie_reason or self.planned_untie_reason or ("checkpoint" if step else "start")
             self._record_untie(self.untie_step if self.untie_step is not None else step, reason)
         elif self.untied:
-            raise RuntimeError(
+            raise UntieRuntimeError(
                 f"{self.owner}: the checkpoint state says the model was untied, but the model is tied. Resume with "
                 "the same model class, or call untie.prepare_for_resume(model, checkpoint_dir) before loading it."
             )
@@ -562,18 +598,18 @@ class UntieRun:
             self.probe = RoleGradientProbe(model, pairs=self.pairs, registry=self.registry)
 
     def keep_resumed_tied_phase(self, step: int) -> None:
-        """A checkpoint's run was still tied at `step` (made by a run that kept a tied phase: another policy, or a
-        version whose default was the schedule): the policy's "untied from the start" was not its plan. It continues
-        under untie_at / untie_when as set, so that a resumed run does what its checkpoint's run was doing."""
+        """A checkpoint's run was still tied at `step` (a run that kept a tied phase: another policy, a schedule, or
+        a version whose default was the schedule): the checkpoint decides. The run continues its tied phase under
+        untie_at / untie_when, so that a resumed run does what its checkpoint's run was doing, and the plan line
+        (`plan_line`) says why."""
         assert self.choice is not None
         reason = (
-            f"resumed at step {step} from a checkpoint whose run was still tied: it continues under untie_at / "
-            f"untie_when as set (policy {self.choice.policy!r} chooses for a run that starts at step 0)"
+            f"the checkpoint's run was still tied at step {step:,}: it continues its tied phase (the default plan "
+            "trains untied from step 0 only a run that starts there)"
         )
         self.choice = dataclasses.replace(self.choice, plan="as set", reason=reason, head_init="copy")
         self.use_schedule(self.config.untie_at, self.config.rule(with_pairs=bool(self.pairs)))
         self.match_rule_to_pairs()
-        _compat.warn_in_user_code(f"{self.owner}: {reason}.")
 
     def _begin_emulated(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
         emulation = self.emulation
@@ -590,12 +626,48 @@ class UntieRun:
             self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation, registry=self.registry)
 
     def announce(self, step: int, max_steps: int | None) -> None:
-        """Say what the user should know about the run that `begin` set up at `step`, before its first step runs (a
-        trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
-        if self.choice is not None and self.choice.policy != "off":
-            logger.warning(self.choice.message())
+        """Say what the run that `begin` set up at `step` will do, in one line and in its own numbers (`plan_line`,
+        kept in the run state), and what the user should know before its first step runs (a trigger that cannot
+        fire in the run's length). Call it once per begun run, after the last `begin`."""
+        self.plan = self.plan_line(step, max_steps)
+        logger.warning(self.plan)
         if self.probe is not None:
             self._warn_short_run(step, max_steps)
+
+    def plan_line(self, step: int, max_steps: int | None) -> str:
+        """What the run begun at `step` of `max_steps` will do and why, in words: "untie: trains untied from step 0;
+        the head is drawn by the model's initialiser, because ..." / "untie: trains tied; unties when the divergence
+        trigger fires, at step 1,234 at the latest, because ..."."""
+        start = f"resumed at step {step:,}: " if step else ""
+        why = f", because {self.choice.reason}" if self.choice is not None else ""
+        if self.untied:
+            if self.untie_step is not None and self.untie_step < step:
+                return f"untie: {start}trains untied (untied at step {self.untie_step:,}, {self.untie_reason})"
+            if self.arrived_untied:
+                return f"untie: {start}trains untied from step 0; the model arrived untied: its head is its own matrix"
+            head = {
+                "model": "the head is drawn by the model's initialiser (head_init)",
+                "copy": "the head starts as a copy of the embedding (head_init)",
+            }[self.head_init()]
+            asked = "untie_at=0" if self.config.was_set("untie_at") and self.config.untie_at == 0 else ""
+            return f"untie: {start}trains untied from step {step:,}{f' ({asked})' if asked else ''}; {head}{why}"
+        length = f" of {max_steps:,}" if max_steps else ""
+        if self.deadline.step is not None:
+            at = self.deadline.untie_at
+            setting = f"untie_at={at!r}{length}" if isinstance(at, float) else f"untie_at={at!r}"
+            deadline = f"at step {self.deadline.step:,} ({setting})"
+        else:
+            deadline = ""
+        emulated = " (emulated tying)" if self.emulation is not None else ""
+        if self.divergence is not None:
+            signal = self.divergence.rule.signal
+            latest = f", {deadline} at the latest" if deadline else " (no deadline)"
+            when = f"unties when the divergence trigger ({signal}) fires{latest}"
+        elif deadline:
+            when = f"unties {deadline}"
+        else:
+            when = "stays tied (untie_at=None, untie_when=None)"
+        return f"untie: {start}trains tied{emulated}; {when}; the head starts as a copy of the embedding{why}"
 
     def arm(self, step: int) -> None:
         """Optimizer step `step` is about to run its first forward: measure its gradients if it is a metrics step."""
@@ -779,5 +851,6 @@ def model_facts(model: nn.Module, *, emulating: bool = False, optimizer_built: b
         peft=peft,
         config_says_untied=peft and untie_recorded(model),
         optimizer_built=optimizer_built,
+        distributed=world_size() > 1,
         sharded=not peft and structure == "tied" and is_sharded(input_weight(model)),
     )

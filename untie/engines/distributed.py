@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from untie import _compat
+from untie.errors import UntieRuntimeError
 
 _WHY = {
     "FSDP1": "FSDP1 flattens every parameter of a unit into one FlatParameter at wrap time: a head created later is "
@@ -65,12 +66,12 @@ def resolve_tying_mode(requested: str, engine: str | None) -> str:
     it out.
     """
     if engine in _WHY:
-        raise RuntimeError(
+        raise UntieRuntimeError(
             f"untie does not support {engine}: {_WHY[engine]} A single device and DDP work in either tying_mode."
         )
     if engine in _EMULATED_ONLY:
         if requested == "live":
-            raise RuntimeError(
+            raise UntieRuntimeError(
                 f"tying_mode='live' cannot work under {engine}: {_EMULATED_ONLY[engine]} Use tying_mode='auto' or "
                 "'emulated' (the head gets its own parameter before wrapping and trains exactly as if tied)."
             )

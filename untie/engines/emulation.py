@@ -25,6 +25,7 @@ from torch import nn
 from untie import _compat
 from untie.config import OptimizerStateInit
 from untie.engines.distributed import full_shape
+from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.structure.surgery import _embedding_modules, inner_optimizer, start_state_like
 
@@ -34,12 +35,12 @@ def separate_roles(model: nn.Module, owner: str) -> tuple[Any, Any]:
     shape (what an emulation of tying keeps equal to the embedding)."""
     embedding, head = _embedding_modules(model)
     if embedding.weight is head.weight:
-        raise ValueError(
+        raise UntieValueError(
             f"{owner} needs a model whose head has its own parameter; this one is really tied. Call "
             "untie.untie_embeddings(model) first (the head starts as an exact copy of the embedding)."
         )
     if full_shape(embedding.weight) != full_shape(head.weight):
-        raise ValueError(
+        raise UntieValueError(
             f"{owner}: the embedding {tuple(embedding.weight.shape)} and the head {tuple(head.weight.shape)} differ "
             "in shape, so they cannot be tied."
         )

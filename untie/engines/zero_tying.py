@@ -50,6 +50,7 @@ from torch import nn
 from untie import _compat
 from untie.engines.distributed import full_shape
 from untie.engines.emulation import separate_roles
+from untie.errors import UntieValueError
 from untie.registry import Registry
 
 #: Elements of a gradient part whose squared norm is summed at once in float64 (32 MiB of float64).
@@ -105,7 +106,7 @@ def check_optimizer(optimizer) -> None:
     for inner in _wrapped(optimizer):
         if "adam" in type(inner).__name__.lower() and "zero" not in type(inner).__name__.lower():
             return
-    raise ValueError(
+    raise UntieValueError(
         f"untie under DeepSpeed ties the two roles in autograd, which trains exactly as tied only with an Adam-family "
         f"optimizer (Adam, AdamW, DeepSpeed's FusedAdam / CPUAdam); this run's is {type(inner).__name__}. Use AdamW "
         "(Trainer's default optim), or train with DDP or FSDP2, where any optimizer works."
@@ -126,7 +127,7 @@ class ZeroTying:
         self.head: Any
         self.embedding, self.head = separate_roles(model, "ZeroTying")
         if not isinstance(self.embedding, nn.Embedding) or not isinstance(self.head, nn.Linear):
-            raise ValueError(
+            raise UntieValueError(
                 f"untie under DeepSpeed ties an nn.Embedding lookup and an nn.Linear head; this model's are "
                 f"{type(self.embedding).__name__} and {type(self.head).__name__}. Train it with DDP or FSDP2."
             )

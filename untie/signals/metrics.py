@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from untie.errors import UntieValueError
 from untie.signals.metric_keys import metric_key, pair_key, split_metric_key  # noqa: F401 (re-exported)
 
 Pairs = Sequence[tuple[int, int]]
@@ -79,7 +80,7 @@ class RoleGradients:
         and the pairs' rows."""
         g_in, g_out = input_grad.detach().float(), output_grad.detach().float()
         if g_in.shape != g_out.shape or g_in.dim() != 2:
-            raise ValueError(
+            raise UntieValueError(
                 f"role gradients must be two (V, d) matrices of one shape, got {g_in.shape} and {g_out.shape}"
             )
         keep = torch.linalg.vector_norm(g_in, dim=1) != 0  # a NaN row too: it must reach the signals
@@ -169,7 +170,7 @@ def role_signals_on_rows(grads: RoleGradients, pairs: Pairs = (), sample_rows: i
         signals["agreement"] = _correlation(_push_matrix(w, g_in[rows]), _push_matrix(w, g_out[rows]))
     if pairs:
         if grads.weight is None:
-            raise ValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
+            raise UntieValueError("role_signals: pass the shared `weight` to get per-pair pushes and tension.")
         local = grads.positions(torch.as_tensor(pairs).reshape(-1)).reshape(-1, 2).tolist()
         push_in = pair_pushes(grads.weight, g_in, local)
         push_out = pair_pushes(grads.weight, g_out, local)
@@ -354,12 +355,14 @@ def knn_overlap(
     ``chunk`` queries, so the cost is 2 * queries * pool * d multiply-adds per space.
     """
     if first.shape[0] != second.shape[0]:
-        raise ValueError(f"knn_overlap: both spaces need one row per token, got {first.shape[0]} and {second.shape[0]}")
+        raise UntieValueError(
+            f"knn_overlap: both spaces need one row per token, got {first.shape[0]} and {second.shape[0]}"
+        )
     vocab = first.shape[0]
     generator = _generator(seed)
     pool_rows = _sample_rows(vocab, pool, generator, first.device)
     if k >= len(pool_rows):
-        raise ValueError(f"knn_overlap: k={k} needs a pool of more than k tokens, got {len(pool_rows)}")
+        raise UntieValueError(f"knn_overlap: k={k} needs a pool of more than k tokens, got {len(pool_rows)}")
     query_rows = pool_rows[_sample_rows(len(pool_rows), queries, generator, first.device)]
     with torch.no_grad():
         a = _neighbours(first.detach(), query_rows, pool_rows, k, chunk)
@@ -372,7 +375,7 @@ def knn_overlap_chance(k: int, pool: int) -> float:
     """Expected `knn_overlap` of two unrelated spaces: the mean Jaccard of two random k-subsets of pool - 1 tokens."""
     n = pool - 1
     if not 0 < k <= n:
-        raise ValueError(f"knn_overlap_chance: need 0 < k < pool, got k={k}, pool={pool}")
+        raise UntieValueError(f"knn_overlap_chance: need 0 < k < pool, got k={k}, pool={pool}")
     total = math.comb(n, k)
     return sum(math.comb(k, s) * math.comb(n - k, k - s) / total * s / (2 * k - s) for s in range(k + 1))
 
@@ -385,7 +388,9 @@ def linear_cka(first: torch.Tensor, second: torch.Tensor, rows: int | None = 409
     against the same measure on shuffled rows when the absolute value matters.
     """
     if first.shape[0] != second.shape[0]:
-        raise ValueError(f"linear_cka: both spaces need one row per token, got {first.shape[0]} and {second.shape[0]}")
+        raise UntieValueError(
+            f"linear_cka: both spaces need one row per token, got {first.shape[0]} and {second.shape[0]}"
+        )
     sample = _sample_rows(first.shape[0], rows, _generator(seed), first.device)
     with torch.no_grad():
         x = first.detach()[sample].double()

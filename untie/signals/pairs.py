@@ -18,6 +18,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal, cast
 
+from untie.errors import UntieTypeError
+
 #: How many pairs `pairs="auto"` measures: the most frequent few hundred.
 DEFAULT_LIMIT = 256
 #: Word-start markers: byte-level BPE's space byte, SentencePiece's meta space.
@@ -97,7 +99,7 @@ def is_tokenizer(processing_class) -> bool:
 def tokenizer_pairs(tokenizer, *, limit: int = DEFAULT_LIMIT, max_id: int | None = None) -> list[TokenPair]:
     """`vocabulary_pairs` of a Hugging Face tokenizer (or a processor holding one as `.tokenizer`)."""
     if not is_tokenizer(tokenizer):
-        raise TypeError(
+        raise UntieTypeError(
             f"pairs='auto' reads the pairs from a tokenizer, got {type(tokenizer).__name__}. Pass "
             "Trainer(processing_class=tokenizer), or list the pairs yourself: pairs=[(id_a, id_b), ...]."
         )

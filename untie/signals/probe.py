@@ -41,6 +41,7 @@ from torch.func import functional_call
 
 from untie import _compat
 from untie.engines.distributed import full_shape, gather_rows, is_sharded, union_rows, world_size
+from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.signals.metrics import (
     Pairs,
@@ -87,13 +88,13 @@ class RoleGradientProbe:
             # The head has its own parameter, kept equal to the embedding, and the embedding receives the tied
             # gradient; the roles are the same two module uses.
             if embedding.weight is self.head.weight or full_shape(embedding.weight) != full_shape(self.head.weight):
-                raise ValueError(
+                raise UntieValueError(
                     "RoleGradientProbe(emulation=...) needs a head with its own parameter of the embedding's shape "
                     "(untie.engines.emulation.EmulatedTying); this model is really tied or its matrices differ in "
                     "shape."
                 )
         elif embedding.weight is not self.head.weight:
-            raise ValueError(
+            raise UntieValueError(
                 "RoleGradientProbe needs a tied model: the input embedding and the LM head share no weight (for "
                 "emulated tying pass emulation=EmulatedTying(model))."
             )
@@ -101,7 +102,7 @@ class RoleGradientProbe:
         # Every other module holding W is an input use: T5 and BART look it up through encoder and decoder modules.
         self.lookups = [m for m in model.modules() if m is not self.head and getattr(m, "weight", None) is self.weight]
         if is_sharded(self.weight) and not all(_module_type(m) is nn.Embedding for m in self.lookups):
-            raise ValueError(
+            raise UntieValueError(
                 "RoleGradientProbe on a sharded (FSDP2) matrix supports plain nn.Embedding lookups; this model has "
                 f"{[_module_type(m).__name__ for m in self.lookups]}. Measure on one device or under DDP, or untie "
                 "at a fixed step (untie_at)."
@@ -110,7 +111,7 @@ class RoleGradientProbe:
         self.pairs = list(pairs)
         vocab = full_shape(self.weight)[0]
         if any(not 0 <= token < vocab for pair in self.pairs for token in pair):
-            raise ValueError(
+            raise UntieValueError(
                 f"pairs={self.pairs} holds token ids outside the model's vocabulary of {vocab}: pass ids in "
                 f"[0, {vocab})."
             )

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from untie.errors import UntieValueError
 from untie.signals.metric_keys import metric_key, split_metric_key
 
 
@@ -39,10 +40,10 @@ def resolve_step(at: int | float | None, max_steps: int | None, name: str) -> in
         return None
     if isinstance(at, float):
         if max_steps is None:
-            raise ValueError(f"{name}={at} is a fraction of the run, whose length is unknown: pass max_steps.")
+            raise UntieValueError(f"{name}={at} is a fraction of the run, whose length is unknown: pass max_steps.")
         return max(1, round(at * max_steps))
     if max_steps is not None and max_steps > 0 and at > max_steps:
-        raise ValueError(
+        raise UntieValueError(
             f"{name}={at} is beyond the end of the run (max_steps={max_steps}). Pass a step <= max_steps, a fraction "
             "in (0, 1) such as 0.3, or None."
         )
@@ -105,31 +106,35 @@ class UntieWhen:
 
     def __post_init__(self) -> None:
         if not isinstance(self.signal, str):
-            raise ValueError(f"untie_when.signal={self.signal!r}: pass a signal's name, e.g. 'gap' or 'cancellation'.")
+            raise UntieValueError(
+                f"untie_when.signal={self.signal!r}: pass a signal's name, e.g. 'gap' or 'cancellation'."
+            )
         for name in ("threshold", "smoothing", "warmup", "significance"):
             value = getattr(self, name)
             if name == "significance" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"untie_when.{name}={value!r}: pass a number (see help(untie.UntieWhen)).")
+                raise UntieValueError(f"untie_when.{name}={value!r}: pass a number (see help(untie.UntieWhen)).")
         if self.signal not in SIGNAL_DIRECTIONS and pair_signal(self.signal) is None:
-            raise ValueError(
+            raise UntieValueError(
                 f"untie_when.signal={self.signal!r} is not a known signal: use one of {sorted(SIGNAL_DIRECTIONS)}, "
                 "or, with pairs=..., 'gap', 'gap/<a>-<b>', 'tension' or 'tension/<a>-<b>'."
             )
         if not math.isfinite(self.threshold):
-            raise ValueError(f"untie_when.threshold={self.threshold} must be a finite number.")
+            raise UntieValueError(f"untie_when.threshold={self.threshold} must be a finite number.")
         if not 0.0 <= self.smoothing < 1.0:
-            raise ValueError(f"untie_when.smoothing={self.smoothing} must be in [0, 1): the weight of the past.")
+            raise UntieValueError(f"untie_when.smoothing={self.smoothing} must be in [0, 1): the weight of the past.")
         if isinstance(self.warmup, bool) or self.warmup < 0 or (isinstance(self.warmup, float) and self.warmup >= 1):
-            raise ValueError(f"untie_when.warmup={self.warmup}: pass a step >= 0 or a fraction in [0, 1).")
+            raise UntieValueError(f"untie_when.warmup={self.warmup}: pass a step >= 0 or a fraction in [0, 1).")
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 1:
-            raise ValueError(f"untie_when.patience={self.patience} must be an int >= 1.")
+            raise UntieValueError(f"untie_when.patience={self.patience} must be an int >= 1.")
         if self.significance is not None:
             if not 0.0 < self.significance < 1.0:
-                raise ValueError(f"untie_when.significance={self.significance} must be in (0, 1), e.g. 0.01, or None.")
+                raise UntieValueError(
+                    f"untie_when.significance={self.significance} must be in (0, 1), e.g. 0.01, or None."
+                )
             if (pair_signal(self.signal) or ("", ""))[0] != "gap":
-                raise ValueError(
+                raise UntieValueError(
                     "untie_when.significance weighs the evidence against a pair's conditional equivalence, so it "
                     f"needs signal='gap' (or 'gap/<a>-<b>'), got {self.signal!r}; or pass significance=None."
                 )
@@ -152,9 +157,9 @@ class UntieWhen:
             known = {f.name for f in fields(cls)}
             unknown = sorted(set(value) - known)
             if unknown:
-                raise ValueError(f"Unknown untie_when keys {unknown}; known keys: {sorted(known)}.")
+                raise UntieValueError(f"Unknown untie_when keys {unknown}; known keys: {sorted(known)}.")
             return cls(**value)
-        raise ValueError(
+        raise UntieValueError(
             f"untie_when={value!r}: pass 'divergence' (the default rule), a rule name from {sorted(RULES)}, an "
             "untie.UntieWhen(...), its dict form, or None for no trigger."
         )
@@ -211,7 +216,7 @@ class DivergenceTrigger:
     def resolve(self, max_steps: int | None) -> None:
         warmup = self.rule.warmup
         if isinstance(warmup, float) and max_steps is None:
-            raise ValueError(
+            raise UntieValueError(
                 f"UntieWhen(warmup={warmup}) is a fraction of the run, whose length is unknown: pass max_steps, or "
                 "an int warmup (steps)."
             )

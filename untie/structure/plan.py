@@ -41,7 +41,10 @@ class ModelFacts:
     sharded: bool = False
     """Its embedding is already sharded (FSDP2's `fully_shard` ran): no parameter can be added any more."""
     optimizer_built: bool = False
-    """The optimizer (and any wrapper) exists: a change that adds or removes a parameter can no longer happen."""
+    """The optimizer (and any wrapper) exists: a change that adds or removes a parameter can no longer happen, but
+    where nothing wraps the model (`distributed` False) and no step has run: then the optimizer is changed too."""
+    distributed: bool = False
+    """More than one process trains it (DDP, FSDP2, DeepSpeed): a wrapper may hold its parameters."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,9 @@ class RunSettings:
     """`tying_mode` as the user set it: "auto" follows a checkpoint's mode."""
     tie_init: TieInit | None = None
     """How a model that arrives untied is tied; None: it is not, it trains untied (nothing trained is dropped)."""
+    untied_by_default: bool = False
+    """The run untied the model before its first step by the default plan alone (`UntieConfig.chosen_policy`: the
+    user set no schedule): a checkpoint of a run that was still tied decides instead."""
 
     @property
     def untie_at_zero(self) -> bool:
@@ -93,6 +99,9 @@ class StructurePlan:
     check_peft: bool = False
     """A PEFT model: `untie.structure.peft_support.check_peft_run` decides (with `keep_untied`); the structure stays."""
     keep_untied: bool = False
+    drop_head: bool = False
+    """The tie drops a head the optimizer already holds (before its first step, nothing wrapping the model): it
+    leaves the optimizer too."""
 
 
 def plan_structure(model: ModelFacts, settings: RunSettings, saved: SavedFacts | None = None) -> StructurePlan:
@@ -200,6 +209,19 @@ def _plan_live_checkpoint(model: ModelFacts, settings: RunSettings, saved: Saved
             ),
         )
     if model.structure == "untied" and model.optimizer_built:
+        if settings.untied_by_default and not model.distributed:
+            # The default plan was made before the checkpoint was known: the checkpoint's run decides (Trainer's way).
+            return StructurePlan("tied", tie_init="input", drop_head=True)
+        if settings.untied_by_default:
+            return StructurePlan(
+                None,
+                refusal=(
+                    f"{settings.adapter}: the checkpoint was written in the tied phase, but the default plan untied "
+                    "this model before its first step, and the optimizer and the distributed wrapper now hold its "
+                    f"head. Create the {settings.adapter} with policy='off' (the checkpoint's run continues as set), "
+                    "before the optimizer and accelerator.prepare, to resume it."
+                ),
+            )
         return StructurePlan(
             None,
             refusal=(

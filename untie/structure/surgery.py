@@ -16,6 +16,7 @@ from torch import nn
 from untie import _compat
 from untie.config import OPTIMIZER_STATES, TIE_INITS, OptimizerStateInit, TieInit
 from untie.engines.distributed import full_shape, gathered
+from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 from untie.structure.peft_support import refuse_peft_surgery
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
@@ -54,7 +55,7 @@ def output_weight(model: Any) -> nn.Parameter:
 def _embedding_modules(model: Any) -> tuple[Any, Any]:
     """The input embedding and the LM head modules (each a module with a `weight` parameter)."""
     if not hasattr(model, "get_input_embeddings") or not hasattr(model, "get_output_embeddings"):
-        raise TypeError(
+        raise UntieTypeError(
             f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no get_input_embeddings / "
             "get_output_embeddings). Pass the model itself, not a wrapper such as DDP, or unwrap it first "
             "(accelerator.unwrap_model(model))."
@@ -62,13 +63,13 @@ def _embedding_modules(model: Any) -> tuple[Any, Any]:
     input_emb = model.get_input_embeddings()
     output_emb = model.get_output_embeddings()
     if output_emb is None:
-        raise ValueError(
+        raise UntieValueError(
             f"{type(model).__name__} has no output embeddings (get_output_embeddings() returned None), so there is "
             "nothing to tie or untie. Load the model with a language-modeling head, e.g. AutoModelForCausalLM or "
             "AutoModelForMaskedLM instead of AutoModel."
         )
     if input_emb is None or not hasattr(input_emb, "weight") or not hasattr(output_emb, "weight"):
-        raise ValueError(
+        raise UntieValueError(
             f"{type(model).__name__}: input or output embedding module has no `weight` "
             f"(input: {type(input_emb).__name__}, output: {type(output_emb).__name__}); untie supports models whose "
             "LM head is a linear projection onto the vocabulary."
@@ -129,7 +130,7 @@ def _check_shapes(model: nn.Module, layout: EmbeddingLayout) -> None:
     w_in, w_out = model.get_parameter(layout.input_weight), model.get_parameter(layout.output_weight)
     shape_in, shape_out = full_shape(w_in), full_shape(w_out)
     if shape_in != shape_out:
-        raise ValueError(
+        raise UntieValueError(
             f"{type(model).__name__}: input embedding {layout.input_weight} has shape {tuple(shape_in)} but the "
             f"LM head {layout.output_weight} has shape {tuple(shape_out)}; they cannot share one matrix. "
             "Resize one of them (model.resize_token_embeddings) or keep this model untied."
@@ -148,7 +149,7 @@ def _refuse_sharded(model: nn.Module) -> None:
             or _compat.in_deepspeed_engine(param)
             or _compat.is_deepspeed_mapped(param)
         ):
-            raise RuntimeError(
+            raise UntieRuntimeError(
                 f"{name} is sharded (FSDP2 DTensor or DeepSpeed ZeRO). untie cannot change the embedding structure "
                 "of a sharded model: a live untie under FSDP2 is silently reverted and DeepSpeed cannot take new "
                 "parameters. Do it before sharding: create untie.Untier (or the Trainer with UntieCallback) before "
@@ -339,7 +340,7 @@ def untie_embeddings(
     what a reloaded T5/BART checkpoint needs before `tie_weights()` / `resize_token_embeddings()`.
     """
     if optimizer_state not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer_state={optimizer_state!r} is not one of {OPTIMIZER_STATES}.")
+        raise UntieValueError(f"optimizer_state={optimizer_state!r} is not one of {OPTIMIZER_STATES}.")
     refuse_peft_surgery(model, "untie")
     _refuse_packed_weights(model, "untie")
     layout = embedding_layout(model)
@@ -368,7 +369,7 @@ def untie_embeddings(
                 _set(model, alias, nn.Parameter(bias.detach().clone(), requires_grad=False))
     _mark_untied(model, layout)
     if head is shared or (not shared.is_meta and head.data_ptr() == shared.data_ptr()):
-        raise RuntimeError(f"untie: the new LM head still shares storage with {layout.input_weight} (a bug).")
+        raise UntieRuntimeError(f"untie: the new LM head still shares storage with {layout.input_weight} (a bug).")
     if optimizer is not None:
         add_param_like(optimizer, new=head, like=shared, state=optimizer_state)
         sort_param_groups(optimizer, model)
@@ -384,7 +385,7 @@ def _refuse_packed_weights(model: nn.Module, action: str) -> None:
     for role, module in roles:
         if module is not None and not isinstance(getattr(module, "weight", None), torch.Tensor):
             kind = f"{type(module).__module__}.{type(module).__qualname__}"
-            raise TypeError(
+            raise UntieTypeError(
                 f"{action}_embeddings: the {role} is a {kind}, whose weight is not a tensor but packed (a dynamically "
                 f"quantized module, torch.ao.quantization.quantize_dynamic): it cannot be {action}d or trained. "
                 f"{action.capitalize()} the floating-point model first, then quantize it."
@@ -405,7 +406,9 @@ def tie_embeddings(model: nn.Module, init: TieInit = "input") -> nn.Module:
     optimizer is built: the dropped head's parameter would otherwise stay in the optimizer.
     """
     if init not in TIE_INITS:
-        raise ValueError(f"init={init!r} is not one of {TIE_INITS}: choose which matrix the tied weight starts from.")
+        raise UntieValueError(
+            f"init={init!r} is not one of {TIE_INITS}: choose which matrix the tied weight starts from."
+        )
     refuse_peft_surgery(model, "tie")
     _refuse_packed_weights(model, "tie")
     layout = embedding_layout(model)
@@ -457,7 +460,7 @@ def add_param_like(
     opt = inner_optimizer(optimizer)
     group = next((g for g in opt.param_groups if any(p is like for p in g["params"])), None)
     if group is None:
-        raise ValueError(
+        raise UntieValueError(
             "The shared embedding parameter is not in the optimizer, so the untied head would not train. Build the "
             "optimizer from model.parameters() (Trainer does), or untie before creating it."
         )
@@ -465,6 +468,15 @@ def add_param_like(
         return
     group["params"].append(new)
     start_state_like(optimizer, new=new, like=like, state=state)
+
+
+def drop_param(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> None:
+    """Take `param` out of `optimizer` (its param group and its state): a head dropped by a tie before the first
+    step. The inverse of `add_param_like`."""
+    inner = inner_optimizer(optimizer)
+    for group in inner.param_groups:
+        group["params"] = [p for p in group["params"] if p is not param]
+    inner.state.pop(param, None)
 
 
 def start_state_like(

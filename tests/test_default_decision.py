@@ -1,0 +1,159 @@
+"""The default's one decision (issue 59): a model counts as built fresh only on positive evidence or the user's word
+(`UntieConfig.from_scratch`), so the default never draws a head over trained weights, however they arrived; a
+config's name decides nothing; a schedule written out runs as written; the line at train begin says what the run
+will do, in its own numbers."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import transformers as tf
+from torch.utils.data import Dataset
+
+import untie
+from untie.core import policy
+from untie.testing import ToyLMDataset, tiny_model
+
+VOCAB = 300
+
+
+class _StepTask(Dataset):
+    """Sequences that follow x -> (7x + 3) mod 300 from a start symbol drawn uniformly or from a Zipf law: every
+    symbol equally frequent (uniform) or a few frequent ones (Zipf). A learnable task: its loss falls far below
+    chance (log 300 = 5.70)."""
+
+    def __init__(self, zipf: bool, size: int = 64, length: int = 24, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        if zipf:
+            weights = 1 / torch.arange(1, VOCAB + 1).float()
+            starts = torch.multinomial(weights, size, replacement=True, generator=generator)
+        else:
+            starts = torch.randint(VOCAB, (size,), generator=generator)
+        rows = [starts]
+        for _ in range(length - 1):
+            rows.append((rows[-1] * 7 + 3) % VOCAB)
+        self.ids = torch.stack(rows, 1)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def _config() -> tf.GPT2Config:
+    return tf.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+
+
+def _trained_state(steps: int, lr: float, zipf: bool) -> dict:
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    data = _StepTask(zipf).ids
+    for step in range(steps):
+        batch = data[(step * 16) % 64 :][:16]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def _loss(model, zipf: bool) -> float:
+    data = _StepTask(zipf).ids
+    with torch.no_grad():
+        return float(model(input_ids=data, labels=data).loss)
+
+
+@pytest.mark.parametrize(
+    "steps, lr, zipf, resize",
+    [(30, 3e-3, False, False), (300, 1e-3, False, False), (50, 1e-2, True, False), (300, 1e-3, True, True)],
+    ids=["short-uniform", "long-uniform", "short-zipf-lr1e-2", "long-zipf-resized"],
+)
+def test_weights_loaded_by_hand_keep_their_trained_output_role_under_the_defaults(make_args, steps, lr, zipf, resize):
+    model = tf.GPT2LMHeadModel(_config())  # built from its config, then loaded by hand: no name says "loaded"
+    model.load_state_dict(_trained_state(steps, lr, zipf))
+    if resize:
+        model.resize_token_embeddings(VOCAB + 8)
+    before = _loss(model, zipf)
+    assert before < math.log(VOCAB) - 0.5  # trained: well below chance
+    callback = untie.UntieCallback()
+    args = make_args(max_steps=10, learning_rate=1e-6, per_device_train_batch_size=64)
+    tf.Trainer(model=model, args=args, train_dataset=_StepTask(zipf), callbacks=[callback]).train()
+    assert callback.policy_choice.plan == "as set" and "trained weights" in callback.policy_choice.reason
+    assert callback.untie_step == 3 and torch.equal(model.lm_head.weight, model.transformer.wte.weight) is False
+    assert _loss(model, zipf) == pytest.approx(before, abs=0.01)  # the untie copied: nothing was drawn over it
+
+
+def test_a_model_built_from_a_saved_config_counts_as_built_fresh_and_a_warning_names_both(tmp_path, make_args):
+    tiny_model("gpt2").config.save_pretrained(tmp_path / "config")
+    config = tf.AutoConfig.from_pretrained(tmp_path / "config")
+    model = tf.AutoModelForCausalLM.from_config(config)
+    assert model.name_or_path  # the config's name says "loaded", the weights say "drawn"
+    with pytest.warns(UserWarning, match=r"config names .* but its embedding matches a fresh draw.*from_scratch="):
+        untier = untie.Untier(model, max_steps=4)
+    assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "model"
+    untier.close()
+    model = tf.AutoModelForCausalLM.from_config(config)
+    untier = untie.Untier(model, from_scratch=False, max_steps=4)  # the setting that settles it
+    assert untier.policy_choice.plan == "as set" and untie.is_tied(model)
+    untier.close()
+
+
+def test_the_user_says_from_scratch_for_weights_the_run_cannot_read(monkeypatch):
+    monkeypatch.setattr(policy, "is_sharded", lambda tensor: True)  # an FSDP2 shard
+    model = tiny_model("gpt2")
+    assert policy.choose_plan("fresh-untied", model, tied=True, peft=False).plan == "as set"
+    chosen = policy.choose_plan("fresh-untied", model, tied=True, peft=False, from_scratch=True)
+    assert chosen.untied_from_start and chosen.head_init == "model"
+    with pytest.raises(ValueError, match="from_scratch='yes': pass True"):
+        untie.UntieConfig(from_scratch="yes")
+    parser = tf.HfArgumentParser((untie.UntieConfig,))
+    assert parser.parse_args_into_dataclasses(["--from_scratch", "true"])[0].from_scratch is True
+    assert parser.parse_args_into_dataclasses([])[0].from_scratch is None
+
+
+def test_trained_weights_said_from_scratch_are_drawn_over_with_a_warning():
+    model = tf.GPT2LMHeadModel(_config())
+    model.load_state_dict(_trained_state(300, 1e-3, False))
+    with pytest.warns(UserWarning, match="from_scratch=True, but its embedding does not match"):
+        untier = untie.Untier(model, from_scratch=True, max_steps=4)
+    assert untier.policy_choice.untied_from_start
+    untier.close()
+
+
+@pytest.mark.parametrize("written", [{"untie_at": 0.3}, {"untie_when": "divergence"}, {"untie_at": 0.3,
+                                     "untie_when": "divergence"}])  # fmt: skip
+def test_the_default_schedule_written_out_gives_a_fresh_model_its_tied_phase(make_args, caplog, written):
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback(**written)
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        tf.Trainer(model=model, args=make_args(max_steps=10), train_dataset=ToyLMDataset(), callbacks=[callback])
+        callback.run.close()
+    trainer = tf.Trainer(model=tiny_model("gpt2"), args=make_args(max_steps=10), callbacks=[untie.UntieCallback(
+        metrics_every=10, pairs="none")])  # fmt: skip
+    (measuring,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback)]
+    assert measuring.policy_choice.untied_from_start  # measurement knobs do not switch the plan
+    assert callback.policy_choice.plan == "as set" and untie.is_tied(model)
+    assert "it runs as set" in callback.policy_choice.reason
+
+
+def test_the_line_at_train_begin_says_the_untie_step_in_the_runs_own_numbers(make_args, caplog):
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback(untie_at=0.3, untie_when=None)
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        tf.Trainer(
+            model=model, args=make_args(max_steps=10), train_dataset=ToyLMDataset(), callbacks=[callback]
+        ).train()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: ")]
+    assert said[0] == (
+        "untie: trains tied; unties at step 3 (untie_at=0.3 of 10); the head starts as a copy of the embedding, "
+        "because the schedule as set (policy='off') (the schedule is set (untie_at=0.3, untie_when=None): it runs "
+        "as set)"
+    )
+    assert callback.run.plan == said[0] and callback.untie_step == 3
