@@ -34,7 +34,7 @@ from pathlib import Path
 
 from untie import UntieConfig
 from untie.config import POLICIES
-from untie.core.policy import embedding_share
+from untie.structure.policy import embedding_share
 from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.decision_map.report import arm_losses
 from untie_recipes.tasks.decision_map.runs import FIXED_FRACTIONS, MapContext

@@ -56,7 +56,7 @@ def full_state(model) -> dict[str, torch.Tensor]:
 
 
 def full_matrices(model) -> dict[str, torch.Tensor]:
-    from untie.engines.distributed import gathered
+    from untie.distributed import gathered
 
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     with gathered(embedding, head):  # ZeRO-3: every rank gathers

@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.engines.distributed import resolve_tying_mode, training_engine
+from untie.distributed import resolve_tying_mode, training_engine
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 

@@ -14,7 +14,7 @@ import transformers as tf
 from torch.utils.data import Dataset
 
 import untie
-from untie.core import policy
+from untie.structure import policy
 from untie.testing import ToyLMDataset, tiny_model
 
 VOCAB = 300

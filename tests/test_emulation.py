@@ -180,3 +180,18 @@ def test_a_run_that_ends_tied_takes_its_hooks_off_the_optimizer(make_args, tmp_p
         head.zero_()
     trainer.optimizer.step()  # no gradients: nothing moves, and no mirror copies the embedding into the head any more
     assert not head.any()
+
+
+def test_each_engine_has_its_tied_phase_from_one_table_behind_one_interface():
+    from untie.engines import TIED_PHASES, tied_phase_for
+    from untie.engines.emulation import EmulatedTying
+    from untie.engines.zero_tying import ZeroTying
+
+    assert TIED_PHASES == {None: EmulatedTying, "FSDP2": EmulatedTying, "DEEPSPEED": ZeroTying}
+    assert (EmulatedTying.reads_at_step, ZeroTying.reads_at_step) == (False, True)
+    for cls in (EmulatedTying, ZeroTying):
+        assert all(callable(getattr(cls, name)) for name in ("attach_optimizer", "release", "remove")), cls
+    model = untie.untie_embeddings(tiny_model("gpt2"))
+    tying = tied_phase_for("FSDP2", model)
+    assert isinstance(tying, EmulatedTying) and tying.head is model.get_output_embeddings()
+    tying.remove()

@@ -220,3 +220,24 @@ def test_no_refusal_of_the_library_raises_a_bare_built_in():
         untie.UntieConfig(untie_at=-1)
     with pytest.raises(ValueError):
         untie.UntieConfig(untie_at=-1)
+
+
+def test_the_library_folders_import_one_another_without_a_loop():
+    """The sub-packages form layers (docs/development.md, "Layout"): no folder imports one that imports it back,
+    directly or through others (the loops structure <-> engines and checkpoints <-> core are gone)."""
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    edges: dict[str, set[str]] = {folder: set() for folder in folders}
+    for folder in folders:
+        for path in (PACKAGE / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("untie."):
+                    target = node.module.split(".")[1]
+                    if target in folders and target != folder:
+                        edges[folder].add(target)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in edges[start])
+
+    loops = sorted(f"{a} -> {b}" for a in folders for b in edges[a] if reaches(b, a, {b}))
+    assert not loops, loops
+    assert "engines" not in edges["structure"] and "core" not in edges["checkpoints"]

@@ -1,4 +1,4 @@
-"""`UntieConfig(policy="auto")`: the plan chosen from the model before training (`untie.core.policy`), carried out
+"""`UntieConfig(policy="auto")`: the plan chosen from the model before training (`untie.structure.policy`), carried out
 by both adapters exactly as the settings it stands for, said once at train begin and kept in the run state."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.core import policy
+from untie.structure import policy
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 

@@ -54,7 +54,7 @@ TIE_INITS = ("input", "output", "mean")
 TyingMode = Literal["auto", "live", "emulated"]
 OptimizerStateInit = Literal["copy", "reset", "fresh"]
 TieInit = Literal["input", "output", "mean"]
-#: The untie policies (see `UntieConfig.policy`, `untie.core.policy`); kept here so that the config stays torch-free.
+#: The untie policies (see `UntieConfig.policy`, `untie.structure.policy`); here, so that the config stays torch-free.
 POLICIES = ("off", "auto", "fresh-untied")
 PolicyName = Literal["off", "auto", "fresh-untied"]
 #: The policy an unset `UntieConfig.policy` follows where the schedule is not set (`chosen_policy`): validated on
@@ -135,7 +135,7 @@ class UntieConfig:
             decision-map.md, "`fresh-untied` held out: the verdict"): on the decision map's corpus a tied phase
             cost more than it saved at every share and budget measured. 'auto' is retired: its held-out validation
             failed (docs/recipes/decision-map.md); it is still read, with a warning, and runs as 'fresh-untied'
-            above untie.core.policy.UNTIED_FROM_START_SHARE (0.5) of the parameters in the embedding.
+            above untie.structure.policy.UNTIED_FROM_START_SHARE (0.5) of the parameters in the embedding.
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT

@@ -14,8 +14,8 @@ from transformers.trainer_callback import ExportableState
 from untie.adapters import trainer_glue as glue
 from untie.checkpoints.checkpoint import STATE_KEY, read_saved_run, saved_callback_state
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import TRAINER_CALLBACK, RunOrderError, UntieRun
-from untie.engines.distributed import training_engine
+from untie.core.run import TRAINER_CALLBACK, RunOrderError, RunViews, UntieRun
+from untie.distributed import training_engine
 from untie.errors import UntieRuntimeError, UntieValueError
 from untie.registry import Registry
 from untie.structure.peft_support import is_peft_model
@@ -23,13 +23,7 @@ from untie.structure.peft_support import is_peft_model
 logger = logging.getLogger(__name__)
 
 
-def _run_attribute(name: str, doc: str) -> property:
-    """A callback attribute that is the run object's (`UntieRun`), readable and settable (Trainer restores saved
-    attributes with `setattr` on a new instance)."""
-    return property(lambda self: getattr(self.run, name), lambda self, value: setattr(self.run, name, value), doc=doc)
-
-
-class UntieCallback(TrainerCallback, ExportableState):
+class UntieCallback(RunViews, TrainerCallback, ExportableState):
     """Decide, once, whether the LM head trains tied to the input embedding first, and untie it when tying starts to
     hurt, or at a deadline; never draw a head over trained weights.
 
@@ -48,22 +42,6 @@ class UntieCallback(TrainerCallback, ExportableState):
     The run logic is `untie.core.run.UntieRun` (shared with `untie.Untier`, for custom loops); this class only maps
     Trainer's events onto it and handles what only Trainer does (building the model, loading checkpoints, logs).
     """
-
-    untied = _run_attribute("untied", "Whether the model has been untied.")
-    untie_step = _run_attribute("untie_step", "The optimizer step of the untie (None while tied).")
-    untie_reason = _run_attribute(
-        "untie_reason", 'Why the model was untied: "trigger", "deadline", "checkpoint" or "start".'
-    )
-    history = _run_attribute("history", 'Every measurement: {"step": ..., signal: value, ...}.')
-    trigger_state = _run_attribute("trigger_state", "The divergence trigger's running state (None without one).")
-    pairs = _run_attribute("pairs", "The measured pairs: `config.pairs`, or those read from the tokenizer.")
-    policy_choice = _run_attribute("choice", "What `policy` chose for the model, and why (`untie.core.policy`).")
-    tying_mode = _run_attribute("tying_mode", 'The tied phase\'s implementation, "live" or "emulated".')
-    rule = _run_attribute("rule", 'The trigger\'s rule (`untie.UntieWhen`), "divergence" resolved for the pairs; None.')
-    divergence = _run_attribute(
-        "divergence", "The divergence trigger (`untie.signals.triggers.DivergenceTrigger`) or None."
-    )
-    deadline = _run_attribute("deadline", "`untie_at` (`untie.signals.triggers.ScheduledTrigger`).")
 
     def __init__(self, config: UntieConfig | None = None, **overrides: Any) -> None:
         """Args:
@@ -95,7 +73,8 @@ class UntieCallback(TrainerCallback, ExportableState):
         """What Trainer saves in `trainer_state.json`: the settings (`args`, which Trainer can rebuild the callback
         from) and the run state, in the layout `untie.Untier` saves too (`UntieRun.state_dict`), under
         `untie.checkpoints.checkpoint.STATE_KEY`. `on_train_begin` restores it from the checkpoint's TrainerState."""
-        return {"args": self.config.to_dict(), "attributes": {STATE_KEY: self.run.state_dict(self._global_step)}}
+        args = self.config.to_json_dict()  # a schedule setting left unset stays unset in the rebuilt callback
+        return {"args": args, "attributes": {STATE_KEY: self.run.state_dict(self._global_step)}}
 
     # -- Trainer events ---------------------------------------------------------------------------------------------
     def on_init_end(self, args, state, control, model=None, processing_class=None, **kwargs):

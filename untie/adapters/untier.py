@@ -41,8 +41,8 @@ from untie.checkpoints.saved_state import (
     write_state_file,
 )
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import CUSTOM_LOOP, RunOrderError, UntieRun
-from untie.engines.distributed import gathered, training_engine
+from untie.core.run import CUSTOM_LOOP, RunOrderError, RunViews, UntieRun
+from untie.distributed import gathered, training_engine
 from untie.errors import UntieFileNotFoundError, UntieValueError
 from untie.structure.plan import SavedFacts
 from untie.structure.surgery import inner_optimizer, input_weight, output_weight
@@ -50,7 +50,7 @@ from untie.structure.surgery import inner_optimizer, input_weight, output_weight
 logger = logging.getLogger(__name__)
 
 
-class Untier:
+class Untier(RunViews):
     """Train tied, then untie the LM head from the input embedding, in a custom training loop.
 
     With the defaults (`UntieConfig`), a model built fresh (its embedding matches a fresh draw of its initialiser,
@@ -128,42 +128,6 @@ class Untier:
     def config(self) -> UntieConfig:
         """The settings (`untie.UntieConfig`)."""
         return self.run.config
-
-    @property
-    def untied(self) -> bool:
-        return self.run.untied
-
-    @property
-    def untie_step(self) -> int | None:
-        return self.run.untie_step
-
-    @property
-    def untie_reason(self) -> str | None:
-        """Why the model was untied: "trigger", "deadline", "checkpoint" or "start"."""
-        return self.run.untie_reason
-
-    @property
-    def history(self) -> list[dict[str, float]]:
-        """Every measurement: {"step": ..., signal: value, ...}."""
-        return self.run.history
-
-    @property
-    def pairs(self) -> list[tuple[int, int]]:
-        return self.run.pairs
-
-    @property
-    def tying_mode(self) -> str | None:
-        return self.run.tying_mode
-
-    @property
-    def divergence(self):
-        """The divergence trigger (`untie.signals.triggers.DivergenceTrigger`) or None."""
-        return self.run.divergence
-
-    @property
-    def policy_choice(self):
-        """What `policy` chose for the model, and why (`untie.core.policy.PolicyChoice`)."""
-        return self.run.choice
 
     # -- the loop -----------------------------------------------------------------------------------------------------
     def start(self, optimizer: torch.optim.Optimizer) -> None:

@@ -189,9 +189,9 @@ def _load_embeddings(checkpoint: Checkpoint):
 
 def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
     """What the defaults (`UntieCallback()`, `UntieConfig.chosen_policy`) would do with the model `from_pretrained`
-    builds, and why, and its embedding's share of the parameters (`untie.core.policy`)."""
+    builds, and why, and its embedding's share of the parameters (`untie.structure.policy`)."""
     from untie.config import DEFAULT_POLICY
-    from untie.core.policy import choose_plan
+    from untie.structure.policy import choose_plan
 
     choice = choose_plan(DEFAULT_POLICY, model, tied=tied, peft=False, embedding=embedding)
     if choice.untied_from_start:

@@ -38,8 +38,7 @@ from untie import _compat
 from untie.checkpoints.checkpoint import has_resume_guard, resume_guard_hook
 from untie.checkpoints.saved_state import STATE_FORMAT, check_state
 from untie.config import UntieConfig
-from untie.core.policy import PolicyChoice, choose_plan
-from untie.engines.distributed import (
+from untie.distributed import (
     broadcast_decision,
     full_shape,
     gather_rows,
@@ -50,8 +49,7 @@ from untie.engines.distributed import (
     sync_grads_across_ranks,
     world_size,
 )
-from untie.engines.emulation import EmulatedTying
-from untie.engines.zero_tying import ZeroTying
+from untie.engines import TiedPhase, tied_phase_for
 from untie.errors import UntieError, UntieRuntimeError, UntieValueError
 from untie.registry import Registry
 from untie.signals.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
@@ -60,6 +58,7 @@ from untie.signals.probe import RoleGradientProbe
 from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
 from untie.structure.peft_support import check_peft_run, is_peft_model
 from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, Structure, StructurePlan, plan_structure
+from untie.structure.policy import PolicyChoice, choose_plan
 from untie.structure.surgery import (
     add_param_like,
     drop_param,
@@ -116,10 +115,10 @@ class UntieRun:
         self.adapter = adapter
         self.owner = adapter.name
         self.choice: PolicyChoice | None = None
-        """What `config.policy` chose for the attached model (`untie.core.policy`), at `attach`."""
+        """What `config.policy` chose for the attached model (`untie.structure.policy`), at `attach`."""
         self.use_schedule(config.untie_at, config.rule(with_pairs=config.pairs != []))
-        self.untied = False
         self.untie_step: int | None = None
+        """The optimizer step of the untie (None while tied): `untied` is derived from it."""
         self.untie_reason: str | None = None
         """Why the model was untied: "trigger" (divergence), "deadline" (untie_at) or "checkpoint"/"start"."""
         self.pairs: list[tuple[int, int]] = list(config.pairs) if isinstance(config.pairs, list) else []
@@ -129,8 +128,8 @@ class UntieRun:
         self.tying_mode: str | None = None
         """The tied phase's implementation, "live" or "emulated" (`use_tying_mode`)."""
         self.engine: str | None = None
-        """The engine that trains (`untie.engines.distributed.training_engine`): "FSDP2", "DEEPSPEED" or None."""
-        self.emulation: EmulatedTying | ZeroTying | None = None
+        """The engine that trains (`untie.distributed.training_engine`): "FSDP2", "DEEPSPEED" or None."""
+        self.emulation: TiedPhase | None = None
         self.latest: dict[str, float] = {}
         """The last measurement, summarised for logging (`untie/<key>`); cleared by `take_latest`."""
         self.probe: RoleGradientProbe | None = None
@@ -159,6 +158,11 @@ class UntieRun:
         self.plan: str | None = None
         """What the run said at train begin it would do (`plan_line`), kept in the run state."""
 
+    @property
+    def untied(self) -> bool:
+        """Whether the model has been untied: derived from `untie_step`, the one record of the untie."""
+        return self.untie_step is not None
+
     def use_schedule(self, untie_at: int | float | None, rule: UntieWhen | None) -> None:
         """The schedule the run follows: `untie_at` and the trigger's `rule` as set, or as the policy chose."""
         self.untie_at = untie_at
@@ -170,8 +174,8 @@ class UntieRun:
         self.divergence: DivergenceTrigger | None = DivergenceTrigger(rule) if rule else None
 
     def apply_policy(self, model: nn.Module) -> None:
-        """Let `config.policy` choose the schedule for `model` (`untie.core.policy.choose_plan`), before its structure
-        is planned: "untied from the start" is ``untie_at=0`` without a trigger."""
+        """Let `config.policy` choose the schedule for `model` (`untie.structure.policy.choose_plan`), before its
+        structure is planned: "untied from the start" is ``untie_at=0`` without a trigger."""
         policy, why = self.config.chosen_policy()
         if policy == "auto":
             _compat.warn_in_user_code(
@@ -200,7 +204,7 @@ class UntieRun:
     # -- phase 1: attach -----------------------------------------------------------------------------------------------
     def attach(self, model: nn.Module, *, engine: str | None = None, tokenizer=None, optimizer=None) -> None:
         """Phase 1, before the optimizer exists and the model is wrapped: read the model's facts, fix the tying mode
-        (`engine`: `untie.engines.distributed.training_engine`), the pairs (from `tokenizer` when asked) and the rule,
+        (`engine`: `untie.distributed.training_engine`), the pairs (from `tokenizer` when asked) and the rule,
         and give the model its tied-phase structure and the resume guard. With `optimizer` already built, a structure
         it was built without is refused. Attaching again (a new model for a new `train()` call) closes the previous
         attachment first."""
@@ -367,7 +371,7 @@ class UntieRun:
         )
 
     def use_tying_mode(self, engine: str | None) -> None:
-        """Resolve `config.tying_mode` for the engine that trains (`untie.engines.distributed.training_engine`)."""
+        """Resolve `config.tying_mode` for the engine that trains (`untie.distributed.training_engine`)."""
         self.tying_mode = resolve_tying_mode(self.config.tying_mode, engine)
         self.engine = engine
 
@@ -427,9 +431,8 @@ class UntieRun:
             if self.tying_mode == "live":
                 logger.info("untie: the checkpoint was written with emulated tying; this run resumes it emulated.")
             self.tying_mode = "emulated"
-            # ZeRO reduces and partitions gradients inside backward (no point to fold them): tie in autograd there.
-            tying = ZeroTying if self.engine == "DEEPSPEED" else EmulatedTying
-            self.emulation = tying(model, self.registry)
+            # One implementation per engine (ZeRO reduces and partitions gradients in backward: it ties in autograd).
+            self.emulation = tied_phase_for(self.engine, model, self.registry)
 
     def head_init(self) -> str:
         """How a head untied before the first step starts: `config.head_init`, "auto" following the policy."""
@@ -531,9 +534,9 @@ class UntieRun:
         self.history = [h for h in attributes.get("history", []) if h["step"] <= step]
         self.divergence = DivergenceTrigger(self.rule) if self.rule else None
         self.trigger_state = attributes.get("trigger_state")
-        self.untied = bool(attributes.get("untied"))
-        self.untie_step = attributes.get("untie_step") if self.untied else None
-        self.untie_reason = attributes.get("untie_reason") if self.untied else None
+        untied = bool(attributes.get("untied"))
+        self.untie_step = attributes.get("untie_step") if untied else None
+        self.untie_reason = attributes.get("untie_reason") if untied else None
         self.latest, self._unmeasured_warned = {}, False
 
     def warn_changed_settings(self, saved_config: dict, step: int) -> None:
@@ -788,7 +791,6 @@ class UntieRun:
         )
 
     def _record_untie(self, step: int, reason: str) -> None:
-        self.untied = True
         if self.untie_step is None:
             self.untie_step = step
             self.untie_reason = reason
@@ -831,6 +833,73 @@ class UntieRun:
                 "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
                 "torch._dynamo.reset() before building the Trainer."
             )
+
+
+class RunViews:
+    """The run state both adapters show their users, read-only, from their run (`run`, an `UntieRun`): one view for
+    `untie.UntieCallback` and `untie.Untier`."""
+
+    run: UntieRun
+
+    @property
+    def untied(self) -> bool:
+        """Whether the model has been untied."""
+        return self.run.untied
+
+    @property
+    def untie_step(self) -> int | None:
+        """The optimizer step of the untie (None while tied)."""
+        return self.run.untie_step
+
+    @property
+    def untie_reason(self) -> str | None:
+        """Why the model was untied: "trigger", "deadline", "checkpoint" or "start"."""
+        return self.run.untie_reason
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """Every measurement: {"step": ..., signal: value, ...}."""
+        return self.run.history
+
+    @property
+    def trigger_state(self) -> dict | None:
+        """The divergence trigger's running state (None without one)."""
+        return self.run.trigger_state
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """The measured pairs: `config.pairs`, or those read from the tokenizer."""
+        return self.run.pairs
+
+    @property
+    def policy_choice(self) -> PolicyChoice | None:
+        """What the policy chose for the model, and why (`untie.structure.policy.PolicyChoice`)."""
+        return self.run.choice
+
+    @property
+    def plan(self) -> str | None:
+        """What the run said at train begin it would do, in its own numbers (`UntieRun.plan_line`)."""
+        return self.run.plan
+
+    @property
+    def tying_mode(self) -> str | None:
+        """The tied phase's implementation, "live" or "emulated"."""
+        return self.run.tying_mode
+
+    @property
+    def rule(self) -> UntieWhen | None:
+        """The trigger's rule (`untie.UntieWhen`), "divergence" resolved for the pairs; None."""
+        return self.run.rule
+
+    @property
+    def divergence(self) -> DivergenceTrigger | None:
+        """The divergence trigger (`untie.signals.triggers.DivergenceTrigger`) or None."""
+        return self.run.divergence
+
+    @property
+    def deadline(self) -> ScheduledTrigger:
+        """`untie_at` (`untie.signals.triggers.ScheduledTrigger`)."""
+        return self.run.deadline
 
 
 def structure_of(model: nn.Module, emulating: bool = False) -> Structure:

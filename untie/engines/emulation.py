@@ -24,7 +24,7 @@ from torch import nn
 
 from untie import _compat
 from untie.config import OptimizerStateInit
-from untie.engines.distributed import full_shape
+from untie.distributed import full_shape
 from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.structure.surgery import _embedding_modules, inner_optimizer, start_state_like
@@ -53,6 +53,9 @@ class EmulatedTying:
     Attach it to the model before wrapping (DDP / FSDP2) and call `attach_optimizer` once the optimizer exists.
     Hooks are registered on the modules, so they survive `fully_shard` and DDP, which keep the module objects.
     """
+
+    reads_at_step = False
+    """The tied gradient sits in the embedding's `.grad` once folded; `after_fold` listeners read it (`TiedPhase`)."""
 
     def __init__(self, model: nn.Module, registry: Registry | None = None) -> None:
         self.embedding: Any

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from untie import _compat
-from untie.engines.distributed import full_shape
+from untie.distributed import full_shape
 from untie.engines.emulation import separate_roles
 from untie.errors import UntieValueError
 from untie.registry import Registry
@@ -121,6 +121,9 @@ class ZeroTying:
     `deepspeed.initialize` / `accelerator.prepare`; call `attach_optimizer` once the engine exists. The same interface
     as `untie.engines.emulation.EmulatedTying`, so `untie.core.run.UntieRun` drives either.
     """
+
+    reads_at_step = True
+    """ZeRO steps inside backward: the tied gradient is read at the optimizer step (`listen`, `read_tied_rows`)."""
 
     def __init__(self, model: nn.Module, registry: Registry | None = None) -> None:
         self.embedding: Any

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from untie import _compat
-from untie.engines.distributed import full_shape, gather_rows, is_sharded, union_rows, world_size
+from untie.distributed import full_shape, gather_rows, is_sharded, union_rows, world_size
 from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.signals.metrics import (
@@ -140,7 +140,7 @@ class RoleGradientProbe:
         #: Under DeepSpeed (`untie.engines.zero_tying.ZeroTying`) the tied gradient never sits in W.grad, and the
         #: engine steps inside backward: the tying calls `_read_reduced_gradient` at its optimizer's step, before the
         #: step, where each rank reads the rows it needs from its part of ZeRO's reduced gradient.
-        self._reads_at_step = hasattr(emulation, "read_tied_rows")
+        self._reads_at_step = emulation is not None and emulation.reads_at_step
         #: Under DeepSpeed: the rows of W this step reads (and the pairs'), kept at the lookup, before the step.
         self._weight_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         #: Under DeepSpeed: the step's role gradients, read at its optimizer step, for `collect`.

@@ -15,7 +15,7 @@ from torch import nn
 
 from untie import _compat
 from untie.config import OPTIMIZER_STATES, TIE_INITS, OptimizerStateInit, TieInit
-from untie.engines.distributed import full_shape, gathered
+from untie.distributed import full_shape, gathered
 from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 from untie.structure.peft_support import refuse_peft_surgery
 

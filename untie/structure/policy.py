@@ -36,7 +36,7 @@ from torch import nn
 
 from untie import _compat
 from untie.config import POLICIES, PolicyName
-from untie.engines.distributed import full_shape, gathered, is_sharded
+from untie.distributed import full_shape, gathered, is_sharded
 from untie.structure.surgery import input_weight
 
 #: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
