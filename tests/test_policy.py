@@ -201,7 +201,7 @@ def test_the_default_draws_the_head_of_a_model_built_fresh_and_never_over_loaded
 
 
 def test_a_head_partitioned_already_is_not_drawn_and_a_warning_says_so(monkeypatch):
-    monkeypatch.setattr(untie.core.run, "is_split", lambda tensor: True)
+    monkeypatch.setattr(untie.structure.surgery, "is_split", lambda tensor: True)
     model = tiny_model("gpt2")
     with pytest.warns(UserWarning, match="head_init='model' draws the head before the model is sharded"):
         untie.Untier(model, untie_at=0, untie_when=None, head_init="model", max_steps=4).close()

@@ -14,7 +14,7 @@ import torch
 import untie
 from untie import UntieConfig, Untier
 from untie.checkpoints.saved_state import UntieStateError, weights_fingerprint
-from untie.core.run import SAVED_ATTRIBUTES, Adapter, RunOrderError, UntieRun
+from untie.core.run import CALL_PHASES, SAVED_ATTRIBUTES, Adapter, RunOrderError, UntieRun
 from untie.structure.plan import SavedFacts
 from untie.structure.surgery import is_tied, tie_embeddings, untie_embeddings
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
@@ -282,9 +282,10 @@ def test_the_phases_are_enforced_in_one_place_and_a_call_out_of_order_names_the_
     run.end_of_step(1)
     with pytest.raises(RunOrderError, match="has taken steps; it cannot start again"):
         run.start(optimizer, 1, 8)
-    with pytest.raises(RunOrderError, match=r"attach\(\) in phase 'started'"):
+    with pytest.raises(RunOrderError, match=r"attach\(\) in phase 'stepping'"):
         run.attach(model)
     assert isinstance(RunOrderError("x"), untie.UntieError) and issubclass(RunOrderError, RuntimeError)
+    assert set(CALL_PHASES) == {"attach", "adopt", "expect_checkpoint", "start", "arm", "measure", "end_of_step"}
     run.close()
     with pytest.raises(RunOrderError, match=r"arm\(\) in phase 'closed'"):
         run.arm(2)

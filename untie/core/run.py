@@ -15,8 +15,11 @@ history. It knows nothing of who drives the loop. The adapters translate their l
    complete, `end_of_step(t)` after the optimizer step (the untie happens here). What the run has to say about itself
    is said once, at its first step.
 
-`close()` ends it: every install the run made (`registry`, `untie.registry.Registry`) comes off. The phases are
-enforced here (`_enter`); a call out of order raises `RunOrderError`, naming the call the adapter's user makes.
+`close()` ends it: every install the run made (`registry`, `untie.registry.Registry`) comes off. The phases
+("new", "attached", "started", "stepping" once a step has ended, "closed") and the calls each admits are one table,
+`CALL_PHASES`, checked in one place (`_enter`); a call out of order raises `RunOrderError`, naming the order. What
+the run says is `untie.core.messages`'; what it reads off the model besides the role gradients (the tokenizer's
+pairs, the drift) is `untie.core.measuring`'s; the adapters show its state through one read-only view, `RunViews`.
 
 * `untie.UntieCallback`: Trainer's events (`on_init_end`, `on_train_begin`, `on_pre_optimizer_step`, ...);
 * `untie.Untier`: a custom PyTorch or accelerate loop (`Untier()`, `start`, one `step()` per optimizer step).
@@ -25,26 +28,21 @@ enforced here (`_enter`); a call out of order raises `RunOrderError`, naming the
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
 from torch import nn
 
 from untie import _compat
 from untie.checkpoints.checkpoint import has_resume_guard, resume_guard_hook
 from untie.checkpoints.saved_state import STATE_FORMAT, check_state
 from untie.config import UntieConfig
+from untie.core import measuring, messages
 from untie.distributed import (
     broadcast_decision,
-    full_shape,
-    gather_rows,
-    gathered,
     is_sharded,
-    is_split,
     resolve_tying_mode,
     sync_grads_across_ranks,
     world_size,
@@ -52,8 +50,8 @@ from untie.distributed import (
 from untie.engines import TiedPhase, tied_phase_for
 from untie.errors import UntieError, UntieRuntimeError, UntieValueError
 from untie.registry import Registry
-from untie.signals.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
-from untie.signals.pairs import is_tokenizer, tokenizer_pairs
+from untie.signals.metrics import role_signals_on_rows, summarize_pair_metrics
+from untie.signals.pairs import is_tokenizer
 from untie.signals.probe import RoleGradientProbe
 from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
 from untie.structure.peft_support import check_peft_run, is_peft_model
@@ -61,6 +59,7 @@ from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, Structure,
 from untie.structure.policy import PolicyChoice, choose_plan
 from untie.structure.surgery import (
     add_param_like,
+    draw_head,
     drop_param,
     inner_optimizer,
     input_weight,
@@ -73,9 +72,6 @@ from untie.structure.surgery import (
 )
 
 logger = logging.getLogger(__name__)
-
-#: Sample sizes of the drift metrics measured during training: about 0.1 s on CPU for GPT-2 small.
-_DRIFT_SAMPLE = {"queries": 256, "pool": 4096, "rows": 2048}
 
 
 @dataclass(frozen=True)
@@ -91,7 +87,20 @@ class Adapter:
 TRAINER_CALLBACK = Adapter("UntieCallback", "Trainer(processing_class=tokenizer)")
 CUSTOM_LOOP = Adapter("Untier", "tokenizer=tokenizer")
 
-Phase = Literal["new", "attached", "started", "closed"]
+Phase = Literal["new", "attached", "started", "stepping", "closed"]
+
+#: Each call of the run and the phases it may come in: the one place the order of a run's calls is checked
+#: (`UntieRun._enter`). "started": `start` ran and no step has ended (a custom loop may start again, resuming after a
+#: fresh start); "stepping": a step has ended; `expect_checkpoint` before a model is attached waits for `attach`.
+CALL_PHASES: dict[str, frozenset[str]] = {
+    "attach": frozenset({"new", "attached", "closed"}),
+    "adopt": frozenset({"new"}),
+    "expect_checkpoint": frozenset({"attached", "started"}),
+    "start": frozenset({"attached", "started"}),
+    "arm": frozenset({"started", "stepping"}),
+    "measure": frozenset({"started", "stepping"}),
+    "end_of_step": frozenset({"started", "stepping"}),
+}
 
 
 class RunOrderError(UntieError, RuntimeError):
@@ -150,13 +159,12 @@ class UntieRun:
         """Every install of this run (hooks, wrappers, guards, replaced forwards), each with its removal: `close()`."""
         self.phase: Phase = "new"
         """Where the run stands: "new", "attached" (phase 1 done), "started" (phase 2: steps may run), "closed"."""
-        self._stepped = False
         self._announce_pending = False
         self._expected: SavedFacts | None = None
         self.arrived_untied = False
         """The attached model came untied (its head a matrix of its own, trained or reloaded)."""
         self.plan: str | None = None
-        """What the run said at train begin it would do (`plan_line`), kept in the run state."""
+        """What the run said at train begin it would do (`untie.core.messages.plan_line`), kept in the run state."""
 
     @property
     def untied(self) -> bool:
@@ -208,7 +216,7 @@ class UntieRun:
         and give the model its tied-phase structure and the resume guard. With `optimizer` already built, a structure
         it was built without is refused. Attaching again (a new model for a new `train()` call) closes the previous
         attachment first."""
-        self._enter("attach", {"new", "attached", "closed"})
+        self._enter("attach")
         self.close()
         self.registry = Registry(self.adapter.name)
         self.model = model
@@ -219,7 +227,9 @@ class UntieRun:
         self.use_tying_mode(engine)
         asked = self.config.pairs == "auto"
         if asked or (self.config.pairs is None and is_tokenizer(tokenizer)):
-            self.read_pairs(tokenizer, model, asked=asked)
+            self.pairs, self.no_pairs_because = measuring.read_pairs(
+                tokenizer, model, asked=asked, owner=self.owner, hint=self._tokenizer_hint
+            )
         self.match_rule_to_pairs()
         try:
             self.prepare(model, optimizer)
@@ -233,7 +243,7 @@ class UntieRun:
     def adopt(self, other: UntieRun) -> None:
         """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings: the model,
         its structure, the tying and every install); `other` is left empty."""
-        self._enter("adopt", {"new"})
+        self._enter("adopt")
         attached = (
             "model",
             "attach_args",
@@ -260,7 +270,7 @@ class UntieRun:
         if self.phase not in ("attached", "started"):
             self._expected = saved
             return
-        self._enter("expect_checkpoint", {"attached", "started"})
+        self._enter("expect_checkpoint")
         self._expected = None
         if is_peft_model(self.attached_model):
             return  # PEFT adapters hold no embedding; `prepare` checked the model
@@ -279,9 +289,7 @@ class UntieRun:
         or resuming the run state `saved` (`state_dict`'s layout; checked, a damaged one raises
         `untie.checkpoints.saved_state.UntieStateError` naming `where`). Untie at a deadline already reached, else
         set up the measurements. Returns the checked state. A run may start again until its first step ends."""
-        self._enter("start", {"attached", "started"})
-        if self.phase == "started" and self._stepped:
-            raise RunOrderError(f"{self.owner}: the run has taken steps; it cannot start again.")
+        self._enter("start")
         self.optimizer = optimizer
         checked = None
         if saved:
@@ -289,7 +297,7 @@ class UntieRun:
         else:
             self.restore({}, step)
         self.begin(self.attached_model, optimizer, step, max_steps)
-        self.phase, self._stepped, self._announce_pending = "started", False, True
+        self.phase, self._announce_pending = "started", True
         self._started = (step, max_steps)
         return checked
 
@@ -300,12 +308,14 @@ class UntieRun:
             raise RunOrderError(f"{self.owner}: no model is attached yet (attach comes first).")
         return self.model
 
-    def _enter(self, call: str, phases: set[str]) -> None:
-        """The one check of the phases' order (see the module docstring)."""
+    def _enter(self, call: str) -> None:
+        """The one check of the calls' order (`CALL_PHASES`; see the module docstring)."""
+        phases = CALL_PHASES[call]
         if self.phase not in phases:
+            after = " (the run has taken steps; it cannot start again)" if self.phase == "stepping" else ""
             raise RunOrderError(
-                f"{self.owner}: {call}() in phase {self.phase!r} (it needs {' or '.join(sorted(phases))}). The order "
-                "is attach (before the optimizer), start (with the optimizer), then the steps, then close."
+                f"{self.owner}: {call}() in phase {self.phase!r}{after} (it needs {' or '.join(sorted(phases))}). The "
+                "order is attach (before the optimizer), start (with the optimizer), then the steps, then close."
             )
 
     def _announce_once(self) -> None:
@@ -314,32 +324,6 @@ class UntieRun:
             self.announce(*self._started)
 
     # -- before the optimizer exists -----------------------------------------------------------------------------------
-    def read_pairs(self, tokenizer, model, asked: bool) -> None:
-        """Measure the tokenizer's most frequent case and word-start variants that the model has rows for.
-
-        `asked`: the user chose pairs="auto" (a missing tokenizer is an error, an empty result a warning); else
-        pairs=None found a tokenizer (an empty result is only logged).
-        """
-        if tokenizer is None:
-            raise UntieValueError(
-                f"{self.owner}(pairs='auto') reads the pairs from the tokenizer: pass it ({self._tokenizer_hint}), or "
-                "list the pairs yourself: pairs=[(id_a, id_b), ...]."
-            )
-        rows = full_shape(input_weight(model))[0] if model is not None else None
-        pairs = tokenizer_pairs(tokenizer, max_id=rows)
-        within = f" among the model's {rows} embedding rows" if rows is not None else ""
-        if pairs:
-            shown = ", ".join("/".join(p.tokens) for p in pairs[:6])
-            logger.info("untie: pairs='auto' measures %d pairs from the tokenizer (%s, ...)", len(pairs), shown)
-        elif asked:
-            _compat.warn_in_user_code(
-                f"{self.owner}(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants{within}, "
-                "so no pair is measured. Pass pairs=[(id_a, id_b), ...]."
-            )
-        else:
-            self.no_pairs_because = f"the tokenizer's vocabulary has no case or word-start variants{within}"
-        self.pairs = [p.ids for p in pairs]
-
     @property
     def _tokenizer_hint(self) -> str:
         return self.adapter.tokenizer_hint
@@ -440,26 +424,6 @@ class UntieRun:
             return self.config.head_init
         return self.choice.head_init if self.choice is not None and self.choice.untied_from_start else "copy"
 
-    def draw_head(self, model: nn.Module) -> None:
-        """Draw the head untied before the first step with the model's own initialiser (`head_init="model"`). A head
-        that is sharded or partitioned already keeps its copy, and a warning says so."""
-        head = output_weight(model)
-        if is_split(head):
-            _compat.warn_in_user_code(
-                f"{self.owner}: head_init='model' draws the head before the model is sharded; this one is sharded "
-                "already, so the head starts as a copy of the embedding. Build the model unsharded (no zero.Init), "
-                "or pass head_init='copy' to silence this."
-            )
-            return
-        module = getattr(model, "get_output_embeddings", lambda: None)()
-        if not isinstance(module, nn.Module) or getattr(module, "weight", None) is not head:
-            raise UntieRuntimeError(f"{self.owner}: head_init='model' found no output module holding the head to draw.")
-        _compat.init_module_weights(model, module)
-        embedding = input_weight(model)
-        if torch.equal(head, embedding):  # an initialiser that leaves this module to its parent (T5, transformers 5.12)
-            with torch.no_grad():
-                head.normal_(0.0, float(embedding.std()))  # drawn at the embedding's scale, as the tied init had it
-
     def _reach_untied(self, model: nn.Module, current: str, optimizer) -> None:
         if current == "emulated":  # the head has had its own parameter, in the optimizer, from the start
             assert self.emulation is not None
@@ -470,7 +434,7 @@ class UntieRun:
             # resumed run's head gets its optimizer state from the checkpoint, loaded next.
             untie_embeddings(model, optimizer, optimizer_state="reset")
             if current == "tied" and self.head_init() == "model":
-                self.draw_head(model)  # a resumed run's head is then loaded from its checkpoint
+                draw_head(model, self.owner)  # a resumed run's head is then loaded from its checkpoint
             if optimizer is not None:
                 self.install_grad_sync(model)
         else:  # untied before this resume (untie_at=0, or the model's state dict loaded first): the head must train
@@ -514,7 +478,9 @@ class UntieRun:
         state = check_state(state, where)
         step = state["global_step"] if step is None else step
         self.restore(state["attributes"], step)
-        self.warn_changed_settings(state["config"], step)
+        changed = messages.changed_settings(self, state["config"], step)
+        if changed is not None:
+            _compat.warn_in_user_code(changed)
         return state
 
     def state_attributes(self) -> dict:
@@ -538,37 +504,6 @@ class UntieRun:
         self.untie_step = attributes.get("untie_step") if untied else None
         self.untie_reason = attributes.get("untie_reason") if untied else None
         self.latest, self._unmeasured_warned = {}, False
-
-    def warn_changed_settings(self, saved_config: dict, step: int) -> None:
-        """Say which schedule settings differ from the checkpoint's run (`saved_config`, as JSON), and what they do."""
-        now = json.loads(json.dumps(self.config.to_dict()))  # every setting, set or left at its default
-        defaults = json.loads(json.dumps(UntieConfig().to_dict()))  # what a checkpoint leaves out was not set
-        then = {k: saved_config.get(k, defaults[k]) for k in ("untie_at", "untie_when")}
-        changed = [k for k in then if not self._same(k, then[k], now[k])]
-        if not changed:
-            return
-        what = ", ".join(f"{k}: {then[k]!r} -> {now[k]!r}" for k in changed)
-        if self.untied:
-            _compat.warn_in_user_code(
-                f"{self.owner}: resumed with changed settings ({what}), which have no effect: the checkpoint's run "
-                f"untied at step {self.untie_step} ({self.untie_reason}) and a resumed run does not re-tie."
-            )
-        else:
-            _compat.warn_in_user_code(
-                f"{self.owner}: resumed at step {step} with changed settings ({what}); the tied run continues under "
-                "the new ones (a deadline already passed unties at the resume step)."
-            )
-
-    def _same(self, key: str, saved, now) -> bool:
-        """Whether a checkpoint's setting (JSON) is this run's (`now`); rules compare by what they resolve to."""
-        if key != "untie_when":
-            return saved == now
-        try:
-            then = UntieWhen.coerce(saved, with_pairs=bool(self.pairs))
-            asked = UntieWhen.coerce(self.config.untie_when, with_pairs=bool(self.pairs))
-        except (TypeError, ValueError):
-            return False
-        return (then and then.to_dict()) == (asked and asked.to_dict())
 
     # -- the run -------------------------------------------------------------------------------------------------------
     def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
@@ -604,7 +539,7 @@ class UntieRun:
         """A checkpoint's run was still tied at `step` (a run that kept a tied phase: another policy, a schedule, or
         a version whose default was the schedule): the checkpoint decides. The run continues its tied phase under
         untie_at / untie_when, so that a resumed run does what its checkpoint's run was doing, and the plan line
-        (`plan_line`) says why."""
+        (`untie.core.messages.plan_line`) says why."""
         assert self.choice is not None
         reason = (
             f"the checkpoint's run was still tied at step {step:,}: it continues its tied phase (the default plan "
@@ -629,66 +564,33 @@ class UntieRun:
             self.probe = RoleGradientProbe(model, pairs=self.pairs, emulation=self.emulation, registry=self.registry)
 
     def announce(self, step: int, max_steps: int | None) -> None:
-        """Say what the run that `begin` set up at `step` will do, in one line and in its own numbers (`plan_line`,
-        kept in the run state), and what the user should know before its first step runs (a trigger that cannot
-        fire in the run's length). Call it once per begun run, after the last `begin`."""
-        self.plan = self.plan_line(step, max_steps)
+        """Say what the run that `begin` set up at `step` will do, in one line and in its own numbers
+        (`untie.core.messages.plan_line`, kept in the run state), and what the user should know before its first step
+        runs (a trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
+        self.plan = messages.plan_line(self, step, max_steps)
         logger.warning(self.plan)
         if self.probe is not None:
-            self._warn_short_run(step, max_steps)
-
-    def plan_line(self, step: int, max_steps: int | None) -> str:
-        """What the run begun at `step` of `max_steps` will do and why, in words: "untie: trains untied from step 0;
-        the head is drawn by the model's initialiser, because ..." / "untie: trains tied; unties when the divergence
-        trigger fires, at step 1,234 at the latest, because ..."."""
-        start = f"resumed at step {step:,}: " if step else ""
-        why = f", because {self.choice.reason}" if self.choice is not None else ""
-        if self.untied:
-            if self.untie_step is not None and self.untie_step < step:
-                return f"untie: {start}trains untied (untied at step {self.untie_step:,}, {self.untie_reason})"
-            if self.arrived_untied:
-                return f"untie: {start}trains untied from step 0; the model arrived untied: its head is its own matrix"
-            head = {
-                "model": "the head is drawn by the model's initialiser (head_init)",
-                "copy": "the head starts as a copy of the embedding (head_init)",
-            }[self.head_init()]
-            asked = "untie_at=0" if self.config.was_set("untie_at") and self.config.untie_at == 0 else ""
-            return f"untie: {start}trains untied from step {step:,}{f' ({asked})' if asked else ''}; {head}{why}"
-        length = f" of {max_steps:,}" if max_steps else ""
-        if self.deadline.step is not None:
-            at = self.deadline.untie_at
-            setting = f"untie_at={at!r}{length}" if isinstance(at, float) else f"untie_at={at!r}"
-            deadline = f"at step {self.deadline.step:,} ({setting})"
-        else:
-            deadline = ""
-        emulated = " (emulated tying)" if self.emulation is not None else ""
-        if self.divergence is not None:
-            signal = self.divergence.rule.signal
-            latest = f", {deadline} at the latest" if deadline else " (no deadline)"
-            when = f"unties when the divergence trigger ({signal}) fires{latest}"
-        elif deadline:
-            when = f"unties {deadline}"
-        else:
-            when = "stays tied (untie_at=None, untie_when=None)"
-        return f"untie: {start}trains tied{emulated}; {when}; the head starts as a copy of the embedding{why}"
+            messages.short_run_notice(self, step, max_steps)
 
     def arm(self, step: int) -> None:
         """Optimizer step `step` is about to run its first forward: measure its gradients if it is a metrics step."""
-        self._enter("arm", {"started"})
+        self._enter("arm")
         if self.probe is not None:
             self.probe.armed = self.measures(step)
 
     def measure(self, step: int) -> None:
         """Optimizer step `step`'s gradients are complete (all micro-batches, all ranks): read the role signals off
         them and feed the trigger. Every rank must call it."""
-        self._enter("measure", {"started"})
+        self._enter("measure")
         self._announce_once()
         if self.probe is None or not self.probe.armed:
             return
         self.probe.armed = False
         grads = self.probe.collect()
         if grads is None:
-            self._warn_unmeasured()
+            if not self._unmeasured_warned:
+                self._unmeasured_warned = True
+                _compat.warn_in_user_code(messages.unmeasured(self.owner))
             return
         signals = role_signals_on_rows(grads, pairs=self.pairs)
         signals.update(self.probe.pair_measurements(grads))
@@ -700,13 +602,13 @@ class UntieRun:
     def end_of_step(self, step: int) -> str | None:
         """Optimizer step `step` is done: untie if the trigger fired or the deadline is reached (returns why), or
         measure the drift of an untied model. Every rank must call it."""
-        self._enter("end_of_step", {"started"})
+        self._enter("end_of_step")
         self._announce_once()
-        self._stepped = True
+        self.phase = "stepping"
         model, optimizer = self.attached_model, self.optimizer
         if self.untied:
             if self.measures(step):
-                self._record(step, self._drift(model, step))
+                self._record(step, measuring.drift(model, self.pairs, step))
             return None
         reason = None
         if self.divergence is not None and self.measures(step):
@@ -747,7 +649,7 @@ class UntieRun:
         self.drop_probe()
         self.registry.close()
         self._grad_sync_installed = False
-        if self.phase in ("attached", "started"):
+        if self.phase in ("attached", "started", "stepping"):
             self.phase = "closed"
 
     def take_latest(self) -> dict[str, float]:
@@ -775,64 +677,10 @@ class UntieRun:
         self.history.append({"step": step, **metrics})
         self.latest = summarize_pair_metrics(metrics)  # the history keeps every pair
 
-    def _drift(self, model: nn.Module, step: int) -> dict[str, float]:
-        embedding = input_weight(model)
-        head = output_weight(model)
-        if not is_sharded(embedding):
-            with gathered(embedding, head):  # ZeRO-3: every rank gathers both, then measures the same
-                return drift_metrics(embedding, head, pairs=self.pairs, seed=step, **_DRIFT_SAMPLE)
-        # FSDP2: read only the sampled rows of each rank's shard (every rank samples the same rows).
-        return sampled_drift_metrics(
-            lambda ids: (gather_rows(embedding, ids), gather_rows(head, ids)),
-            vocab=full_shape(embedding)[0],
-            pairs=self.pairs,
-            seed=step,
-            **_DRIFT_SAMPLE,
-        )
-
     def _record_untie(self, step: int, reason: str) -> None:
         if self.untie_step is None:
             self.untie_step = step
             self.untie_reason = reason
-
-    def _warn_short_run(self, step: int, max_steps: int | None) -> None:
-        """Say once when `metrics_every` leaves the trigger too few measurements before the deadline (or the run's
-        end) to fire, or leaves no measurement at all: a short fine-tune with the defaults would otherwise be a plain
-        schedule without a word."""
-        every, last = self.config.metrics_every, self.deadline.step or max_steps
-        if last is None:  # an open-ended custom loop: nothing to count against
-            return
-        if self.divergence is not None:
-            chances, needed = self.divergence.chances(every, last), self.divergence.rule.patience
-            if chances >= needed:
-                return
-            fit = max(1, (last - max(self.divergence.warmup_step, 1) + 1) // needed)
-            what = f"the model unties at the deadline, step {last}" if self.deadline.step else "the model stays tied"
-            _compat.warn_in_user_code(
-                f"{self.owner}: metrics_every={every} leaves the divergence trigger {chances} measurement(s) after "
-                f"its warm-up (step {self.divergence.warmup_step}) and by step {last}; it needs {needed} in a row to "
-                f"fire, so it cannot fire and {what}. Pass metrics_every <= {fit} to give it a chance, or "
-                "untie_when=None for a plain schedule at untie_at."
-            )
-        elif every > last - step:  # no trigger reads them: a note, not a warning
-            logger.info(
-                "untie: metrics_every=%d measures nothing by step %d (the %s); pass a smaller metrics_every to see the "
-                "role signals, or metrics_every=0 to turn them off.",
-                every,
-                last,
-                "untie" if self.deadline.step else "end of the run",
-            )
-
-    def _warn_unmeasured(self) -> None:
-        if not self._unmeasured_warned:
-            self._unmeasured_warned = True
-            _compat.warn_in_user_code(
-                f"{self.owner}: a measurement step ran no backward through the tied matrix's two roles, so the role "
-                "signals (and the divergence trigger, which then waits for the deadline) are missing. Is the matrix "
-                "frozen? Under torch.compile, module hooks added after a model of the same class was compiled in "
-                "this process are not traced (torch._dynamo.config.skip_nnmodule_hook_guards): call "
-                "torch._dynamo.reset() before building the Trainer."
-            )
 
 
 class RunViews:
@@ -878,7 +726,7 @@ class RunViews:
 
     @property
     def plan(self) -> str | None:
-        """What the run said at train begin it would do, in its own numbers (`UntieRun.plan_line`)."""
+        """What the run said at train begin it would do, in its own numbers (`untie.core.messages.plan_line`)."""
         return self.run.plan
 
     @property

@@ -21,7 +21,7 @@ untied, or wrapped by PEFT, runs as set too (`tie_init` decides whether it is ti
 to skip. `policy="auto"` (retired: its held-out validation failed at 40% embedding share) trains a model built fresh
 untied from the start only where the embedding is at least `UNTIED_FROM_START_SHARE` of the parameters.
 
-The choice is said once at train begin, in the run's own numbers (`untie.core.run.UntieRun.plan_line`), and kept in
+The choice is said once at train begin, in the run's own numbers (`untie.core.messages.plan_line`), and kept in
 the run state (`PolicyChoice.to_dict`), so a checkpoint says what its run chose and why.
 """
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from untie import _compat
 from untie.config import OPTIMIZER_STATES, TIE_INITS, OptimizerStateInit, TieInit
-from untie.distributed import full_shape, gathered
+from untie.distributed import full_shape, gathered, is_split
 from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 from untie.structure.peft_support import refuse_peft_surgery
 
@@ -522,3 +522,25 @@ def sort_param_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> Non
     for group in opt.param_groups:
         group["params"].sort(key=lambda p: rank.get(id(p), len(rank)))
     _compat.reindex_bitsandbytes_overrides(opt)
+
+
+def draw_head(model: nn.Module, owner: str) -> None:
+    """Draw `model`'s LM head (untied, before the first step) with the model's own initialiser, as a model built
+    untied has it (`UntieConfig.head_init="model"`). A head that is sharded or partitioned already keeps its copy of
+    the embedding, and a warning naming `owner` says so."""
+    head = output_weight(model)
+    if is_split(head):
+        _compat.warn_in_user_code(
+            f"{owner}: head_init='model' draws the head before the model is sharded; this one is sharded already, so "
+            "the head starts as a copy of the embedding. Build the model unsharded (no zero.Init), or pass "
+            "head_init='copy' to silence this."
+        )
+        return
+    module = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(module, nn.Module) or getattr(module, "weight", None) is not head:
+        raise UntieRuntimeError(f"{owner}: head_init='model' found no output module holding the head to draw.")
+    _compat.init_module_weights(model, module)
+    embedding = input_weight(model)
+    if torch.equal(head, embedding):  # an initialiser that leaves this module to its parent (T5, transformers 5.12)
+        with torch.no_grad():
+            head.normal_(0.0, float(embedding.std()))  # drawn at the embedding's scale, as the tied init had it

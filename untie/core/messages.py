@@ -1,0 +1,125 @@
+"""What a run says about itself, in words: the one line at train begin (`plan_line`), a resume under changed settings
+(`changed_settings`), a run too short for its trigger (`short_run_notice`), a measurement that read nothing
+(`unmeasured`). Each reads the run (`untie.core.run.UntieRun`) and changes nothing: the run decides, this says it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from untie import _compat
+from untie.config import UntieConfig
+from untie.signals.triggers import UntieWhen
+
+if TYPE_CHECKING:
+    from untie.core.run import UntieRun
+
+logger = logging.getLogger(__name__)
+
+_HEADS = {
+    "model": "the head is drawn by the model's initialiser (head_init)",
+    "copy": "the head starts as a copy of the embedding (head_init)",
+}
+
+
+def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
+    """What the run begun at `step` of `max_steps` will do and why: "untie: trains untied from step 0; the head is
+    drawn by the model's initialiser, because ..." / "untie: trains tied; unties when the divergence trigger fires,
+    at step 1,234 at the latest, because ..."."""
+    start = f"resumed at step {step:,}: " if step else ""
+    why = f", because {run.choice.reason}" if run.choice is not None else ""
+    if run.untied:
+        if run.untie_step is not None and run.untie_step < step:
+            return f"untie: {start}trains untied (untied at step {run.untie_step:,}, {run.untie_reason})"
+        if run.arrived_untied:
+            return f"untie: {start}trains untied from step 0; the model arrived untied: its head is its own matrix"
+        asked = " (untie_at=0)" if run.config.was_set("untie_at") and run.config.untie_at == 0 else ""
+        return f"untie: {start}trains untied from step {step:,}{asked}; {_HEADS[run.head_init()]}{why}"
+    deadline = ""
+    if run.deadline.step is not None:
+        at = run.deadline.untie_at
+        setting = f"untie_at={at!r} of {max_steps:,}" if isinstance(at, float) and max_steps else f"untie_at={at!r}"
+        deadline = f"at step {run.deadline.step:,} ({setting})"
+    if run.divergence is not None:
+        latest = f", {deadline} at the latest" if deadline else " (no deadline)"
+        when = f"unties when the divergence trigger ({run.divergence.rule.signal}) fires{latest}"
+    elif deadline:
+        when = f"unties {deadline}"
+    else:
+        when = "stays tied (untie_at=None, untie_when=None)"
+    emulated = " (emulated tying)" if run.emulation is not None else ""
+    return f"untie: {start}trains tied{emulated}; {when}; the head starts as a copy of the embedding{why}"
+
+
+def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None:
+    """What a resume at `step` under other schedule settings than the checkpoint's run (`saved_config`, as JSON)
+    does, in words; None where they are the same. A setting the checkpoint leaves out was not set: its default."""
+    now = json.loads(json.dumps(run.config.to_dict()))
+    defaults = json.loads(json.dumps(UntieConfig().to_dict()))
+    then = {k: saved_config.get(k, defaults[k]) for k in ("untie_at", "untie_when")}
+    changed = [k for k in then if not _same(run, k, then[k], now[k])]
+    if not changed:
+        return None
+    what = ", ".join(f"{k}: {then[k]!r} -> {now[k]!r}" for k in changed)
+    if run.untied:
+        return (
+            f"{run.owner}: resumed with changed settings ({what}), which have no effect: the checkpoint's run "
+            f"untied at step {run.untie_step} ({run.untie_reason}) and a resumed run does not re-tie."
+        )
+    return (
+        f"{run.owner}: resumed at step {step} with changed settings ({what}); the tied run continues under the new "
+        "ones (a deadline already passed unties at the resume step)."
+    )
+
+
+def _same(run: UntieRun, key: str, saved, now) -> bool:
+    """Whether a checkpoint's setting (JSON) is this run's (`now`); rules compare by what they resolve to."""
+    if key != "untie_when":
+        return saved == now
+    try:
+        then = UntieWhen.coerce(saved, with_pairs=bool(run.pairs))
+        asked = UntieWhen.coerce(run.config.untie_when, with_pairs=bool(run.pairs))
+    except (TypeError, ValueError):
+        return False
+    return (then and then.to_dict()) == (asked and asked.to_dict())
+
+
+def short_run_notice(run: UntieRun, step: int, max_steps: int | None) -> None:
+    """Say once when `metrics_every` leaves the trigger too few measurements before the deadline (or the run's end)
+    to fire, or leaves no measurement at all: a short fine-tune with the defaults would otherwise be a plain schedule
+    without a word."""
+    every, last = run.config.metrics_every, run.deadline.step or max_steps
+    if last is None:  # an open-ended custom loop: nothing to count against
+        return
+    if run.divergence is not None:
+        chances, needed = run.divergence.chances(every, last), run.divergence.rule.patience
+        if chances >= needed:
+            return
+        fit = max(1, (last - max(run.divergence.warmup_step, 1) + 1) // needed)
+        what = f"the model unties at the deadline, step {last}" if run.deadline.step else "the model stays tied"
+        _compat.warn_in_user_code(
+            f"{run.owner}: metrics_every={every} leaves the divergence trigger {chances} measurement(s) after its "
+            f"warm-up (step {run.divergence.warmup_step}) and by step {last}; it needs {needed} in a row to fire, so "
+            f"it cannot fire and {what}. Pass metrics_every <= {fit} to give it a chance, or untie_when=None for a "
+            "plain schedule at untie_at."
+        )
+    elif every > last - step:  # no trigger reads them: a note, not a warning
+        logger.info(
+            "untie: metrics_every=%d measures nothing by step %d (the %s); pass a smaller metrics_every to see the "
+            "role signals, or metrics_every=0 to turn them off.",
+            every,
+            last,
+            "untie" if run.deadline.step else "end of the run",
+        )
+
+
+def unmeasured(owner: str) -> str:
+    """A measurement step ran no backward through the tied matrix's two roles."""
+    return (
+        f"{owner}: a measurement step ran no backward through the tied matrix's two roles, so the role signals (and "
+        "the divergence trigger, which then waits for the deadline) are missing. Is the matrix frozen? Under "
+        "torch.compile, module hooks added after a model of the same class was compiled in this process are not "
+        "traced (torch._dynamo.config.skip_nnmodule_hook_guards): call torch._dynamo.reset() before building the "
+        "Trainer."
+    )
