@@ -336,7 +336,7 @@ def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_tied_then_
     ), said
 
 
-def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_args, tmp_path):
+def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_args, tmp_path, monkeypatch):
     """A checkpoint of a run that kept a tied phase (policy "off", as the defaults were before), resumed with
     `UntieCallback()`: the run continues tied and unties where its own run would have, to the same numbers."""
     args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=20)
@@ -349,11 +349,13 @@ def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_a
     resumed_model = tiny_model("gpt2")
     resumed = untie.UntieCallback()
     trainer = tf.Trainer(model=resumed_model, args=args, train_dataset=ToyLMDataset(), callbacks=[resumed])
+    assert untie.is_tied(resumed_model)  # the plan waits for train(), where the checkpoint is known: nothing drawn
+    monkeypatch.setattr(untie.core.run, "draw_head", lambda *args: pytest.fail("a head was drawn on a tied resume"))
     trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert resumed.untie_step == 6 and resumed.untie_reason == "deadline"
     assert resumed.policy_choice.plan == "as set"
     assert resumed.run.plan.startswith("untie: resumed at step 4: trains tied; unties when the divergence trigger")
-    assert "the checkpoint's run was still tied at step 4: it continues its tied phase" in resumed.run.plan
+    assert "the checkpoint's run was still tied, so it continues its tied phase" in resumed.run.plan
     worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
     assert worst <= 1e-6
 

@@ -87,8 +87,10 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
                 "UntieCallback(...) with all its settings."
             )
         glue.move_first(self)
-        self.run.attach(model, engine=training_engine(args), tokenizer=processing_class)
         trainer = glue.find_trainer(self)
+        # With the Trainer found, train() is entered first (train_call): the plan settles once the checkpoint is known.
+        settle_later = trainer is not None and trainer.model_init is None
+        self.run.attach(model, engine=training_engine(args), tokenizer=processing_class, settle_later=settle_later)
         if trainer is not None:
             # train() builds (model_init) and loads a resumed checkpoint before any callback event: see them first.
             glue.wrap_train(trainer, UntieCallback, self._trainer_registry)
@@ -100,9 +102,14 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         a later call, and with `model_init` each model it builds (each hyperparameter_search trial)."""
         if trainer.model_init is not None or self.run.phase == "closed":
             self.run.close()  # the model is built next (model_init), or this is a later call: attach anew
+        saved = None
         if folder is not None:
             model = self.run.model or trainer.model  # PEFT adapters hold no embedding to look up
-            self.run.expect_checkpoint(read_saved_run(folder, None if model is None or is_peft_model(model) else model))
+            saved = read_saved_run(folder, None if model is None or is_peft_model(model) else model)
+        if self.run.phase == "attached":
+            self.run.settle(saved)  # the plan, now that the checkpoint (if any) is known
+        if saved is not None:
+            self.run.expect_checkpoint(saved)
         call = Registry("UntieCallback: one train() call")
         if trainer.model_init is not None:
             attach = functools.partial(self.run.attach, **self.run.attach_args)

@@ -56,7 +56,7 @@ from untie.signals.probe import RoleGradientProbe
 from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
 from untie.structure.peft_support import check_peft_run, is_peft_model
 from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, Structure, StructurePlan, plan_structure
-from untie.structure.policy import PolicyChoice, choose_plan
+from untie.structure.policy import PolicyChoice, choose_plan, settle
 from untie.structure.surgery import (
     add_param_like,
     draw_head,
@@ -161,6 +161,8 @@ class UntieRun:
         """Where the run stands: "new", "attached" (phase 1 done), "started" (phase 2: steps may run), "closed"."""
         self._announce_pending = False
         self._expected: SavedFacts | None = None
+        self._unsettled = False
+        """The policy's untie before the first step waits for `settle` (`attach(settle_later=True)`)."""
         self.arrived_untied = False
         """The attached model came untied (its head a matrix of its own, trained or reloaded)."""
         self.plan: str | None = None
@@ -181,9 +183,12 @@ class UntieRun:
         """The divergence trigger's rule (`untie.UntieWhen`), "divergence" resolved (`match_rule_to_pairs`); None."""
         self.divergence: DivergenceTrigger | None = DivergenceTrigger(rule) if rule else None
 
-    def apply_policy(self, model: nn.Module) -> None:
+    def apply_policy(self, model: nn.Module, settle_later: bool = False) -> None:
         """Let `config.policy` choose the schedule for `model` (`untie.structure.policy.choose_plan`), before its
-        structure is planned: "untied from the start" is ``untie_at=0`` without a trigger."""
+        structure is planned: "untied from the start" is ``untie_at=0`` without a trigger. A checkpoint already
+        expected (`expect_checkpoint` before attach) decides with it (`untie.structure.policy.settle`);
+        `settle_later`: the adapter learns later whether a checkpoint loads (Trainer's `train()`), so an untie
+        before the first step waits for `settle`."""
         policy, why = self.config.chosen_policy()
         if policy == "auto":
             _compat.warn_in_user_code(
@@ -201,7 +206,25 @@ class UntieRun:
         self.choice = dataclasses.replace(choice, reason=f"{choice.reason} ({why})") if why else choice
         if choice.warning is not None:
             _compat.warn_in_user_code(f"{self.owner}: {choice.warning}")
+        self._unsettled = settle_later and self._expected is None and self.choice.untied_from_start
+        if not self._unsettled:
+            self.choice = settle(self.choice, self._expected)
+            self.follow_choice()
+
+    def settle(self, saved: SavedFacts | None) -> None:
+        """Decide the plan once the checkpoint, if any, is known (`saved`; None: a fresh start): an untie before the
+        first step that `attach(settle_later=True)` held back happens now, unless the checkpoint's run was still tied
+        (`untie.structure.policy.settle`). Before the optimizer exists."""
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        assert self.choice is not None
+        self.choice = settle(self.choice, saved)
         self.follow_choice()
+        if self.choice.untied_from_start:
+            model = self.attached_model
+            facts = model_facts(model, emulating=self.emulation is not None)
+            self.apply_plan(model, plan_structure(facts, self.settings()), facts=facts)
 
     def follow_choice(self) -> None:
         """Follow the policy's choice: "untied from the start" is ``untie_at=0`` without a trigger; "as set" keeps
@@ -210,12 +233,15 @@ class UntieRun:
             self.use_schedule(0, None)
 
     # -- phase 1: attach -----------------------------------------------------------------------------------------------
-    def attach(self, model: nn.Module, *, engine: str | None = None, tokenizer=None, optimizer=None) -> None:
+    def attach(
+        self, model: nn.Module, *, engine: str | None = None, tokenizer=None, optimizer=None, settle_later: bool = False
+    ) -> None:
         """Phase 1, before the optimizer exists and the model is wrapped: read the model's facts, fix the tying mode
         (`engine`: `untie.distributed.training_engine`), the pairs (from `tokenizer` when asked) and the rule,
         and give the model its tied-phase structure and the resume guard. With `optimizer` already built, a structure
         it was built without is refused. Attaching again (a new model for a new `train()` call) closes the previous
-        attachment first."""
+        attachment first. `settle_later`: an untie before the first step waits for `settle` (the checkpoint, if any,
+        is not known yet)."""
         self._enter("attach")
         self.close()
         self.registry = Registry(self.adapter.name)
@@ -223,7 +249,7 @@ class UntieRun:
         self.arrived_untied = not is_tied(model) and not is_peft_model(model)
         self.attach_args = {"engine": engine, "tokenizer": tokenizer}
         self.use_schedule(self.config.untie_at, self.config.rule(with_pairs=self.config.pairs != []))
-        self.apply_policy(model)
+        self.apply_policy(model, settle_later)
         self.use_tying_mode(engine)
         asked = self.config.pairs == "auto"
         if asked or (self.config.pairs is None and is_tokenizer(tokenizer)):
@@ -254,6 +280,7 @@ class UntieRun:
             "no_pairs_because",
             "choice",
             "arrived_untied",
+            "_unsettled",
         )
         for name in (*attached, "registry", "planned_untie_reason"):
             setattr(self, name, getattr(other, name))
@@ -429,6 +456,8 @@ class UntieRun:
             assert self.emulation is not None
             self.emulation.release()
             self.emulation = None
+            if optimizer is None and self.head_init() == "model":
+                draw_head(model, self.owner)  # an untie held back until `settle`, before sharding
         elif current == "tied" or optimizer is None:
             # On an untied model (a reloaded untie, untie_at=0) this re-applies the bookkeeping a reload loses. A
             # resumed run's head gets its optimizer state from the checkpoint, loaded next.
@@ -536,16 +565,11 @@ class UntieRun:
             self.probe = RoleGradientProbe(model, pairs=self.pairs, registry=self.registry)
 
     def keep_resumed_tied_phase(self, step: int) -> None:
-        """A checkpoint's run was still tied at `step` (a run that kept a tied phase: another policy, a schedule, or
-        a version whose default was the schedule): the checkpoint decides. The run continues its tied phase under
-        untie_at / untie_when, so that a resumed run does what its checkpoint's run was doing, and the plan line
-        (`untie.core.messages.plan_line`) says why."""
+        """A checkpoint's run was still tied at `step` but the run untied before it was known (a custom loop's state
+        loaded after `start`): the checkpoint decides (`untie.structure.policy.settle`), as at `settle`. The run
+        continues its tied phase under untie_at / untie_when, as its checkpoint's run was doing."""
         assert self.choice is not None
-        reason = (
-            f"the checkpoint's run was still tied at step {step:,}: it continues its tied phase (the default plan "
-            "trains untied from step 0 only a run that starts there)"
-        )
-        self.choice = dataclasses.replace(self.choice, plan="as set", reason=reason, head_init="copy")
+        self.choice = settle(self.choice, SavedFacts(f"the state at step {step}", untied=False))
         self.use_schedule(self.config.untie_at, self.config.rule(with_pairs=bool(self.pairs)))
         self.match_rule_to_pairs()
 

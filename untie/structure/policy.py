@@ -27,6 +27,7 @@ the run state (`PolicyChoice.to_dict`), so a checkpoint says what its run chose 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -37,6 +38,7 @@ from torch import nn
 from untie import _compat
 from untie.config import POLICIES, PolicyName
 from untie.distributed import full_shape, gathered, is_sharded
+from untie.structure.plan import SavedFacts
 from untie.structure.surgery import input_weight
 
 #: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
@@ -106,6 +108,19 @@ class PolicyChoice:
         """The reason, with the embedding's share (what `untie inspect` and the run's line say)."""
         share = "" if self.embedding_share is None else f" (embedding {self.embedding_share:.0%} of the parameters)"
         return f"policy {self.policy!r}: {self.plan}{share}: {self.reason}"
+
+
+def settle(choice: PolicyChoice, saved: SavedFacts | None) -> PolicyChoice:
+    """The plan once the checkpoint, if any, is known: a checkpoint whose run was still tied decides over an untie
+    before the first step that the policy chose for a fresh start (the resumed run continues its tied phase); a fresh
+    start, or a checkpoint saved untied, keeps the choice. Pure: both adapters decide with it."""
+    if saved is None or saved.untied is not False or not choice.untied_from_start:
+        return choice
+    reason = (
+        f"{saved.where}: the checkpoint's run was still tied, so it continues its tied phase (the default plan trains "
+        "untied from step 0 only a run that starts there)"
+    )
+    return dataclasses.replace(choice, plan="as set", reason=reason, head_init="copy")
 
 
 def parameter_count(model: nn.Module) -> int:
