@@ -324,8 +324,7 @@ def choose_plan(
         )
     fresh = built_fresh(model, from_scratch, embedding)
     if not fresh.fresh:
-        reason = f"{fresh.why}; a head untied from them starts as a copy of the embedding"
-        return PolicyChoice(policy, "as set", reason, share, total, warning=fresh.warning)
+        return PolicyChoice(policy, "as set", fresh.why, share, total, warning=fresh.warning)
     limit = UNTIED_FROM_START_SHARE if threshold is None else threshold
     if policy == "auto" and share < limit:
         reason = f"{fresh.why}; under {limit:.0%} of the parameters in the embedding, policy 'auto' runs the schedule"
