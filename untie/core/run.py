@@ -173,14 +173,23 @@ class UntieRun:
         """Whether the model has been untied: derived from `untie_step`, the one record of the untie."""
         return self.untie_step is not None
 
+    @property
+    def untie_at(self) -> int | float | None:
+        """`untie_at` as the run follows it (the deadline's): the config's, or 0 where the policy trains untied from
+        the start."""
+        return self.deadline.untie_at
+
+    @property
+    def rule(self) -> UntieWhen | None:
+        """The divergence trigger's rule (`untie.UntieWhen`), "divergence" resolved (`match_rule_to_pairs`); None
+        without a trigger."""
+        return self.divergence.rule if self.divergence is not None else None
+
     def use_schedule(self, untie_at: int | float | None, rule: UntieWhen | None) -> None:
-        """The schedule the run follows: `untie_at` and the trigger's `rule` as set, or as the policy chose."""
-        self.untie_at = untie_at
-        """`untie_at` as the run follows it: the config's, or 0 where the policy trains untied from the start."""
+        """The schedule the run follows: `untie_at` and the trigger's `rule` as set, or as the policy chose. The
+        deadline and the trigger hold them (`untie_at`, `rule` read them)."""
         self.deadline = ScheduledTrigger(untie_at)
         """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
-        self.rule = rule
-        """The divergence trigger's rule (`untie.UntieWhen`), "divergence" resolved (`match_rule_to_pairs`); None."""
         self.divergence: DivergenceTrigger | None = DivergenceTrigger(rule) if rule else None
 
     def apply_policy(self, model: nn.Module, settle_later: bool = False) -> None:
@@ -362,8 +371,7 @@ class UntieRun:
         if rule is None or self.pairs or pair_signal(rule.signal) is None:
             return
         if self.config.is_default_rule:
-            self.rule = default_rule(with_pairs=False)
-            self.divergence = DivergenceTrigger(self.rule)
+            self.divergence = DivergenceTrigger(default_rule(with_pairs=False))
             if self.config.pairs is not None or self._rule_change_said:
                 return  # pairs=[] is the user's choice; pairs="auto" has warned already
             self._rule_change_said = True
@@ -527,7 +535,7 @@ class UntieRun:
         train() called again) carries nothing over.
         """
         self.history = [h for h in attributes.get("history", []) if h["step"] <= step]
-        self.divergence = DivergenceTrigger(self.rule) if self.rule else None
+        self.divergence = DivergenceTrigger(self.divergence.rule) if self.divergence is not None else None
         self.trigger_state = attributes.get("trigger_state")
         untied = bool(attributes.get("untied"))
         self.untie_step = attributes.get("untie_step") if untied else None
