@@ -597,10 +597,13 @@ class UntieRun:
 
     def announce(self, step: int, max_steps: int | None) -> None:
         """Say what the run that `begin` set up at `step` will do, in one line and in its own numbers
-        (`untie.core.messages.plan_line`, kept in the run state), and what the user should know before its first step
-        runs (a trigger that cannot fire in the run's length). Call it once per begun run, after the last `begin`."""
+        (`untie.core.messages.plan_line`, kept in the run state; a warning where a policy decided, a note where the
+        schedule was set), and what the user should know before its first step runs (a trigger that cannot fire in
+        the run's length). Call it once per begun run, after the last `begin`."""
         self.plan = messages.plan_line(self, step, max_steps)
-        logger.warning(self.plan)
+        # A warning where a policy decided (what the user did not spell out); a schedule set by hand is only noted.
+        decided = self.choice is not None and self.choice.policy != "off"
+        logger.log(logging.WARNING if decided else logging.INFO, self.plan)
         if self.probe is not None:
             messages.short_run_notice(self, step, max_steps)
 
