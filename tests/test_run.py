@@ -285,7 +285,33 @@ def test_the_phases_are_enforced_in_one_place_and_a_call_out_of_order_names_the_
     with pytest.raises(RunOrderError, match=r"attach\(\) in phase 'stepping'"):
         run.attach(model)
     assert isinstance(RunOrderError("x"), untie.UntieError) and issubclass(RunOrderError, RuntimeError)
-    assert set(CALL_PHASES) == {"attach", "adopt", "expect_checkpoint", "start", "arm", "measure", "end_of_step"}
+    run_calls = {"attach", "adopt", "expect_checkpoint", "start", "arm", "measure", "end_of_step"}
+    assert set(CALL_PHASES) == run_calls | {"Untier.start", "Untier.step", "Untier.load_state_dict"}
     run.close()
     with pytest.raises(RunOrderError, match=r"arm\(\) in phase 'closed'"):
         run.arm(2)
+
+
+def test_the_custom_loops_calls_are_checked_in_the_same_table():
+    """`Untier`'s order (start once, steps after it, a state loaded after start and before the first step) is the
+    run's table's (`CALL_PHASES`), raising the same `RunOrderError` naming the order."""
+    model = tiny_model("gpt2")
+    untier = untie.Untier(model, max_steps=4, untie_at=2, untie_when=None)
+    with pytest.raises(RunOrderError, match=r"Untier.step\(\) in phase 'attached'.*untier.start\(optimizer\) once"):
+        untier.step()
+    with pytest.raises(RunOrderError, match=r"Untier.load_state_dict\(\) in phase 'attached'"):
+        untier.load_state_dict({})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    untier.start(optimizer)
+    with pytest.raises(RunOrderError, match=r"Untier.start\(\) in phase 'started'"):
+        untier.start(optimizer)
+    state = untier.state_dict()
+    batch = untie.testing.ToyLMDataset()[0]
+    model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+    optimizer.step()
+    untier.step()
+    with pytest.raises(RunOrderError, match=r"Untier.load_state_dict\(\) in phase 'stepping'"):
+        untier.load_state_dict(state)
+    untier.close()
+    with pytest.raises(RunOrderError, match=r"Untier.step\(\) in phase 'closed'"):
+        untier.step()

@@ -41,7 +41,7 @@ from untie.checkpoints.saved_state import (
     write_state_file,
 )
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import CUSTOM_LOOP, RunOrderError, RunViews, UntieRun
+from untie.core.run import CUSTOM_LOOP, RunViews, UntieRun
 from untie.distributed import gathered, training_engine
 from untie.errors import UntieFileNotFoundError, UntieValueError
 from untie.structure.plan import SavedFacts
@@ -138,8 +138,7 @@ class Untier(RunViews):
         `start` arms the first step's measurement (it must be in place before the first forward) but neither changes
         the model's structure (attaching did, at `Untier()`) nor says anything: what the run has to say is said at its
         first optimizer step, about the run then under way, fresh or resumed."""
-        if self.optimizer is not None:
-            raise RunOrderError("Untier.start() was already called (or the optimizer was passed to Untier()).")
+        self.run.check("Untier.start")  # once: a second call, or an optimizer passed to Untier() already, is refused
         self.optimizer = optimizer
         # The step's gradients are complete when the optimizer steps (after every micro-batch, every rank): measure
         # then, as UntieCallback does in Trainer's on_pre_optimizer_step.
@@ -174,8 +173,7 @@ class Untier(RunViews):
             The `untie/*` values to log at this step (`untie/tied`, `untie/untie_step`, the step's measurement)
             when it measured or untied, else an empty dict: e.g. `accelerator.log(untier.step(), step=step)`.
         """
-        if self.optimizer is None:
-            raise RunOrderError("Untier.step() before untier.start(optimizer): pass the optimizer first.")
+        self.run.check("Untier.step")  # after untier.start(optimizer), before close
         if self.accelerator is not None and not self.accelerator.sync_gradients:
             return {}
         self._check_loaded_weights()
@@ -217,11 +215,7 @@ class Untier(RunViews):
         self._restore(state, "the state given to Untier.load_state_dict")
 
     def _restore(self, state: Any, where: str, *, weights_checked: bool = False) -> None:
-        if self.optimizer is None:
-            raise RunOrderError(
-                "Untier.load_state_dict() before untier.start(optimizer): the untied head must join the optimizer "
-                "before the optimizer's state loads."
-            )
+        self.run.check("Untier.load_state_dict")  # after start (the head joins the optimizer), before any step
         state = check_state(state, where)
         attributes = state["attributes"]
         saved = SavedFacts(

@@ -100,6 +100,11 @@ CALL_PHASES: dict[str, frozenset[str]] = {
     "arm": frozenset({"started", "stepping"}),
     "measure": frozenset({"started", "stepping"}),
     "end_of_step": frozenset({"started", "stepping"}),
+    # The custom loop's calls (`untie.Untier`), checked here too: start once, steps after it, a state loaded after
+    # start and before the first step.
+    "Untier.start": frozenset({"attached"}),
+    "Untier.step": frozenset({"started", "stepping"}),
+    "Untier.load_state_dict": frozenset({"started"}),
 }
 
 
@@ -345,14 +350,27 @@ class UntieRun:
         return self.model
 
     def _enter(self, call: str) -> None:
-        """The one check of the calls' order (`CALL_PHASES`; see the module docstring)."""
+        """The one check of the calls' order (`CALL_PHASES`; see the module docstring), for the run's calls and the
+        adapters' (`check`)."""
         phases = CALL_PHASES[call]
         if self.phase not in phases:
             after = " (the run has taken steps; it cannot start again)" if self.phase == "stepping" else ""
+            order = (
+                "Untier(model) before the optimizer, untier.start(optimizer) once, untier.load_state_dict(...) or "
+                "accelerator.load_state(...) before the first step, untier.step() after each optimizer step, then "
+                "untier.close()"
+                if call.startswith("Untier.")
+                else "attach (before the optimizer), start (with the optimizer), then the steps, then close"
+            )
             raise RunOrderError(
                 f"{self.owner}: {call}() in phase {self.phase!r}{after} (it needs {' or '.join(sorted(phases))}). The "
-                "order is attach (before the optimizer), start (with the optimizer), then the steps, then close."
+                f"order is {order}."
             )
+
+    def check(self, call: str) -> None:
+        """An adapter's call (a key of `CALL_PHASES`, e.g. "Untier.step") is checked against the run's phase here,
+        with the run's own calls: a call out of order raises `RunOrderError`, naming the order."""
+        self._enter(call)
 
     def _announce_once(self) -> None:
         if self._announce_pending:
