@@ -23,22 +23,22 @@ from untie.testing import ToyLMDataset, tiny_model
 VOCAB = 300
 
 
-def _task(zipf: bool, size: int = 64, length: int = 24) -> torch.Tensor:
-    """x -> (7x + 3) mod 300 from uniform or Zipf-drawn start symbols: a learnable 300-symbol task."""
-    generator = torch.Generator().manual_seed(0)
-    if zipf:
-        starts = torch.multinomial(1 / torch.arange(1, VOCAB + 1).float(), size, replacement=True, generator=generator)
-    else:
-        starts = torch.randint(VOCAB, (size,), generator=generator)
-    rows = [starts]
-    for _ in range(length - 1):
-        rows.append((rows[-1] * 7 + 3) % VOCAB)
-    return torch.stack(rows, 1)
+class StepTask(torch.utils.data.Dataset):
+    """Sequences that follow x -> (7x + 3) mod 300 from a start symbol drawn uniformly or from a Zipf law: every
+    symbol equally frequent (uniform) or a few frequent ones (Zipf). A learnable task: its loss falls far below
+    chance (log 300 = 5.70)."""
 
-
-class _Blocks(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
+    def __init__(self, zipf: bool, size: int = 64, length: int = 24, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        if zipf:
+            weights = 1 / torch.arange(1, VOCAB + 1).float()
+            starts = torch.multinomial(weights, size, replacement=True, generator=generator)
+        else:
+            starts = torch.randint(VOCAB, (size,), generator=generator)
+        rows = [starts]
+        for _ in range(length - 1):
+            rows.append((rows[-1] * 7 + 3) % VOCAB)
+        self.ids = torch.stack(rows, 1)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -47,18 +47,20 @@ class _Blocks(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-def _config() -> tf.GPT2Config:
+def small_config() -> tf.GPT2Config:
+    """A one-layer GPT-2 over the task's 300 symbols, without dropout."""
     return tf.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
 
 
-def _trained(steps: int, lr: float, zipf: bool) -> dict:
+def trained_state(steps: int, lr: float, zipf: bool) -> dict:
+    """The state dict of `small_config()`'s tied model after `steps` AdamW steps at `lr` on the task (seed 0)."""
     torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(_config())
+    model = tf.GPT2LMHeadModel(small_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    data = _task(zipf)
+    data = StepTask(zipf).ids
     for step in range(steps):
         batch = data[(step * 16) % 64 :][:16]
         model(input_ids=batch, labels=batch).loss.backward()
@@ -67,9 +69,11 @@ def _trained(steps: int, lr: float, zipf: bool) -> dict:
     return model.state_dict()
 
 
-def _loss(model, ids: torch.Tensor) -> float:
+def task_loss(model, zipf: bool) -> float:
+    """`model`'s loss on the whole task."""
+    data = StepTask(zipf).ids
     with torch.no_grad():
-        return float(model(input_ids=ids, labels=ids).loss)
+        return float(model(input_ids=data, labels=data).loss)
 
 
 def _args(folder: str, **overrides) -> tf.TrainingArguments:
@@ -118,16 +122,15 @@ def main() -> None:
                                     (300, 1e-3, True, False), (300, 1e-3, False, True)]:  # fmt: skip
 
         def loaded_by_hand(steps=steps, lr=lr, zipf=zipf, resize=resize) -> str:
-            model = tf.GPT2LMHeadModel(_config())
-            model.load_state_dict(_trained(steps, lr, zipf))
+            model = tf.GPT2LMHeadModel(small_config())
+            model.load_state_dict(trained_state(steps, lr, zipf))
             if resize:
                 model.resize_token_embeddings(VOCAB + 8)
-            ids = _task(zipf)
-            before = _loss(model, ids)
-            trainer = tf.Trainer(model=model, args=_args(folder), train_dataset=_Blocks(ids),
+            before = task_loss(model, zipf)
+            trainer = tf.Trainer(model=model, args=_args(folder), train_dataset=StepTask(zipf),
                                  callbacks=[untie.UntieCallback()])  # fmt: skip
             trainer.train()
-            after = _loss(model, ids)
+            after = task_loss(model, zipf)
             return f"loss {before:.3f} loaded, {after:.3f} after 10 steps at lr 1e-6 (chance {math.log(VOCAB):.3f})"
 
         kind = "Zipfian" if zipf else "uniform"

@@ -15,6 +15,7 @@ import torch
 import transformers as tf
 
 import untie
+from untie.core.run import RunOrderError
 from untie.distributed import resolve_tying_mode, training_engine
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
@@ -298,7 +299,10 @@ def test_a_restored_default_callback_still_knows_its_trigger_is_the_default(make
 def test_a_callback_added_after_the_trainer_was_built_is_refused(make_args):
     trainer = tf.Trainer(model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset())
     trainer.add_callback(untie.UntieCallback(untie_when=None, untie_at=6))
-    with pytest.raises(RuntimeError, match=r"Pass it to the constructor: Trainer\(\.\.\., callbacks="):
+    with pytest.raises(
+        RunOrderError,
+        match=r"on_train_begin\(\) in phase 'new'.*Pass it to the constructor: Trainer\(\.\.\., callbacks=",
+    ):
         trainer.train()
 
 
@@ -350,7 +354,7 @@ def test_a_model_swapped_in_after_the_trainer_was_built_is_refused(make_args):
         model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback()]
     )
     trainer.model = trainer.model_wrapped = _untied_gpt2()
-    with pytest.raises(RuntimeError, match="did not prepare .* Build a new Trainer with that model"):
+    with pytest.raises(RunOrderError, match=r"on_train_begin\(\) got a model .* Build a new Trainer with that model"):
         trainer.train()
 
 

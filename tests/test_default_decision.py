@@ -11,63 +11,15 @@ import math
 import pytest
 import torch
 import transformers as tf
-from torch.utils.data import Dataset
+from script_modules import load_script
 
 import untie
 from untie.structure import policy
 from untie.testing import ToyLMDataset, tiny_model
 
-VOCAB = 300
-
-
-class _StepTask(Dataset):
-    """Sequences that follow x -> (7x + 3) mod 300 from a start symbol drawn uniformly or from a Zipf law: every
-    symbol equally frequent (uniform) or a few frequent ones (Zipf). A learnable task: its loss falls far below
-    chance (log 300 = 5.70)."""
-
-    def __init__(self, zipf: bool, size: int = 64, length: int = 24, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        if zipf:
-            weights = 1 / torch.arange(1, VOCAB + 1).float()
-            starts = torch.multinomial(weights, size, replacement=True, generator=generator)
-        else:
-            starts = torch.randint(VOCAB, (size,), generator=generator)
-        rows = [starts]
-        for _ in range(length - 1):
-            rows.append((rows[-1] * 7 + 3) % VOCAB)
-        self.ids = torch.stack(rows, 1)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
-def _config() -> tf.GPT2Config:
-    return tf.GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=32, bos_token_id=0, eos_token_id=0,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
-
-
-def _trained_state(steps: int, lr: float, zipf: bool) -> dict:
-    torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(_config())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    data = _StepTask(zipf).ids
-    for step in range(steps):
-        batch = data[(step * 16) % 64 :][:16]
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.state_dict()
-
-
-def _loss(model, zipf: bool) -> float:
-    data = _StepTask(zipf).ids
-    with torch.no_grad():
-        return float(model(input_ids=data, labels=data).loss)
+CASES = load_script("scripts", "default_cases")  # the task and the trained states the script prints cases with
+_StepTask, _config, _trained_state, _loss = CASES.StepTask, CASES.small_config, CASES.trained_state, CASES.task_loss
+VOCAB = CASES.VOCAB
 
 
 @pytest.mark.parametrize(
@@ -153,7 +105,6 @@ def test_the_line_at_train_begin_says_the_untie_step_in_the_runs_own_numbers(mak
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: ")]
     assert said[0] == (
         "untie: trains tied; unties at step 3 (untie_at=0.3 of 10); the head starts as a copy of the embedding, "
-        "because the schedule as set (policy='off') (the schedule is set (untie_at=0.3, untie_when=None): it runs "
-        "as set)"
+        "because the schedule is set (untie_at=0.3, untie_when=None): it runs as set"
     )
     assert callback.run.plan == said[0] and callback.untie_step == 3

@@ -285,11 +285,37 @@ def test_the_phases_are_enforced_in_one_place_and_a_call_out_of_order_names_the_
     with pytest.raises(RunOrderError, match=r"attach\(\) in phase 'stepping'"):
         run.attach(model)
     assert isinstance(RunOrderError("x"), untie.UntieError) and issubclass(RunOrderError, RuntimeError)
-    run_calls = {"attach", "adopt", "expect_checkpoint", "start", "arm", "measure", "end_of_step"}
-    assert set(CALL_PHASES) == run_calls | {"Untier.start", "Untier.step", "Untier.load_state_dict"}
+    run_calls = {"attach", "settle", "adopt", "expect_checkpoint", "start", "arm", "measure", "end_of_step"}
+    adapters_calls = {"UntieCallback.on_train_begin", "Untier.start", "Untier.step", "Untier.load_state_dict"}
+    assert set(CALL_PHASES) == run_calls | adapters_calls
     run.close()
     with pytest.raises(RunOrderError, match=r"arm\(\) in phase 'closed'"):
         run.arm(2)
+
+
+def test_a_checkpoint_expected_before_attach_and_an_untie_held_back_are_phases_of_the_table():
+    """Two sub-states are phases, checked like the others: "expecting" (a checkpoint's structure known before a
+    model is attached: `attach` applies it) and "unsettled" (attached, the default's untie before the first step held
+    back until `settle` knows the checkpoint; `start` before it is out of order)."""
+    run = UntieRun(UntieConfig())
+    run.expect_checkpoint(SavedFacts("checkpoint-9", untied=True))
+    assert (run.phase, run.expected.where) == ("expecting", "checkpoint-9")
+    model = tiny_model("gpt2")
+    run.attach(model)
+    assert (run.phase, run.expected, is_tied(model)) == ("attached", None, False)  # the checkpoint's structure
+    with pytest.raises(RunOrderError, match=r"settle\(\) in phase 'attached'"):
+        run.settle(None)
+
+    fresh = tiny_model("gpt2")
+    held = UntieRun(UntieConfig())
+    held.attach(fresh, settle_later=True)
+    assert (held.phase, is_tied(fresh)) == ("unsettled", True)  # nothing drawn before the checkpoint is known
+    with pytest.raises(RunOrderError, match=r"start\(\) in phase 'unsettled'"):
+        held.start(torch.optim.AdamW(fresh.parameters(), lr=1e-3), 0, 8)
+    held.settle(None)  # a fresh start: the default trains this fresh model untied from step 0
+    assert (held.phase, is_tied(fresh), held.untie_at) == ("attached", False, 0)
+    held.close()
+    assert held.phase == "closed"
 
 
 def test_the_custom_loops_calls_are_checked_in_the_same_table():

@@ -14,9 +14,9 @@ from transformers.trainer_callback import ExportableState
 from untie.adapters import trainer_glue as glue
 from untie.checkpoints.checkpoint import STATE_KEY, read_saved_run, saved_callback_state
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import TRAINER_CALLBACK, RunOrderError, RunViews, UntieRun
+from untie.core.run import TRAINER_CALLBACK, RunViews, UntieRun
 from untie.distributed import training_engine
-from untie.errors import UntieRuntimeError, UntieValueError
+from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.structure.peft_support import is_peft_model
 
@@ -106,7 +106,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         if folder is not None:
             model = self.run.model or trainer.model  # PEFT adapters hold no embedding to look up
             saved = read_saved_run(folder, None if model is None or is_peft_model(model) else model)
-        if self.run.phase == "attached":
+        if self.run.phase == "unsettled":
             self.run.settle(saved)  # the plan, now that the checkpoint (if any) is known
         if saved is not None:
             self.run.expect_checkpoint(saved)
@@ -126,12 +126,8 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         """Phase 2 (start): the optimizer exists, and a resumed checkpoint has loaded."""
         if self.run.phase == "new":
             self._adopt_attached_run()
-        if model is not self.run.model:
-            raise UntieRuntimeError(
-                "UntieCallback: Trainer is about to train a model that UntieCallback did not prepare (was "
-                "trainer.model replaced after the Trainer was built?): its tied structure and checkpoint guard would "
-                "be missing. Build a new Trainer with that model, or give Trainer a model_init that returns it."
-            )
+        # Attached when the Trainer was built (not added later), and the model Trainer trains is the one prepared.
+        self.run.check("UntieCallback.on_train_begin", model=model)
         # This train() call's run state: the checkpoint's when resuming (Trainer does not restore it), else fresh.
         self._global_step = state.global_step
         saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if state.global_step else {}
@@ -170,14 +166,11 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
     def _adopt_attached_run(self) -> None:
         """Take over the run `on_init_end` attached. With `restore_callback_states_from_checkpoint=True`, Trainer
         replaces this callback on resume with a new instance, built from the checkpoint's `args` after that event;
-        the call under way (`trainer_glue.train_entry`) knows the instance that attached."""
+        the call under way (`trainer_glue.train_entry`) knows the instance that attached. Without one (a callback
+        added after the Trainer was built), nothing is adopted and `on_train_begin`'s check refuses the run."""
         entry = glue.train_entry(glue.find_trainer(self))
         if entry is None or entry.active is None or entry.active is self:
-            raise RunOrderError(
-                "UntieCallback was added after the Trainer was built (trainer.add_callback): it must prepare the "
-                "model before the optimizer and the checkpoint loader see it. Pass it to the constructor: "
-                "Trainer(..., callbacks=[UntieCallback(...)])."
-            )
+            return
         self.run.adopt(entry.active.run)
         glue.move_first(self)  # Trainer appended the new instance after the logging integrations
 

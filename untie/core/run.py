@@ -7,7 +7,10 @@ history. It knows nothing of who drives the loop. The adapters translate their l
 
 1. `attach(model, engine=..., tokenizer=...)`: before the optimizer exists and the model is wrapped. The model's
    facts are read once; the tying mode, the pairs and the rule are fixed; the model gets its tied-phase structure and
-   the resume guard. `expect_checkpoint(saved)` gives it the structure of a checkpoint about to load instead.
+   the resume guard. `expect_checkpoint(saved)` gives it the structure of a checkpoint about to load instead (before
+   a model is attached, the run is "expecting" it). An adapter that learns of the checkpoint later (Trainer's
+   `train()`) attaches with `settle_later`: the default's untie before the first step waits, "unsettled", for
+   `settle(saved)`.
 2. `start(optimizer, step, max_steps, saved=None)`: the optimizer exists; the run begins at `step`, fresh or from a
    saved run state (checked, restored, changed settings said). A run may start again before its first step (a custom
    loop resuming after a fresh start).
@@ -16,8 +19,9 @@ history. It knows nothing of who drives the loop. The adapters translate their l
    is said once, at its first step.
 
 `close()` ends it: every install the run made (`registry`, `untie.registry.Registry`) comes off. The phases
-("new", "attached", "started", "stepping" once a step has ended, "closed") and the calls each admits are one table,
-`CALL_PHASES`, checked in one place (`_enter`); a call out of order raises `RunOrderError`, naming the order. What
+("new", "expecting", "unsettled", "attached", "started", "stepping" once a step has ended, "closed") and the calls
+each admits, the adapters' included, are one table, `CALL_PHASES`, checked in one place (`_enter`); a call out of
+order raises `RunOrderError`, naming the order. What
 the run says is `untie.core.messages`'; what it reads off the model besides the role gradients (the tokenizer's
 pairs, the drift) is `untie.core.measuring`'s; the adapters show its state through one read-only view, `RunViews`.
 
@@ -87,24 +91,39 @@ class Adapter:
 TRAINER_CALLBACK = Adapter("UntieCallback", "Trainer(processing_class=tokenizer)")
 CUSTOM_LOOP = Adapter("Untier", "tokenizer=tokenizer")
 
-Phase = Literal["new", "attached", "started", "stepping", "closed"]
+Phase = Literal["new", "expecting", "unsettled", "attached", "started", "stepping", "closed"]
 
 #: Each call of the run and the phases it may come in: the one place the order of a run's calls is checked
-#: (`UntieRun._enter`). "started": `start` ran and no step has ended (a custom loop may start again, resuming after a
-#: fresh start); "stepping": a step has ended; `expect_checkpoint` before a model is attached waits for `attach`.
+#: (`UntieRun._enter`), the adapters' calls included. "expecting": a checkpoint's structure is known before a model is
+#: attached (`expect_checkpoint` first; `attach` applies it); "unsettled": attached, the plan's untie before the first
+#: step held back until `settle` knows the checkpoint (Trainer's `train()`); "started": `start` ran and no step has
+#: ended (a custom loop may start again, resuming after a fresh start); "stepping": a step has ended.
 CALL_PHASES: dict[str, frozenset[str]] = {
-    "attach": frozenset({"new", "attached", "closed"}),
+    "expect_checkpoint": frozenset({"new", "expecting", "closed", "attached", "started"}),
+    "attach": frozenset({"new", "expecting", "unsettled", "attached", "closed"}),
+    "settle": frozenset({"unsettled"}),
     "adopt": frozenset({"new"}),
-    "expect_checkpoint": frozenset({"attached", "started"}),
     "start": frozenset({"attached", "started"}),
     "arm": frozenset({"started", "stepping"}),
     "measure": frozenset({"started", "stepping"}),
     "end_of_step": frozenset({"started", "stepping"}),
-    # The custom loop's calls (`untie.Untier`), checked here too: start once, steps after it, a state loaded after
-    # start and before the first step.
+    # Trainer's start of training (`untie.UntieCallback`): the callback attached when the Trainer was built.
+    "UntieCallback.on_train_begin": frozenset({"attached"}),
+    # The custom loop's calls (`untie.Untier`): start once, steps after it, a state loaded after start and before the
+    # first step.
     "Untier.start": frozenset({"attached"}),
     "Untier.step": frozenset({"started", "stepping"}),
     "Untier.load_state_dict": frozenset({"started"}),
+}
+
+#: The order each adapter's users follow, named by a call out of order (by the call's prefix; the run's own calls last).
+CALL_ORDERS: dict[str, str] = {
+    "Untier.": "Untier(model) before the optimizer, untier.start(optimizer) once, untier.load_state_dict(...) or "
+    "accelerator.load_state(...) before the first step, untier.step() after each optimizer step, then untier.close()",
+    "UntieCallback.": "UntieCallback prepares the model when the Trainer is built, before the optimizer and the "
+    "checkpoint loader see it (trainer.add_callback(...) afterwards is too late). Pass it to the constructor: "
+    "Trainer(..., callbacks=[UntieCallback(...)])",
+    "": "attach (before the optimizer), start (with the optimizer), then the steps, then close",
 }
 
 
@@ -163,11 +182,11 @@ class UntieRun:
         self.registry = Registry(adapter.name)
         """Every install of this run (hooks, wrappers, guards, replaced forwards), each with its removal: `close()`."""
         self.phase: Phase = "new"
-        """Where the run stands: "new", "attached" (phase 1 done), "started" (phase 2: steps may run), "closed"."""
+        """Where the run stands (`CALL_PHASES`): "new", "expecting", "unsettled", "attached" (phase 1 done),
+        "started" (phase 2: steps may run), "stepping", "closed"."""
         self._announce_pending = False
-        self._expected: SavedFacts | None = None
-        self._unsettled = False
-        """The policy's untie before the first step waits for `settle` (`attach(settle_later=True)`)."""
+        self.expected: SavedFacts | None = None
+        """The checkpoint's structure `attach` applies (phase "expecting": `expect_checkpoint` before a model)."""
         self.arrived_untied = False
         """The attached model came untied (its head a matrix of its own, trained or reloaded)."""
         self.plan: str | None = None
@@ -197,12 +216,12 @@ class UntieRun:
         """`untie_at`: the divergence trigger's deadline, or the fixed schedule when there is no trigger."""
         self.divergence: DivergenceTrigger | None = DivergenceTrigger(rule) if rule else None
 
-    def apply_policy(self, model: nn.Module, settle_later: bool = False) -> None:
+    def apply_policy(self, model: nn.Module, settle_later: bool = False) -> bool:
         """Let `config.policy` choose the schedule for `model` (`untie.structure.policy.choose_plan`), before its
         structure is planned: "untied from the start" is ``untie_at=0`` without a trigger. A checkpoint already
         expected (`expect_checkpoint` before attach) decides with it (`untie.structure.policy.settle`);
         `settle_later`: the adapter learns later whether a checkpoint loads (Trainer's `train()`), so an untie
-        before the first step waits for `settle`."""
+        before the first step waits for `settle`. Returns whether it waits (the run is then "unsettled")."""
         policy, why = self.config.chosen_policy()
         if policy == "auto":
             _compat.warn_in_user_code(
@@ -217,21 +236,24 @@ class UntieRun:
             peft=is_peft_model(model),
             from_scratch=self.config.from_scratch,
         )
-        self.choice = dataclasses.replace(choice, reason=f"{choice.reason} ({why})") if why else choice
+        if why and policy == "off":  # the schedule was set: that is the whole reason
+            self.choice = dataclasses.replace(choice, reason=why)
+        else:
+            self.choice = dataclasses.replace(choice, reason=f"{choice.reason} ({why})") if why else choice
         if choice.warning is not None:
             _compat.warn_in_user_code(f"{self.owner}: {choice.warning}")
-        self._unsettled = settle_later and self._expected is None and self.choice.untied_from_start
-        if not self._unsettled:
-            self.choice = settle(self.choice, self._expected)
-            self.follow_choice()
+        if settle_later and self.expected is None and self.choice.untied_from_start:
+            return True
+        self.choice = settle(self.choice, self.expected)
+        self.follow_choice()
+        return False
 
     def settle(self, saved: SavedFacts | None) -> None:
         """Decide the plan once the checkpoint, if any, is known (`saved`; None: a fresh start): an untie before the
         first step that `attach(settle_later=True)` held back happens now, unless the checkpoint's run was still tied
-        (`untie.structure.policy.settle`). Before the optimizer exists."""
-        if not self._unsettled:
-            return
-        self._unsettled = False
+        (`untie.structure.policy.settle`). Before the optimizer exists; in phase "unsettled" only."""
+        self._enter("settle")
+        self.phase = "attached"
         assert self.choice is not None
         self.choice = settle(self.choice, saved)
         self.follow_choice()
@@ -257,13 +279,14 @@ class UntieRun:
         attachment first. `settle_later`: an untie before the first step waits for `settle` (the checkpoint, if any,
         is not known yet)."""
         self._enter("attach")
+        expecting = self.phase == "expecting"
         self.close()
         self.registry = Registry(self.adapter.name)
         self.model = model
         self.arrived_untied = not is_tied(model) and not is_peft_model(model)
         self.attach_args = {"engine": engine, "tokenizer": tokenizer}
         self.use_schedule(self.config.untie_at, self.config.rule(with_pairs=self.config.pairs != []))
-        self.apply_policy(model, settle_later)
+        unsettled = self.apply_policy(model, settle_later)
         self.use_tying_mode(engine)
         asked = self.config.pairs == "auto"
         if asked or (self.config.pairs is None and is_tokenizer(tokenizer)):
@@ -276,9 +299,9 @@ class UntieRun:
         except BaseException:
             self.registry.close()  # a refused model keeps nothing of the run
             raise
-        self.phase = "attached"
-        if self._expected is not None:
-            self.expect_checkpoint(self._expected)
+        self.phase = "unsettled" if unsettled else "attached"
+        if expecting and self.expected is not None:
+            self.expect_checkpoint(self.expected)
 
     def adopt(self, other: UntieRun) -> None:
         """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings: the model,
@@ -294,25 +317,25 @@ class UntieRun:
             "no_pairs_because",
             "choice",
             "arrived_untied",
-            "_unsettled",
+            "phase",
         )
         for name in (*attached, "registry", "planned_untie_reason"):
             setattr(self, name, getattr(other, name))
         other.registry, other.emulation, other.phase = Registry(other.adapter.name), None, "closed"
-        self.phase = "attached"
         self.match_rule_to_pairs()  # "divergence" follows the pairs found then
         self.follow_choice()
 
     def expect_checkpoint(self, saved: SavedFacts, optimizer=None) -> None:
         """Give the model the structure of the checkpoint's run (`saved`) before its weights and the optimizer's
         state load, so that they fit the same structure: now, or at `attach` if no model is attached yet (a model
-        Trainer builds with model_init). With `optimizer` (a custom loop resuming after `start`), a head the untie
-        adds joins it."""
-        if self.phase not in ("attached", "started"):
-            self._expected = saved
-            return
+        Trainer builds with model_init: phase "expecting"). With `optimizer` (a custom loop resuming after `start`), a
+        head the untie adds joins it."""
         self._enter("expect_checkpoint")
-        self._expected = None
+        self.expected = saved
+        if self.phase not in ("attached", "started"):
+            self.phase = "expecting"
+            return
+        self.expected = None
         if is_peft_model(self.attached_model):
             return  # PEFT adapters hold no embedding; `prepare` checked the model
         self.match_saved(self.attached_model, saved, optimizer)
@@ -355,22 +378,24 @@ class UntieRun:
         phases = CALL_PHASES[call]
         if self.phase not in phases:
             after = " (the run has taken steps; it cannot start again)" if self.phase == "stepping" else ""
-            order = (
-                "Untier(model) before the optimizer, untier.start(optimizer) once, untier.load_state_dict(...) or "
-                "accelerator.load_state(...) before the first step, untier.step() after each optimizer step, then "
-                "untier.close()"
-                if call.startswith("Untier.")
-                else "attach (before the optimizer), start (with the optimizer), then the steps, then close"
-            )
+            order = next(text for prefix, text in CALL_ORDERS.items() if call.startswith(prefix))
             raise RunOrderError(
                 f"{self.owner}: {call}() in phase {self.phase!r}{after} (it needs {' or '.join(sorted(phases))}). The "
                 f"order is {order}."
             )
 
-    def check(self, call: str) -> None:
+    def check(self, call: str, model: nn.Module | None = None) -> None:
         """An adapter's call (a key of `CALL_PHASES`, e.g. "Untier.step") is checked against the run's phase here,
-        with the run's own calls: a call out of order raises `RunOrderError`, naming the order."""
+        with the run's own calls: a call out of order raises `RunOrderError`, naming the order. With `model` (the
+        model the adapter is about to train), a model other than the attached one is refused the same way: the run
+        never prepared it (no tied-phase structure, no resume guard)."""
         self._enter(call)
+        if model is not None and model is not self.model:
+            raise RunOrderError(
+                f"{self.owner}: {call}() got a model the run did not prepare (was trainer.model replaced after the "
+                "Trainer was built?): its tied structure and checkpoint guard would be missing. Build a new Trainer "
+                "with that model, or give Trainer a model_init that returns it."
+            )
 
     def _announce_once(self) -> None:
         if self._announce_pending:
@@ -702,7 +727,7 @@ class UntieRun:
         self.drop_probe()
         self.registry.close()
         self._grad_sync_installed = False
-        if self.phase in ("attached", "started", "stepping"):
+        if self.phase in ("unsettled", "attached", "started", "stepping"):
             self.phase = "closed"
 
     def take_latest(self) -> dict[str, float]:

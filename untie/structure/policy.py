@@ -314,7 +314,7 @@ def choose_plan(
     `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`).
     `embedding`: the input embedding's values, where `model` holds none (`weights_evidence`)."""
     if policy == "off":
-        return PolicyChoice(policy, "as set", "the schedule as set (policy='off')")
+        return PolicyChoice(policy, "as set", "policy='off' runs the schedule as set")
     if peft:
         return PolicyChoice(policy, "as set", "a PEFT model trains its adapters; the embedding's tying is its base's")
     share, total = embedding_share(model)
