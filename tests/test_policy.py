@@ -360,6 +360,34 @@ def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_a
     assert worst <= 1e-6
 
 
+def test_a_default_untier_resumes_a_tied_phase_state_saved_at_step_0_as_tied_too():
+    """A tied-phase state saved before any step (step 0) is a checkpoint's run like any other: a default `Untier`
+    that loads it continues that run's plan (tied, the deadline at step 6), as Trainer's `settle` does with any
+    tied-phase checkpoint, instead of following the plan it made for a fresh start."""
+    first_model = tiny_model("gpt2")
+    first = untie.Untier(first_model, policy="off", max_steps=20)
+    first.start(torch.optim.AdamW(first_model.parameters(), lr=5e-3))
+    state = first.state_dict()
+    first.close()
+
+    model = tiny_model("gpt2")
+    resumed = untie.Untier(model, max_steps=20)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    resumed.start(optimizer)
+    resumed.load_state_dict(state)
+    model.load_state_dict(first_model.state_dict())
+    assert untie.is_tied(model) and resumed.policy_choice.plan == "as set" and resumed.run.untie_at == 0.3
+    data = ToyLMDataset()
+    for step in range(6):
+        batch = data[step]
+        model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        resumed.step()
+        assert resumed.untied == (step + 1 >= 6)
+    assert (resumed.untie_step, resumed.untie_reason) == (6, "deadline")
+
+
 def test_a_default_untier_resumes_a_tied_phase_state_as_trainer_does():
     """A custom loop's checkpoint saved in the tied phase, resumed by a default `Untier` on a model built fresh: the
     default plan (untied from step 0, made before the checkpoint was known) yields to the checkpoint's run, which

@@ -360,7 +360,7 @@ class UntieRun:
             checked = self.load_state_dict(saved, where, step)
         else:
             self.restore({}, step)
-        self.begin(self.attached_model, optimizer, step, max_steps)
+        self.begin(self.attached_model, optimizer, step, max_steps, resumed=bool(saved))
         self.phase, self._announce_pending = "started", True
         self._started = (step, max_steps)
         return checked
@@ -586,12 +586,13 @@ class UntieRun:
         self.latest, self._unmeasured_warned = {}, False
 
     # -- the run -------------------------------------------------------------------------------------------------------
-    def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None) -> None:
+    def begin(self, model: nn.Module, optimizer, step: int, max_steps: int | None, resumed: bool = False) -> None:
         """Start training at optimizer step `step` of `max_steps`: untie at a deadline already reached, else set up
-        the measurements. The model is prepared and any checkpoint is loaded. It says nothing: `announce` does, once
+        the measurements. The model is prepared and any checkpoint is loaded (`resumed`: a saved run state, which may
+        be a tied one saved at step 0: its run continues as it was). It says nothing: `announce` does, once
         the adapter knows which run begins (`Untier` begins a fresh run at `start` and, when a checkpoint loads before
         the first step, the resumed one in its place)."""
-        if step and self.choice is not None and self.choice.untied_from_start and not self.untied:
+        if (step or resumed) and self.choice is not None and self.choice.untied_from_start and not self.untied:
             if self.emulation is not None or is_tied(model):
                 self.keep_resumed_tied_phase(step)
         self.deadline.resolve(max_steps)

@@ -118,7 +118,7 @@ def settle(choice: PolicyChoice, saved: SavedFacts | None) -> PolicyChoice:
         return choice
     reason = (
         f"{saved.where}: the checkpoint's run was still tied, so it continues its tied phase (the default plan trains "
-        "untied from step 0 only a run that starts there)"
+        "untied from step 0 only a fresh run, not a saved one)"
     )
     return dataclasses.replace(choice, plan="as set", reason=reason, head_init="copy")
 
