@@ -35,6 +35,11 @@ def main(out_dir: str, arch: str, mode: str) -> None:
     if mode == "trigger":  # the divergence trigger, fed by role signals measured every 2 steps, fires at step 6
         rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.5, warmup=0, patience=3)
         callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=[(3, 4)])
+    elif mode == "disagree":  # the defaults, on ranks that read their weights differently: rank 1's look trained
+        if int(os.environ["RANK"]) == 1:
+            with torch.no_grad():
+                model.get_input_embeddings().weight.mul_(8.0)
+        callback = untie.UntieCallback()
     elif mode == "emulated":  # the head exists (and is DDP-wrapped) from the start, kept tied until step 4
         callback = untie.UntieCallback(untie_when=None, untie_at=4, tying_mode="emulated")
     else:
@@ -48,6 +53,7 @@ def main(out_dir: str, arch: str, mode: str) -> None:
             "distributed_type": trainer.accelerator.distributed_type.name,
             "untie_step": callback.untie_step,
             "untie_reason": callback.untie_reason,
+            "policy_reason": callback.policy_choice.reason,
             "tying_mode": callback.tying_mode,
             "history": callback.history,
             "tied": untie.is_tied(model),

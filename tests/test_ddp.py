@@ -65,3 +65,18 @@ def test_divergence_trigger_decides_on_every_rank_from_the_same_signals(tmp_path
     for mine, reference in zip(tied_phase, single["history"][:3], strict=True):
         for key in ("cosine", "cancellation", "norm_ratio", "conflict", "agreement", "tension/3-4", "gap/3-4"):
             assert mine[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key
+
+
+def test_ranks_that_read_their_weights_differently_take_rank_0s_plan(tmp_path):
+    """The default decides from the weights (`untie.structure.policy.weights_evidence`); ranks whose weights differ
+    before DDP broadcasts rank 0's (here rank 1's embedding scaled 8x, which reads as trained) still take one plan:
+    rank 0's (built fresh: untied from step 0), and end identical. Without the broadcast rank 1 would stay tied and
+    DDP would refuse models of different structure."""
+    rank0, rank1 = _torchrun(tmp_path, "gpt2", "disagree")
+    assert rank0["untie_step"] == rank1["untie_step"] == 0
+    assert rank0["untie_reason"] == rank1["untie_reason"] == "start"
+    assert not rank0["tied"] and not rank1["tied"]
+    assert "rank 0 reads its weights as drawn" in rank1["policy_reason"]
+    assert "rank 0" not in rank0["policy_reason"]
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name

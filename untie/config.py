@@ -75,7 +75,7 @@ VERSION_KEY = "untie_version"
 class UntieConfig:
     """Every setting of a tie-then-untie run (`untie.UntieCallback`, `untie.Untier`).
 
-    The defaults decide from the model (`untie.core.decision`): a model whose weights are an initialiser's draw
+    The defaults decide from the model (`untie.structure.policy`): a model whose weights are an initialiser's draw
     (pretraining from scratch) trains untied from the first step, its head drawn by the model's initialiser; a model
     holding trained weights (loaded, by `from_pretrained` or by hand) trains tied and unties when the divergence
     trigger fires, at 30% of the run at the latest, its head starting as a copy of the embedding: nothing trained is
@@ -124,9 +124,10 @@ class UntieConfig:
             (pretraining from scratch: the default plan trains it untied from the first step, its head drawn),
             False (trained weights: a head untied from them starts as a copy), or None (default): decided from the
             weights themselves, by positive evidence only: the input embedding matches a fresh draw of the model's
-            own initialiser (untie.core.decision.weights_evidence); weights that do not match, or that cannot be
-            read here (a ZeRO-3 partition, a shard, quantized values, a model without an initialiser), count as
-            trained. The config's name (what from_pretrained records) decides nothing.
+            own initialiser (untie.structure.policy.weights_evidence; a ZeRO-3 partition is gathered to be read, and
+            every rank takes rank 0's verdict); weights that do not match, or that cannot be read here (an FSDP2
+            shard, the meta device, quantized values, a model without an initialiser), count as trained. The
+            config's name (what from_pretrained records) decides nothing.
         policy: None (default): 'fresh-untied', unless the schedule is set (untie_at or untie_when, whatever the
             value): then 'off', and the schedule runs as set (`chosen_policy`). 'off' runs untie_at / untie_when as
             set. 'fresh-untied': a model trained from scratch (see from_scratch) that arrives tied trains untied

@@ -37,7 +37,7 @@ from torch import nn
 
 from untie import _compat
 from untie.config import POLICIES, PolicyName
-from untie.distributed import full_shape, gathered, is_sharded
+from untie.distributed import broadcast_decision, full_shape, gathered, is_sharded, world_size
 from untie.structure.plan import SavedFacts
 from untie.structure.surgery import input_weight
 
@@ -154,8 +154,9 @@ def weights_evidence(model: nn.Module, embedding: torch.Tensor | None = None) ->
     an embedding and on a head of the same width; a tied matrix may hold either's draw), within six sampling standard
     deviations (`_ENTRY_SPREAD_FLOOR`, `_ROW_SPREAD_FLOOR`). Training moves the rows apart or together and scales
     them: weights loaded by hand (`load_state_dict`) after a few hundred steps do not match. Read on a sample of
-    rows (`_SAMPLE_ENTRIES`), drawn on the CPU under a fixed seed with the global random state untouched, so every
-    rank of a distributed run reads the same verdict and a run's numbers do not depend on it.
+    rows (`_SAMPLE_ENTRIES`), drawn on the CPU under a fixed seed with the global random state untouched, so ranks
+    holding the same weights read the same verdict and a run's numbers do not depend on it (`built_fresh` takes rank
+    0's verdict on every rank all the same: `rank_0s_verdict`).
 
     "unreadable": an FSDP2 shard, the meta device, quantized values, all-zero rows, or a model without a
     transformers initialiser. A ZeRO-3 partition is gathered (every rank must call it then, as attach does).
@@ -250,6 +251,20 @@ def _row_norm_spread(rows: torch.Tensor) -> float:
     return float(norms.std() / norms.mean())
 
 
+def rank_0s_verdict(evidence: WeightsEvidence) -> WeightsEvidence:
+    """Rank 0's "drawn or not", on every rank of a distributed run (one broadcast; every rank attaches): ranks that
+    hold different weights before the wrapper broadcasts rank 0's (a model built under another seed per rank) or that
+    read a borderline draw differently would otherwise take opposite plans, one untied from step 0 and one tied. A
+    rank whose own reading differs says so in its detail."""
+    if world_size() == 1:
+        return evidence
+    drawn = broadcast_decision(evidence.verdict == "drawn")
+    if drawn == (evidence.verdict == "drawn"):
+        return evidence
+    verdict: Literal["drawn", "trained"] = "drawn" if drawn else "trained"
+    return WeightsEvidence(verdict, f"rank 0 reads its weights as {verdict}; this rank's: {evidence.detail}")
+
+
 @dataclass(frozen=True)
 class Freshness:
     """Whether a run counts its model as built fresh (`built_fresh`), why, and a warning to give."""
@@ -267,6 +282,8 @@ def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: t
     if getattr(model, "config", None) is None and from_scratch is None:
         return Freshness(False, "the model counts as trained (it has no transformers config; from_scratch=None)")
     evidence = weights_evidence(model, embedding)
+    if from_scratch is None:
+        evidence = rank_0s_verdict(evidence)
     named = _compat.loaded_from(model)
     if from_scratch is True:
         warning = None
