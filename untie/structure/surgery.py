@@ -472,11 +472,13 @@ def add_param_like(
 
 def drop_param(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> None:
     """Take `param` out of `optimizer` (its param group and its state): a head dropped by a tie before the first
-    step. The inverse of `add_param_like`."""
+    step. The inverse of `add_param_like`; the parameters after it move up, so bitsandbytes' position-keyed overrides
+    are rebuilt as `sort_param_groups` does."""
     inner = inner_optimizer(optimizer)
     for group in inner.param_groups:
         group["params"] = [p for p in group["params"] if p is not param]
     inner.state.pop(param, None)
+    _compat.reindex_bitsandbytes_overrides(inner)
 
 
 def start_state_like(
