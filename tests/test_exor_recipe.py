@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from launch import torchrun
+from script_modules import load_script
 
 from untie_recipes import exor as recipe
 from untie_recipes import schedules
@@ -422,6 +423,28 @@ def test_a_geometry_claim_is_judged_on_the_seeds_that_learned_the_task_only():
     records[0]["train_accuracy"] = 0.46  # neither learned: not tested, never a verdict on chance runs
     (untied,) = [c for c in exor_claims.check_claims(records) if "untied (main): input" in c["claim"]]
     assert untied["holds"] is None and untied["evidence"].startswith("not tested: no seed learned the task")
+
+
+def test_geometry_table_lists_each_runs_schedule_learning_and_relative_distances(tmp_path):
+    """The docs' per-run geometry table: one row per record, longest schedule first, distances over d(0,2), and
+    whether the run learned the task (the claims judge geometry on those runs only)."""
+    table = load_script("scripts", "geometry_table")
+    for steps, seed, accuracy, shared in [(10_000, 1, 0.69, 0.23), (40_000, 2, 0.46, 1.4), (40_000, 1, 0.70, 0.22)]:
+        folder = tmp_path / f"tied-{steps}" / "runs"
+        folder.mkdir(parents=True, exist_ok=True)
+        record = _learning_record("tied", seed, accuracy, input_01=shared, output_01=shared)
+        record["history"]["geometry"][-1]["input"]["0-2"] = record["history"]["geometry"][-1]["output"]["0-2"] = 2.0
+        record["settings"] = {"max_steps": steps, "learning_rate": 7.5e-3, "cosine_steps": 667}
+        (folder / f"main-transformer-tied-{seed}.json").write_text(json.dumps(record))
+    text = table.main([str(tmp_path / "tied-10000"), str(tmp_path / "tied-40000"), "--arms", "tied"])
+    rows = text.splitlines()[2:]
+    assert [row.split(" | ")[3:7] for row in rows] == [
+        ["40,000", "0.0075", "667", "1"], ["40,000", "0.0075", "667", "2"], ["10,000", "0.0075", "667", "1"]
+    ]  # fmt: skip
+    assert rows[0].endswith("| 0.700 | yes | 0.110 | 0.025 | 0.110 | 0.025 |")  # 0.22 / 2.0, 0.05 / 2.0
+    assert "| 0.460 | no | 0.700 |" in rows[1]  # at chance: listed, marked as not learned
+    with pytest.raises(SystemExit, match="no runs"):
+        table.main([str(tmp_path / "tied-10000"), "--arms", "untied"])
 
 
 def test_the_scheduled_geometry_claim_needs_both_arms_learned_on_a_seed():
