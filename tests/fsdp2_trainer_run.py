@@ -13,7 +13,9 @@ parameters), its optimizer, gradient clipping and DCP / full-state-dict checkpoi
 * ``trigger``: `UntieCallback(untie_when=...)` with no deadline: the role signals measured in the emulated tied
   phase feed the divergence trigger. The ``tied`` run records the same signals with a live `RoleGradientProbe`;
 * ``default``: `UntieCallback()`'s defaults for trained weights (`from_scratch=False`; metrics every 2 steps): the
-  default trigger measures under FSDP2 too.
+  default trigger measures under FSDP2 too;
+* ``loaded`` / ``ram-efficient``: `UntieCallback()` deciding from the weights, trained ones on every rank / on rank 0
+  only under accelerate's `cpu_ram_efficient_loading` (the other rank holds a fresh draw until prepare broadcasts).
 
 Each run saves, per rank: losses and gradient norms per step, the full matrices after the untie step and at the end.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,7 @@ import transformers as tf
 import worker_exit
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 import untie
@@ -89,15 +93,37 @@ class LiveSignals(tf.TrainerCallback):
             self.history.append({"step": state.global_step + 1, **signals, **self.probe.pair_measurements(grads)})
 
 
+def _trained(model: nn.Module) -> None:
+    """Weights that read as trained (`untie.structure.policy.weights_evidence`): the embedding's spread 8x a draw's."""
+    model.get_input_embeddings().weight.mul_(8.0)
+
+
+def _trained_on_rank_0(model: nn.Module) -> None:
+    """Rank 0 loaded the trained weights; every other rank holds its fresh draw (reads as drawn)."""
+    if dist.get_rank() == 0:
+        _trained(model)
+
+
 def _matrices(model) -> dict[str, torch.Tensor]:
     return {"embedding": full(model.get_input_embeddings().weight), "head": full(model.get_output_embeddings().weight)}
 
 
-def _run(out_dir: str, name: str, state_dict_type: str, callback=None, resume: str | None = None) -> tf.Trainer:
+def _run(
+    out_dir: str,
+    name: str,
+    state_dict_type: str,
+    callback=None,
+    resume: str | None = None,
+    weights: Callable[[nn.Module], None] | None = None,
+    ram_efficient: bool = False,
+) -> tf.Trainer:
+    """One Trainer run; `weights` edits the fresh model's weights in place first (this rank's); `ram_efficient`:
+    accelerate's `cpu_ram_efficient_loading`, which broadcasts rank 0's weights into the shards at prepare."""
+    fsdp_config = {"version": 2, "state_dict_type": state_dict_type, "reshard_after_forward": True}
     args = tf.TrainingArguments(
         os.path.join(out_dir, name),
         fsdp=True,
-        fsdp_config={"version": 2, "state_dict_type": state_dict_type, "reshard_after_forward": True},
+        fsdp_config={**fsdp_config, **({"cpu_ram_efficient_loading": True} if ram_efficient else {})},
         use_cpu=True,
         max_steps=MAX_STEPS,
         save_steps=SAVE_STEPS,
@@ -114,7 +140,11 @@ def _run(out_dir: str, name: str, state_dict_type: str, callback=None, resume: s
     snapshot = Snapshot()
     callbacks = [snapshot] + ([callback] if callback is not None else [])
     torch.manual_seed(0)
-    trainer = tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(n=96), callbacks=callbacks)
+    model = tiny_model("gpt2")
+    if weights is not None:
+        with torch.no_grad():
+            weights(model)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=96), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     model = trainer.model
     record = {
@@ -125,11 +155,13 @@ def _run(out_dir: str, name: str, state_dict_type: str, callback=None, resume: s
         "sharded": isinstance(model.get_input_embeddings().weight, DTensor),
         "tied_parameter": model.get_input_embeddings().weight is model.get_output_embeddings().weight,
         "fsdp": trainer.is_fsdp_enabled,
+        "ram_efficient": trainer.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading,
     }
     if isinstance(callback, LiveSignals):
         record["history"] = callback.history
     elif callback is not None:
         record.update(tying_mode=callback.tying_mode, untie_step=callback.untie_step, reason=callback.untie_reason)
+        record["policy_reason"] = callback.policy_choice.reason
         record["history"] = callback.history
     torch.save(record, os.path.join(out_dir, f"{name}-rank{dist.get_rank()}.pt"))
     return trainer
@@ -172,6 +204,17 @@ def main(out_dir: str) -> None:
     _run(out_dir, "trigger", "SHARDED_STATE_DICT", trigger)
     # The defaults under FSDP2: the pair-free trigger measures at step 2 (O(|T| d) per rank); the 30% deadline, step 3.
     _run(out_dir, "default", "SHARDED_STATE_DICT", untie.UntieCallback(metrics_every=2, from_scratch=False))
+    # The defaults deciding from the weights: trained ones on every rank, and (accelerate's cpu_ram_efficient_loading)
+    # on rank 0 only, the other rank holding a fresh draw until prepare broadcasts rank 0's into the shards.
+    _run(out_dir, "loaded", "SHARDED_STATE_DICT", untie.UntieCallback(), weights=_trained)
+    _run(
+        out_dir,
+        "ram-efficient",
+        "SHARDED_STATE_DICT",
+        untie.UntieCallback(),
+        weights=_trained_on_rank_0,
+        ram_efficient=True,
+    )
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ UNTIE_AT = 6
 def trainer_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2-trainer")
     torchrun(TRAINER_WORKER, out)
-    names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8", "trigger", "default")
+    names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8", "trigger", "default", "loaded")
+    names += ("ram-efficient",)
     return out, {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
 
 
@@ -185,6 +186,29 @@ def test_fsdp2_default_trigger_measures_and_the_deadline_unties(trainer_runs):
     live = runs["tied"][0]["history"][0]
     for key in ("cosine", "cancellation", "norm_ratio", "conflict", "agreement"):
         assert tied_phase[key] == pytest.approx(live[key], rel=1e-4, abs=1e-6), key
+
+
+def test_under_cpu_ram_efficient_loading_every_rank_takes_rank_0s_plan_and_trains_its_weights(trainer_runs):
+    """accelerate's `cpu_ram_efficient_loading` (its FSDP config default) loads the weights on rank 0 only: the other
+    ranks hold a fresh draw or empty memory until prepare broadcasts rank 0's into the shards. The default decides
+    from the weights at attach, before that broadcast: rank 1 reads its own as drawn, yet every rank takes rank 0's
+    plan (trained: tied, the head a copy, untie at the deadline), and the run equals one whose ranks all loaded."""
+    _, runs = trainer_runs
+    loaded, efficient = runs["loaded"], runs["ram-efficient"]
+    assert efficient[0]["ram_efficient"] and not loaded[0]["ram_efficient"]
+    for run in (*loaded, *efficient):
+        assert (run["tying_mode"], run["untie_step"], run["reason"]) == ("emulated", 3, "deadline")
+        assert "the model holds trained weights" in run["policy_reason"]
+    assert (
+        "rank 0 reads its weights as trained; this rank's: its embedding matches a fresh draw"
+        in (efficient[1]["policy_reason"])
+    )
+    assert "rank 0" not in efficient[0]["policy_reason"]
+    for rank in (0, 1):
+        assert efficient[rank]["losses"] == loaded[rank]["losses"]
+        for name in ("head", "embedding"):
+            assert torch.equal(efficient[rank]["final"][name], loaded[rank]["final"][name]), name
+            assert torch.equal(efficient[rank]["final"][name], efficient[0]["final"][name]), name
 
 
 SHARDED_PROBE = """
