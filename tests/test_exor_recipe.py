@@ -447,6 +447,19 @@ def test_geometry_table_lists_each_runs_schedule_learning_and_relative_distances
         table.main([str(tmp_path / "tied-10000"), "--arms", "untied"])
 
 
+def test_the_claims_summary_names_the_failing_claims_and_the_page_that_explains_them():
+    records = [
+        _learning_record("untied", 42, 0.67, input_01=0.08),  # the untied pattern: holds
+        _learning_record("tied", 42, 0.68, input_01=0.2, output_01=0.2),  # shared (0,1) close: the tied claim fails
+    ]
+    summary = exor_report.claims_summary(exor_claims.check_claims(records))
+    verdict, failing = summary.splitlines()
+    assert verdict.startswith("The paper's claims: 1 of 2 checked hold in this run;")
+    assert failing.startswith("Failing: [transformer] tied (main): (2,3) close, (0,1) apart. ")
+    assert failing.endswith('docs/recipes/exor.md ("What the quick preset shows", "Where the tied claim fails")')
+    assert "Failing" not in exor_report.claims_summary(exor_claims.check_claims(records[:1]))
+
+
 def test_the_scheduled_geometry_claim_needs_both_arms_learned_on_a_seed():
     records = [
         _learning_record("tied", 42, 0.68, input_01=0.7, output_01=0.7),

@@ -63,6 +63,10 @@ def markdown_table(records: list[dict], claims: list[dict], recovery: list[dict]
     return "\n".join(lines) + "\n"
 
 
+#: Where the claims are explained, with the runs behind the quick preset's verdicts (a page of the repository).
+CLAIMS_DOCS = 'docs/recipes/exor.md ("What the quick preset shows", "Where the tied claim fails")'
+
+
 # -- Figures --
 
 PAIR_STYLE = {
@@ -220,6 +224,22 @@ def write_signal_figures(records: list[dict], figures_dir: str, rule: untie.Unti
     return written
 
 
+def claims_summary(claims: list[dict]) -> str:
+    """The claims' verdict in words: how many of those checked hold, how many were not tested, and the failing ones by
+    name with the page that explains them."""
+    checked = [c for c in claims if c["holds"] is not None]
+    untested = len(claims) - len(checked)
+    summary = f"The paper's claims: {sum(c['holds'] for c in checked)} of {len(checked)} checked hold in this run" + (
+        f"; {untested} not tested (arms not run, or too few seeds: see results.md)." if untested else "."
+    )
+    failing = [c["claim"] for c in checked if not c["holds"]]
+    if failing:
+        summary += (
+            f"\nFailing: {'; '.join(failing)}. What each claim asks, and the runs behind the verdicts: {CLAIMS_DOCS}"
+        )
+    return summary
+
+
 def report(records: list[dict], output_dir: str, rule: untie.UntieWhen | None = AUTO_RULE) -> list[dict]:
     """Write results.json, results.md and the figures; print the table and the claims."""
     claims = check_claims(records)
@@ -233,10 +253,5 @@ def report(records: list[dict], output_dir: str, rule: untie.UntieWhen | None = 
     figures += write_signal_figures(records, os.path.join(output_dir, "figures"), rule)
     print(table)
     print(f"Wrote {output_dir}/results.json, results.md and {len(figures)} figures in {output_dir}/figures")
-    checked = [c for c in claims if c["holds"] is not None]
-    untested = len(claims) - len(checked)
-    print(
-        f"The paper's claims: {sum(c['holds'] for c in checked)} of {len(checked)} checked hold in this run"
-        + (f"; {untested} not tested (arms not run, or too few seeds: see results.md)." if untested else ".")
-    )
+    print(claims_summary(claims))
     return claims
