@@ -96,11 +96,12 @@ def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_c
     with caplog.at_level(logging.WARNING, logger="untie"):
         trainer.train()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
-    assert said == [
+    assert len(said) == 1 and said[0].startswith(
         "untie: trains untied from step 0; the head is drawn by the model's initialiser (head_init), because the "
         "model is built fresh (its embedding matches a fresh draw of its own initialiser); from scratch, a tied phase "
-        "cost more than it saved on the decision map (the default policy, 'fresh-untied')"
-    ]
+        "cost more than it saved on the decision map (the default policy, 'fresh-untied'); at the first batch, the "
+        "model predicts no better with its tied head than with a drawn one ("
+    )  # the figures of the first batch's check follow (untie.structure.head_start)
     assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(model)
     state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
     saved = state["stateful_callbacks"]["UntieCallback"]["attributes"]["untie_state"]["attributes"]

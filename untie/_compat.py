@@ -88,6 +88,25 @@ def loaded_from(model: nn.Module) -> str:
     return str(getattr(config, "_name_or_path", "") or getattr(model, "name_or_path", "") or "")
 
 
+def loss_alignment(model: nn.Module) -> str | None:
+    """How the model's logits meet its labels: "shifted" (position t predicts label t + 1: a causal LM) or "aligned"
+    (position t predicts label t: masked and sequence-to-sequence LMs); None where unknown. Read off
+    `PreTrainedModel.loss_type` (public, but undocumented: None for classes such as GPT2LMHeadModel, whose
+    `loss_function` then falls back to the causal loss; only a class of the causal-LM auto mapping is taken as causal
+    then). Checked: transformers 5.24.0 (CI's oldest step: 5.12.1)."""
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type == "ForCausalLM":
+        return "shifted"
+    if loss_type in ("ForMaskedLM", "ForConditionalGeneration"):
+        return "aligned"
+    if loss_type is None:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()):
+            return "shifted"
+    return None
+
+
 def auto_class_mapping(auto_class: type) -> Any:
     """`AutoModel*._model_mapping`: {config class: model class}, to find a checkpoint's head class without building
     it (no public lookup exists). Checked: transformers 5.12.1 and 5.23.0 (CI)."""

@@ -47,6 +47,7 @@ from untie.core import measuring, messages
 from untie.distributed import (
     broadcast_decision,
     is_sharded,
+    is_split,
     resolve_tying_mode,
     sync_grads_across_ranks,
     world_size,
@@ -58,6 +59,7 @@ from untie.signals.metrics import role_signals_on_rows, summarize_pair_metrics
 from untie.signals.pairs import is_tokenizer
 from untie.signals.probe import RoleGradientProbe
 from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen, default_rule, pair_signal
+from untie.structure.head_start import FirstBatchCheck, HeadVerdict
 from untie.structure.peft_support import check_peft_run, is_peft_model
 from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, Structure, StructurePlan, plan_structure
 from untie.structure.policy import PolicyChoice, choose_plan, settle
@@ -191,6 +193,10 @@ class UntieRun:
         """The attached model came untied (its head a matrix of its own, trained or reloaded)."""
         self.plan: str | None = None
         """What the run said at train begin it would do (`untie.core.messages.plan_line`), kept in the run state."""
+        self.first_batch: FirstBatchCheck | None = None
+        """The check that keeps or replaces the default's drawn head at the first forward
+        (`untie.structure.head_start`); None where no head was drawn by default, once it has decided, or where the run
+        resumed."""
 
     @property
     def untied(self) -> bool:
@@ -318,10 +324,14 @@ class UntieRun:
             "choice",
             "arrived_untied",
             "phase",
+            "first_batch",
         )
         for name in (*attached, "registry", "planned_untie_reason"):
             setattr(self, name, getattr(other, name))
+        if self.first_batch is not None:
+            self.first_batch.on_verdict = self.take_head_verdict
         other.registry, other.emulation, other.phase = Registry(other.adapter.name), None, "closed"
+        other.first_batch = None
         self.match_rule_to_pairs()  # "divergence" follows the pairs found then
         self.follow_choice()
 
@@ -509,12 +519,14 @@ class UntieRun:
             self.emulation = None
             if optimizer is None and self.head_init() == "model":
                 draw_head(model, self.owner)  # an untie held back until `settle`, before sharding
+                self.check_first_batch(model)
         elif current == "tied" or optimizer is None:
             # On an untied model (a reloaded untie, untie_at=0) this re-applies the bookkeeping a reload loses. A
             # resumed run's head gets its optimizer state from the checkpoint, loaded next.
             untie_embeddings(model, optimizer, optimizer_state="reset")
             if current == "tied" and self.head_init() == "model":
                 draw_head(model, self.owner)  # a resumed run's head is then loaded from its checkpoint
+                self.check_first_batch(model)
             if optimizer is not None:
                 self.install_grad_sync(model)
         else:  # untied before this resume (untie_at=0, or the model's state dict loaded first): the head must train
@@ -522,6 +534,28 @@ class UntieRun:
             if not any(p is head for group in inner_optimizer(optimizer).param_groups for p in group["params"]):
                 add_param_like(optimizer, new=head, like=embedding, state="reset")
                 self.install_grad_sync(model)
+
+    def check_first_batch(self, model: nn.Module) -> None:
+        """The default's drawn head is provisional: the first forward keeps it only where the model predicts no better
+        with a copy of its embedding (`untie.structure.head_start`), so that no trained weights the embedding alone
+        misread as fresh are drawn over. An explicit ``head_init="model"`` draws as asked. Sharded heads (FSDP2,
+        DeepSpeed) are drawn before sharding and cannot be replaced in the first forward: there the weights'
+        evidence decides alone (docs/guides/trainer.md)."""
+        if self.config.head_init != "auto" or self.engine is not None or is_split(output_weight(model)):
+            return
+        if self.first_batch is not None:
+            self.first_batch.remove()
+        self.first_batch = FirstBatchCheck(model, self.take_head_verdict, self.registry)
+
+    def take_head_verdict(self, verdict: HeadVerdict) -> None:
+        """The first batch's verdict on the drawn head (`FirstBatchCheck`): the choice records the head's start and
+        why, for the line at train begin and the run state."""
+        self.first_batch = None
+        if self.choice is not None:
+            reason = f"{self.choice.reason}; at the first batch, {verdict.detail}"
+            self.choice = dataclasses.replace(self.choice, head_init=verdict.start, reason=reason)
+        if verdict.start == "copy":
+            logger.warning("untie: the head starts as a copy of the embedding, not drawn: %s", verdict.detail)
 
     # -- run state -----------------------------------------------------------------------------------------------------
     @property
@@ -592,6 +626,9 @@ class UntieRun:
         be a tied one saved at step 0: its run continues as it was). It says nothing: `announce` does, once
         the adapter knows which run begins (`Untier` begins a fresh run at `start` and, when a checkpoint loads before
         the first step, the resumed one in its place)."""
+        if (step or resumed) and self.first_batch is not None:
+            self.first_batch.remove()  # a resumed run's head is its checkpoint's: nothing to judge
+            self.first_batch = None
         if (step or resumed) and self.choice is not None and self.choice.untied_from_start and not self.untied:
             if self.emulation is not None or is_tied(model):
                 self.keep_resumed_tied_phase(step)
@@ -727,6 +764,7 @@ class UntieRun:
         config marker, or the emulated tying's separate head). Idempotent."""
         self.drop_probe()
         self.registry.close()
+        self.first_batch = None
         self._grad_sync_installed = False
         if self.phase in ("unsettled", "attached", "started", "stepping"):
             self.phase = "closed"

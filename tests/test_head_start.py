@@ -1,0 +1,212 @@
+"""The default's drawn head is provisional (`untie.structure.head_start`): at the first forward it is kept only where
+the model predicts no better with a copy of its embedding, so trained weights the embedding's statistics misread as
+fresh are never drawn over (issue 67). Each case below drew a head over trained weights before the check existed."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+import transformers as tf
+
+from untie import UntieCallback, Untier
+from untie.structure.head_start import FLOOR, judge
+from untie.structure.policy import weights_evidence
+from untie.structure.surgery import input_weight, is_tied, output_weight
+
+VOCAB = 300
+
+
+def step_task(rows: int = 64, length: int = 24, seed: int = 0) -> torch.Tensor:
+    """Sequences following x -> (7x + 3) mod VOCAB from a uniform start: learnable, far below chance (log 300)."""
+    generator = torch.Generator().manual_seed(seed)
+    columns = [torch.randint(VOCAB, (rows,), generator=generator)]
+    for _ in range(length - 1):
+        columns.append((columns[-1] * 7 + 3) % VOCAB)
+    return torch.stack(columns, 1)
+
+
+def llama_config() -> tf.LlamaConfig:
+    return tf.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def trained_llama(steps: int, lr: float, freeze_embedding: bool = False) -> tf.LlamaForCausalLM:
+    """A tied Llama trained `steps` AdamW steps on the task (seed 0); with `freeze_embedding`, only its body trains
+    (the embedding keeps its fresh draw: the weights' evidence reads it as built fresh)."""
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(llama_config())
+    model.get_input_embeddings().weight.requires_grad_(not freeze_embedding)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    data = step_task()
+    for step in range(steps):
+        batch = data[(step * 16) % 64 :][:16]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.get_input_embeddings().weight.requires_grad_(True)
+    return model
+
+
+def loss_on(model: torch.nn.Module, batch: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float(model(input_ids=batch, labels=batch).loss)
+
+
+# -- the verdict itself ------------------------------------------------------------------------------------------------
+def test_judge_keeps_a_draw_where_the_copy_is_another_draw_and_copies_where_it_predicts():
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2000, 16, generator=generator)
+    drawn = 0.02 * torch.randn(VOCAB, 16, generator=generator)
+    fresh_copy = 0.02 * torch.randn(VOCAB, 16, generator=generator)
+    targets = torch.randint(VOCAB, (2000,), generator=generator)
+    fresh = judge(hidden, targets, drawn, fresh_copy)
+    assert fresh.start == "model" and abs(fresh.advantage) < fresh.bound
+    # A copy that has learned a little: each target's row leans towards the hidden states that predict it.
+    learned = fresh_copy.clone()
+    learned.index_add_(0, targets, 0.02 * hidden)
+    trained = judge(hidden, targets, drawn, learned)
+    assert trained.start == "copy" and trained.advantage > max(FLOOR, trained.bound)
+    assert "trained" in trained.detail and f"{trained.positions:,} positions" in trained.detail
+
+
+def test_judge_copies_where_nothing_can_be_scored():
+    empty = judge(torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), torch.zeros(5, 4), torch.zeros(5, 4))
+    assert empty.start == "copy"
+
+
+# -- the cases of issue 67 ---------------------------------------------------------------------------------------------
+def _first_forward_with_untier(model: torch.nn.Module, batch: torch.Tensor) -> tuple[Untier, float]:
+    untier = Untier(model, max_steps=10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    untier.start(optimizer)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    untier.step()
+    return untier, float(loss)
+
+
+def test_a_body_trained_against_a_frozen_tied_embedding_keeps_its_head_as_a_copy():
+    trained = trained_llama(60, 3e-3, freeze_embedding=True)
+    assert weights_evidence(trained).verdict == "drawn"  # the embedding alone reads as fresh: the case
+    model = tf.LlamaForCausalLM(llama_config())
+    model.load_state_dict(trained.state_dict())  # handed over by hand: nothing names a checkpoint
+    batch = step_task(seed=1)
+    before = loss_on(trained, batch)
+    untier, first = _first_forward_with_untier(model, batch)
+    assert not is_tied(model) and torch.equal(output_weight(model), input_weight(model))
+    assert first == pytest.approx(before, abs=1e-5)  # the first step's loss is the trained model's
+    assert untier.policy_choice.head_init == "copy"
+    assert "at the first batch, the model predicts with its tied head better" in untier.plan
+    assert untier.plan.startswith("untie: trains untied from step 0; the head starts as a copy")
+
+
+def test_a_fresh_model_keeps_its_drawn_head():
+    torch.manual_seed(3)
+    model = tf.LlamaForCausalLM(llama_config())
+    untier = Untier(model, max_steps=10)
+    drawn = output_weight(model).detach().clone()
+    assert not torch.equal(drawn, input_weight(model))  # drawn at attach, as before
+    untier_run, _ = _first_forward_with_untier_started(untier, model, step_task(seed=1))
+    assert torch.equal(output_weight(model), drawn)
+    assert untier_run.policy_choice.head_init == "model"
+    assert "predicts no better with its tied head than with a drawn one" in untier_run.plan
+
+
+def _first_forward_with_untier_started(untier: Untier, model, batch):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    untier.start(optimizer)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    untier.step()
+    return untier, float(loss)
+
+
+def _trainer(model, folder, steps: int = 1, lr: float = 0.0) -> tf.Trainer:
+    data = [{"input_ids": row, "labels": row} for row in step_task(rows=16, seed=1)]
+    args = tf.TrainingArguments(
+        output_dir=folder, max_steps=steps, per_device_train_batch_size=16, learning_rate=lr, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    return tf.Trainer(model=model, args=args, train_dataset=data, callbacks=[UntieCallback()])
+
+
+def test_weights_loaded_after_the_trainer_is_built_keep_their_head(tmp_path, caplog):
+    trained = trained_llama(200, 3e-3)
+    batch = step_task(rows=16, seed=1)
+    torch.manual_seed(7)
+    trainer = _trainer(tf.LlamaForCausalLM(llama_config()), str(tmp_path))  # read as fresh at Trainer(...)
+    trainer.model.load_state_dict(trained.state_dict())  # then the trained weights arrive
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        trainer.train()
+    model = trainer.model
+    assert torch.equal(output_weight(model), input_weight(model))  # lr 0: the head is as the first step found it
+    loss_at_step_1 = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    assert loss_at_step_1 == pytest.approx(loss_on(trained, batch), abs=1e-3)
+    assert loss_at_step_1 < math.log(VOCAB) - 1  # trained, not a fresh head's chance level
+    assert any("the head starts as a copy" in r.getMessage() for r in caplog.records)
+
+
+def test_a_lightly_trained_t5_from_pretrained_keeps_its_head(tmp_path):
+    config = tf.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=16, num_layers=1, num_decoder_layers=1, num_heads=2,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    t5 = tf.T5ForConditionalGeneration(config)
+    data = step_task(rows=64, length=12)
+    optimizer = torch.optim.AdamW(t5.parameters(), lr=3e-3)
+    for step in range(20):
+        batch = data[(step * 16) % 64 :][:16]
+        t5(input_ids=batch, labels=(batch * 7 + 3) % VOCAB).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    t5.save_pretrained(tmp_path / "t5")
+    model = tf.T5ForConditionalGeneration.from_pretrained(tmp_path / "t5")
+    probe = step_task(rows=16, length=12, seed=1)
+    targets = (probe * 7 + 3) % VOCAB
+    with torch.no_grad():
+        before = float(model(input_ids=probe, labels=targets).loss)
+    untier = Untier(model, max_steps=10, from_scratch=None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    untier.start(optimizer)
+    first = float(model(input_ids=probe, labels=targets).loss)
+    untier.step()
+    if untier.policy_choice.untied_from_start:  # read as fresh by its embedding: the first batch decides
+        assert untier.policy_choice.head_init == "copy"
+    assert first == pytest.approx(before, abs=1e-4)
+
+
+def test_a_resumed_run_keeps_its_checkpoints_head(tmp_path):
+    """The check never judges a resumed run's head: it comes from the checkpoint, trained."""
+    torch.manual_seed(3)
+    model = tf.LlamaForCausalLM(llama_config())
+    untier = Untier(model, max_steps=10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    untier.start(optimizer)
+    batch = step_task(seed=1)
+    for _ in range(3):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        untier.step()
+    state, weights = untier.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    optim_state = optimizer.state_dict()
+
+    torch.manual_seed(3)
+    resumed = tf.LlamaForCausalLM(llama_config())
+    again = Untier(resumed, max_steps=10)
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    again.start(optimizer)
+    resumed.load_state_dict(weights)
+    optimizer.load_state_dict(optim_state)
+    again.load_state_dict(state)
+    assert again.run.first_batch is None
+    resumed(input_ids=batch, labels=batch)
+    assert torch.equal(output_weight(resumed), weights["lm_head.weight"])
