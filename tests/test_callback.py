@@ -595,3 +595,17 @@ def test_values_not_measured_yet_are_absent_from_the_logs_not_nan(make_args):
     logged = [(key, value) for entry in trainer.state.log_history for key, value in entry.items() if "untie/" in key]
     assert logged and all(math.isfinite(value) for _, value in logged), logged
     assert all("untie/untie_step" not in entry for entry in trainer.state.log_history)  # never untied: absent
+
+
+def test_a_plain_trainer_checkpoint_resumed_with_the_callback_saves_normally(make_args, tmp_path):
+    """Adding the library on resume (the documented way to add it to a running job): Trainer's saved state has no
+    entry for the callback, and transformers' first save used to fail with KeyError: 'UntieCallback'."""
+    args = make_args(output_dir=str(tmp_path / "plain"), save_strategy="steps", save_steps=2, max_steps=2)
+    tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset()).train()
+    args = make_args(output_dir=str(tmp_path / "plain"), save_strategy="steps", save_steps=2, max_steps=4)
+    callback = untie.UntieCallback()
+    trainer = tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback])
+    trainer.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-2"))
+    saved = json.loads((tmp_path / "plain" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert "UntieCallback" in saved["stateful_callbacks"]
+    assert saved["stateful_callbacks"]["UntieCallback"]["attributes"]["untie_state"]["global_step"] == 4

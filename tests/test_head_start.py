@@ -210,3 +210,22 @@ def test_a_resumed_run_keeps_its_checkpoints_head(tmp_path):
     assert again.run.first_batch is None
     resumed(input_ids=batch, labels=batch)
     assert torch.equal(output_weight(resumed), weights["lm_head.weight"])
+
+
+# -- settings the plan does not use are named; your word settles the head's start --------------------------------------
+def test_from_scratch_with_untie_at_zero_draws_the_head_as_the_docs_say():
+    trained = trained_llama(200, 3e-3)
+    Untier(trained, max_steps=10, from_scratch=True, untie_at=0, untie_when=None)
+    assert not is_tied(trained) and not torch.equal(output_weight(trained), input_weight(trained))
+
+
+def test_from_scratch_under_a_set_schedule_is_named_as_unused():
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match=r"from_scratch=True changes nothing here: the schedule is set"):
+        Untier(tf.LlamaForCausalLM(llama_config()), max_steps=10, from_scratch=True, untie_at=5)
+
+
+def test_head_init_model_on_a_trained_model_is_named_as_unused():
+    with pytest.warns(UserWarning, match=r"head_init='model' draws a head untied before the first step; this run"):
+        untier = Untier(trained_llama(200, 3e-3), max_steps=10, head_init="model")
+    assert untier.policy_choice.plan == "as set"

@@ -429,3 +429,18 @@ def test_a_default_untier_resumes_a_tied_phase_state_as_trainer_does():
     assert resumed.untie_step == 6 and resumed.untie_reason == "deadline"
     worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
     assert worst == 0.0
+
+
+def test_the_top_singular_value_is_estimated_without_a_full_svd_and_leaves_the_random_state_alone():
+    from untie.structure.policy import top_singular_value
+
+    generator = torch.Generator().manual_seed(0)
+    fresh = 0.02 * torch.randn(600, 256, generator=generator)
+    shifted = fresh + 0.01 * torch.randn(600, 1, generator=generator) * torch.randn(1, 256, generator=generator)
+    state = torch.random.get_rng_state()
+    for rows, tolerance in ((fresh, 0.05), (shifted, 1e-4)):
+        exact = float(torch.linalg.svdvals(rows)[0])
+        estimate = top_singular_value(rows)
+        assert exact * (1 - tolerance) <= estimate <= exact * (1 + 1e-5)
+        assert top_singular_value(rows) == estimate  # the same on every call (and rank)
+    assert torch.equal(torch.random.get_rng_state(), state)

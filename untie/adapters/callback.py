@@ -130,6 +130,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         self.run.check("UntieCallback.on_train_begin", model=model)
         # This train() call's run state: the checkpoint's when resuming (Trainer does not restore it), else fresh.
         self._global_step = state.global_step
+        glue.keep_a_place_in_saved_state(state, self)
         saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if state.global_step else {}
         where = "the checkpoint's trainer_state.json"
         self.run.start(optimizer, state.global_step, state.max_steps, saved or None, where)

@@ -128,3 +128,14 @@ def add_to_log_history(state, values: dict) -> None:
     `trainer.state.log_history` and `trainer_state.json` hold them."""
     if state.log_history and state.log_history[-1].get("step") == state.global_step:
         state.log_history[-1].update(values)
+
+
+def keep_a_place_in_saved_state(state, callback) -> None:
+    """Give `callback` its entry in `state.stateful_callbacks` (the TrainerState Trainer saves) where it has none: a
+    run resumed from a checkpoint written without this callback (a plain Trainer run to which the library is added on
+    resume) loads a TrainerState whose `stateful_callbacks` lacks it, and Trainer's `_save_checkpoint` then indexes it
+    by class name and fails at the first save (`KeyError: 'UntieCallback'`; transformers 5.12.1-5.24.0, for any
+    stateful callback added on resume). The entry is the callback's current state, which the save replaces."""
+    callbacks = getattr(state, "stateful_callbacks", None)
+    if isinstance(callbacks, dict):
+        callbacks.setdefault(type(callback).__name__, callback.state())

@@ -14,6 +14,7 @@ from untie.signals.triggers import UntieWhen
 
 if TYPE_CHECKING:
     from untie.core.run import UntieRun
+    from untie.structure.policy import PolicyChoice
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,28 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
         when = "stays tied (untie_at=None, untie_when=None)"
     emulated = " (emulated tying)" if run.emulation is not None else ""
     return f"untie: {start}trains tied{emulated}; {when}; the head starts as a copy of the embedding{why}"
+
+
+def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str | None:
+    """A setting the plan `choice` made for `config` does not use, in words (None where every setting counts):
+    `from_scratch` decides only the default's plan and how a head untied before the first step starts, and
+    `head_init="model"` only a head untied before the first step."""
+    untie_at = 0 if choice.untied_from_start else config.untie_at
+    if untie_at == 0:
+        return None
+    later = f"this run unties later ({choice.reason}), and a head untied after step 0 starts as a copy of the embedding"
+    if config.head_init == "model":
+        return (
+            f"{owner}: head_init='model' draws a head untied before the first step; {later}. Pass from_scratch=True "
+            "if the model is built fresh (it then trains untied from step 0, its head drawn), or leave head_init unset."
+        )
+    if config.from_scratch is not None and choice.policy == "off":
+        return (
+            f"{owner}: from_scratch={config.from_scratch!r} changes nothing here: the schedule is set (policy 'off'), "
+            f"so {later}. Leave the schedule unset for the default's plan, or pass untie_at=0 with from_scratch=True "
+            "to train untied from step 0 with a drawn head."
+        )
+    return None
 
 
 def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None:

@@ -248,6 +248,9 @@ class UntieRun:
             self.choice = dataclasses.replace(choice, reason=f"{choice.reason} ({why})") if why else choice
         if choice.warning is not None:
             _compat.warn_in_user_code(f"{self.owner}: {choice.warning}")
+        unused = messages.unused_setting(self.config, self.choice, self.owner)
+        if unused is not None:
+            _compat.warn_in_user_code(unused)
         if settle_later and self.expected is None and self.choice.untied_from_start:
             return True
         self.choice = settle(self.choice, self.expected)
@@ -510,7 +513,9 @@ class UntieRun:
         """How a head untied before the first step starts: `config.head_init`, "auto" following the policy."""
         if self.config.head_init != "auto":
             return self.config.head_init
-        return self.choice.head_init if self.choice is not None and self.choice.untied_from_start else "copy"
+        if self.choice is not None and self.choice.untied_from_start:
+            return self.choice.head_init
+        return "model" if self.config.from_scratch is True else "copy"  # your word: built fresh (untie_at=0 set)
 
     def _reach_untied(self, model: nn.Module, current: str, optimizer) -> None:
         if current == "emulated":  # the head has had its own parameter, in the optimizer, from the start
@@ -541,7 +546,9 @@ class UntieRun:
         misread as fresh are drawn over. An explicit ``head_init="model"`` draws as asked. Sharded heads (FSDP2,
         DeepSpeed) are drawn before sharding and cannot be replaced in the first forward: there the weights'
         evidence decides alone (docs/guides/trainer.md)."""
-        if self.config.head_init != "auto" or self.engine is not None or is_split(output_weight(model)):
+        if self.config.head_init != "auto" or self.config.from_scratch is True:
+            return  # drawn as asked: head_init="model", or your word that the model is built fresh
+        if self.engine is not None or is_split(output_weight(model)):
             return
         if self.first_batch is not None:
             self.first_batch.remove()
