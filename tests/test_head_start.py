@@ -229,3 +229,19 @@ def test_head_init_model_on_a_trained_model_is_named_as_unused():
     with pytest.warns(UserWarning, match=r"head_init='model' draws a head untied before the first step; this run"):
         untier = Untier(trained_llama(200, 3e-3), max_steps=10, head_init="model")
     assert untier.policy_choice.plan == "as set"
+
+
+def test_tie_init_ties_a_checkpoint_this_library_untied(tmp_path):
+    """The README: a model that arrives untied stays untied under the defaults; tie_init="mean" ties it first. That held
+    for any untied model but one this library had untied (its config marker was read first, and tie_init ignored)."""
+    import untie
+
+    model = trained_llama(200, 3e-3)
+    untie.untie_embeddings(model)
+    with torch.no_grad():
+        output_weight(model).add_(0.01)  # the head trained apart
+    model.save_pretrained(tmp_path / "untied")
+    reloaded = tf.LlamaForCausalLM.from_pretrained(tmp_path / "untied")
+    mean = (input_weight(reloaded) + output_weight(reloaded)).detach() / 2
+    Untier(reloaded, max_steps=10, tie_init="mean")
+    assert is_tied(reloaded) and torch.allclose(input_weight(reloaded), mean)

@@ -123,9 +123,10 @@ def plan_structure(model: ModelFacts, settings: RunSettings, saved: SavedFacts |
 
 
 def _plan_start(model: ModelFacts, settings: RunSettings) -> StructurePlan:
-    if model.marked_untied or settings.untie_at_zero:
+    if (model.marked_untied and settings.tie_init is None) or settings.untie_at_zero:
         # A checkpoint untie untied (T5/BART re-tie on reload at equal values) or an untie at step 0: untied from the
-        # start. On an already-untied model this only re-applies the bookkeeping a reload loses.
+        # start. On an already-untied model this only re-applies the bookkeeping a reload loses. tie_init, set, ties
+        # a checkpoint this library untied as it ties any untied model (below).
         plan = StructurePlan("untied", untie_reason="start")
     elif model.structure == "untied" and settings.tie_init is None:
         # Its head is a trained matrix of its own: a default run never drops it. Tying it is a setting.
