@@ -198,7 +198,7 @@ def test_under_cpu_ram_efficient_loading_every_rank_takes_rank_0s_plan_and_train
     assert efficient[0]["ram_efficient"] and not loaded[0]["ram_efficient"]
     for run in (*loaded, *efficient):
         assert (run["tying_mode"], run["untie_step"], run["reason"]) == ("emulated", 3, "deadline")
-        assert "the model holds trained weights" in run["policy_reason"]
+        assert "the model counts as trained" in run["policy_reason"]
     assert (
         "rank 0 reads its weights as trained; this rank's: its embedding matches a fresh draw"
         in (efficient[1]["policy_reason"])

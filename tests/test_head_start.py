@@ -245,3 +245,12 @@ def test_tie_init_ties_a_checkpoint_this_library_untied(tmp_path):
     mean = (input_weight(reloaded) + output_weight(reloaded)).detach() / 2
     Untier(reloaded, max_steps=10, tie_init="mean")
     assert is_tied(reloaded) and torch.allclose(input_weight(reloaded), mean)
+
+
+def test_a_fresh_model_under_trainer_is_not_told_of_a_trigger_rule_it_never_runs(tmp_path, caplog):
+    torch.manual_seed(3)
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        trainer = _trainer(tf.LlamaForCausalLM(llama_config()), str(tmp_path))
+        trainer.train()
+    assert trainer.callback_handler.callbacks[0].untie_step == 0
+    assert not [r for r in caplog.records if "pair-free rule" in r.getMessage()]

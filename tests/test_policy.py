@@ -142,7 +142,7 @@ def test_inspect_says_the_share_and_what_the_default_does_with_the_checkpoint(tm
     report = inspection.describe(tmp_path / "tied")
     assert report["policy"]["embedding_share"] == pytest.approx(share) and report["policy"]["parameters"] == total
     assert report["policy"]["default"].startswith("trains tied, unties when the divergence trigger fires")
-    assert report["policy"]["because"].startswith("the model holds trained weights")
+    assert report["policy"]["because"].startswith("the model counts as trained")
     text = inspection.format_report(report)
     assert f"embedding share:   {share:.0%} of {total:,} parameters" in text and "auto" not in text
     assert "UntieCallback():   trains tied, unties when the divergence trigger fires" in text
@@ -227,7 +227,7 @@ def test_fresh_untied_unties_a_model_built_fresh_whatever_its_share_and_runs_a_t
     _trained_by_hand(30).save_pretrained(tmp_path / "tied")
     loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
     untier = untie.Untier(loaded, policy="fresh-untied", untie_at=3, untie_when=None, max_steps=4)
-    assert untier.policy_choice.plan == "as set" and "trained weights" in untier.policy_choice.reason
+    assert untier.policy_choice.plan == "as set" and "counts as trained" in untier.policy_choice.reason
     assert untie.is_tied(loaded)  # tied until its untie_at
     untier.close()
     assert untie.UntieConfig(policy="fresh-untied", head_init="model").policy == "fresh-untied"
@@ -260,7 +260,7 @@ def test_weights_loaded_by_hand_count_as_trained_so_no_policy_draws_a_head_over_
     assert not trained.config.name_or_path and policy.weights_evidence(trained).verdict == "trained"
     assert not policy.built_fresh(trained).fresh
     untier = untie.Untier(trained, policy="fresh-untied", untie_at=3, untie_when=None, max_steps=4)
-    assert untier.policy_choice.plan == "as set" and "trained weights" in untier.policy_choice.reason
+    assert untier.policy_choice.plan == "as set" and "counts as trained" in untier.policy_choice.reason
     assert untie.is_tied(trained)  # tie-then-untie as set, not untied from the start with a drawn head
     untier.close()
     by_hand = tiny_model("gpt2")
@@ -328,12 +328,13 @@ def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_tied_then_
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="untie"):
         tf.Trainer(model=loaded, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
-    assert callback.policy_choice.plan == "as set" and "trained weights" in callback.policy_choice.reason
+    assert callback.policy_choice.plan == "as set" and "counts as trained" in callback.policy_choice.reason
+    assert "pass from_scratch=True if you built it fresh" in callback.policy_choice.reason  # another init: your word
     assert callback.untie_step == 3 and callback.untie_reason == "deadline"  # 30% of 10 steps
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
     assert len(said) == 1 and said[0].startswith(
         "untie: trains tied; unties when the divergence trigger (cancellation) fires, at step 3 (untie_at=0.3 of 10) "
-        "at the latest; the head starts as a copy of the embedding, because the model holds trained weights"
+        "at the latest; the head starts as a copy of the embedding, because the model counts as trained"
     ), said
 
 

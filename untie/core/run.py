@@ -430,6 +430,8 @@ class UntieRun:
             self.divergence = DivergenceTrigger(default_rule(with_pairs=False))
             if self.config.pairs is not None or self._rule_change_said:
                 return  # pairs=[] is the user's choice; pairs="auto" has warned already
+            if self.choice is not None and self.choice.untied_from_start:
+                return  # no trigger runs (the untie before the first step waits for `settle`): nothing to announce
             self._rule_change_said = True
             logger.warning(
                 "untie: the default trigger reads no pairs: %s. It uses the pair-free rule (untie_when='cancellation') "

@@ -318,7 +318,8 @@ def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: t
             )
         return Freshness(True, f"the model is built fresh ({evidence.detail})", warning)
     if evidence.verdict == "trained":
-        return Freshness(False, f"the model holds trained weights ({evidence.detail})")
+        why = f"the model counts as trained ({evidence.detail}; pass from_scratch=True if you built it fresh)"
+        return Freshness(False, why)
     return Freshness(
         False,
         f"the model counts as trained ({evidence.detail}; pass from_scratch=True if it is trained from scratch)",
