@@ -78,5 +78,7 @@ def test_ranks_that_read_their_weights_differently_take_rank_0s_plan(tmp_path):
     assert not rank0["tied"] and not rank1["tied"]
     assert "rank 0 reads its weights as drawn" in rank1["policy_reason"]
     assert "rank 0" not in rank0["policy_reason"]
+    # the drawn head's first-batch check ran inside DDP's first forward on both ranks (one broadcast, rank 0's verdict)
+    assert "at the first batch" in rank0["policy_reason"] and "at the first batch" in rank1["policy_reason"]
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
