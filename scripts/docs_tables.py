@@ -429,6 +429,12 @@ TABLES: dict[str, Table] = {
         output="results.md",
         cost="timing",
     ),
+    "freshness-cost": Table(
+        page="docs/benchmarks.md",
+        commands=(("python", "benchmarks/freshness_cost.py", "--output_dir", "{out}"),),
+        output="results.md",
+        cost="timing",
+    ),
     "untie-latency": Table(
         page="docs/benchmarks.md",
         commands=(("python", "benchmarks/untie_latency.py", "--repeats", "3", "--output_dir", "{out}"),),
