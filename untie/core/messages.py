@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from untie import _compat
 from untie.config import UntieConfig
 from untie.signals.triggers import UntieWhen
+from untie.structure.peft_support import split_by_peft
 
 if TYPE_CHECKING:
     from untie.core.run import UntieRun
@@ -34,6 +35,9 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
             return f"untie: {start}trains untied (untied at step {run.untie_step:,}, {run.untie_reason})"
         if run.arrived_untied:
             return f"untie: {start}trains untied from step 0; the model arrived untied: its head is its own matrix"
+        split = split_by_peft(run.model) if run.model is not None else None
+        if split is not None:
+            return f"untie: {start}trains untied from step 0: {split}"
         asked = " (untie_at=0)" if run.config.was_set("untie_at") and run.config.untie_at == 0 else ""
         return f"untie: {start}trains untied from step {step:,}{asked}; {_HEADS[run.head_init()]}{why}"
     deadline = ""
