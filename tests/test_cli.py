@@ -120,6 +120,58 @@ def test_inspect_flags_fragile_and_missing_heads(tmp_path, capsys):
     assert report["status"] == "head-missing" and "randomly" in report["notes"][0]
 
 
+def _gemma3_multimodal() -> tf.Gemma3ForConditionalGeneration:
+    """A tiny Gemma 3 multimodal model: `vocab_size` lives in its text_config only."""
+    config = tf.Gemma3Config(
+        text_config=dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                         intermediate_size=32, head_dim=8, vocab_size=64),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=63, boi_token_index=62, eoi_token_index=61,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return tf.Gemma3ForConditionalGeneration(config)
+
+
+def test_inspect_reads_a_multimodal_vocabulary_from_its_text_config(tmp_path, capsys):
+    """Issue 69: Gemma 3 multimodal keeps vocab_size in text_config only; inspect printed vocab_size=None."""
+    _gemma3_multimodal().save_pretrained(tmp_path)
+    report = _inspect(capsys, tmp_path)
+    assert report["config"]["vocab_size"] == 64 and report["status"] == "tied"
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert (
+        "text_config.tie_word_embeddings=True, untied_output_embeddings=False, vocab_size=64" in capsys.readouterr().out
+    )
+
+
+def test_inspect_flags_config_levels_that_disagree_and_convert_writes_every_level(tmp_path, capsys):
+    """Issue 69: a head stored apart under a top level that says untied and a text_config that still says tied (what
+    PEFT's merge or a hand-copied head leaves on Gemma 3) read as plainly "untied", though an engine that reads
+    text_config ties it again; `untie convert --untie` writes every level and says it did."""
+    model = _gemma3_multimodal()
+    untie.untie_embeddings(model)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.1)  # a trained head
+    model.config.text_config.tie_word_embeddings = True  # only the top level was untied
+    delattr(model.config, "untied_output_embeddings")
+    delattr(model.config.text_config, "untied_output_embeddings")
+    model.save_pretrained(tmp_path / "mixed")
+    report = _inspect(capsys, tmp_path / "mixed")
+    assert report["config"]["tie_word_embeddings"] is False and report["config"]["text_config.tie_word_embeddings"]
+    assert report["status"] == "untied-fragile", report["notes"]
+    assert "levels disagree" in report["notes"][0] and "untie convert PATH OUT --untie" in report["notes"][0]
+
+    assert main(["convert", str(tmp_path / "mixed"), str(tmp_path / "fixed"), "--untie"]) == 0
+    printed = capsys.readouterr().out
+    assert "the source's config levels disagreed" in printed and "ok: every config level says untied" in printed
+    saved = json.loads((tmp_path / "fixed" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is False and saved["text_config"]["tie_word_embeddings"] is False
+    report = _inspect(capsys, tmp_path / "fixed")
+    assert report["status"] == "untied" and report["config"]["vocab_size"] == 64
+    fixed = tf.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "fixed")
+    assert torch.equal(fixed.lm_head.weight, model.lm_head.weight)
+
+
 def test_inspect_text_output_is_readable(tmp_path, capsys):
     _save_untied("llama", tmp_path)
     assert main(["inspect", str(tmp_path)]) == 0

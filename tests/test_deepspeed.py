@@ -168,8 +168,9 @@ def test_trainer_defaults_under_zero_measure_and_untie_at_the_deadline(trainer_r
     for rank in (0, 1):
         run = runs[stage][rank]["default"]
         assert (run["untie_step"], run["reason"]) == (int(0.3 * MAX_STEPS), "deadline")
-        # What the defaults say of a 10-step run under any engine: the trigger has too few measurements to fire.
-        assert len(run["warnings"]) == 1 and "leaves the divergence trigger 1 measurement" in run["warnings"][0]
+        # The defaults on a 10-step run under any engine: the trigger has too few measurements to fire, and the
+        # model unties at the deadline its plan line names: a logged note, no warning (issue 69).
+        assert run["warnings"] == []
         assert [h["step"] for h in run["history"]] == [2, 4, 6, 8, 10]  # the tied phase measured, then drift
         assert all(math.isfinite(run["history"][0][key]) for key in ("cosine", "cancellation", "agreement"))
         assert torch.isfinite(run["losses"]).all() and run["losses"][-1] < run["losses"][0]

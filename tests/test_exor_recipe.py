@@ -498,3 +498,44 @@ def test_a_portable_run_refuses_a_process_that_picked_its_kernels_already():
         kernels.check_portable("portable")
     kernels.check_portable("native")
     kernels.check_portable("portable", on_cpu=False)  # a GPU run: CUDA's kernels are its own
+
+
+def _judged_run(arm, seed, in_01, in_23, accuracy=0.7):
+    """A main-variant Mixer run's record with its final input table's distances over d(0,2) = 1."""
+    geometry = {space: {"0-1": in_01, "2-3": in_23, "0-2": 1.0} for space in ("input", "output")}
+    return {"variant": "main", "model": "mixer", "arm": arm, "seed": seed, "train_accuracy": accuracy,
+            "history": {"geometry": [geometry]}}  # fmt: skip
+
+
+def _judge(*runs):
+    return exor_claims.judge_relative_tied_claim(list(runs))
+
+
+def test_the_restated_tied_claim_is_judged_seed_by_seed_on_fresh_seeds_that_learned(tmp_path, capsys):
+    """Issue 69: the tied claim, relative: (2,3) close, (0,1) >= 10 x (2,3) and >= the untied input (0,1); judged on
+    seeds 43-45 (seed 42 shaped it and never counts), holding only if it holds on every seed whose two runs learned,
+    at least two of them."""
+    untied = [_judged_run("untied", s, 0.18, 0.17) for s in (43, 44, 45)]
+    holding = [_judged_run("tied", s, 0.24, 0.004) for s in (43, 44, 45)]
+    judged = _judge(*untied, *holding, _judged_run("tied", 42, 0.01, 0.5), _judged_run("untied", 42, 0.2, 0.2))
+    assert judged["verdict"] == "holds" and judged["learned_seeds"] == [43, 44, 45], judged
+    assert [row["seed"] for row in judged["seeds"]] == [43, 44, 45]  # seed 42 is not counted, even failing
+
+    below_the_untied_input = _judged_run("tied", 44, 0.15, 0.004)  # 0.15 >= 10 x 0.004 but < 0.18
+    assert _judge(*untied, holding[0], below_the_untied_input, holding[2])["verdict"] == "fails"
+    no_collapse_contrast = _judged_run("tied", 45, 0.24, 0.05)  # (2,3) close, but 0.24 < 10 x 0.05
+    assert _judge(*untied, *holding[:2], no_collapse_contrast)["verdict"] == "fails"
+
+    at_chance = [_judged_run("tied", s, 0.01, 0.5, accuracy=0.45) for s in (44, 45)]  # answers no geometry claim
+    undecided = _judge(*untied, holding[0], *at_chance)
+    assert undecided["verdict"] == "undecided" and undecided["next_seed"] == 46 and undecided["learned_seeds"] == [43]
+    assert _judge(*untied[:2], *holding[:2])["next_seed"] == 45  # seed 45 not run yet
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for run in (*untied, holding[0], *at_chance):
+        (runs / f"main-mixer-{run['arm']}-{run['seed']}.json").write_text(json.dumps(run))
+    judge = load_script("scripts", "judge_tied_claim")
+    assert judge.main([str(tmp_path)]) == 2
+    printed = capsys.readouterr().out
+    assert "verdict: undecided" in printed and "--seeds 46 --output_dir" in printed

@@ -1,4 +1,6 @@
-"""The tied-checkpoint guide's snippets, run as a user would, on a tiny tied Qwen3 saved in place of the checkpoint."""
+"""The tied-checkpoint guide's snippets, run as a user would, on two tiny tied checkpoints saved in place of the one it
+names: a Qwen3 whose matrix is padded past its tokenizer (as Qwen3's and Gemma 3's are) and a Llama 3.2-shaped model
+whose matrix has one row per token."""
 
 from __future__ import annotations
 
@@ -12,43 +14,97 @@ import torch
 import transformers as tf
 
 import untie
-from untie.testing import tiny_tokenizer
+from untie.testing import VOCAB, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guides" / "tied-checkpoints.md"
 CHECKPOINT = '"Qwen/Qwen3-0.6B"'
+PADDED_ROWS = 64  # a matrix padded past the tokenizer's VOCAB tokens, to a multiple of 64 as Qwen3's is
+
+#: vocabulary layout -> a tiny tied checkpoint's config (the tokenizer has VOCAB tokens in both)
+CHECKPOINTS = {
+    "padded": lambda: tf.Qwen3Config(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                     hidden_size=16, intermediate_size=32, head_dim=8, vocab_size=PADDED_ROWS,
+                                     tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3),
+    "exact": lambda: tf.LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                    hidden_size=16, intermediate_size=32, head_dim=8, vocab_size=VOCAB,
+                                    tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=3),
+}  # fmt: skip
 
 
 def snippets(page: Path) -> list[str]:
     return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
 
 
-def _tiny_qwen3(folder: Path) -> None:
-    config = tf.Qwen3Config(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                            intermediate_size=32, head_dim=8, vocab_size=48, tie_word_embeddings=True,
-                            pad_token_id=0, bos_token_id=2, eos_token_id=3)  # fmt: skip
+def _tiny_checkpoint(vocabulary: str, folder: Path) -> torch.Tensor:
+    """Save a tiny tied checkpoint and its tokenizer in `folder`; return its matrix."""
     torch.manual_seed(0)
-    tf.Qwen3ForCausalLM(config).save_pretrained(folder)
+    model = tf.AutoModelForCausalLM.from_config(CHECKPOINTS[vocabulary]())
+    with torch.no_grad():  # padding rows hold what pretraining left there: values no token's row has
+        model.get_input_embeddings().weight[VOCAB:] = 5.0
+    model.save_pretrained(folder)
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"eos_token": "[SEP]"})  # an LM tokenizer's end of text (TRL appends it)
     tokenizer.save_pretrained(folder)
+    return model.get_input_embeddings().weight.detach().clone()
 
 
-def test_the_tied_checkpoint_guide_runs_and_does_what_it_says(tmp_path, monkeypatch):
+def _write_training_text(folder: Path, new_tokens: list[str]) -> None:
+    """Eight rows of text in which the guide's new tokens occur, as in data a user adds tokens for."""
+    words = ["the", "The", "and", "of", "to", "in", "is"]
+    rows = [{"text": " ".join([new_tokens[0], *words[i % 7 :], new_tokens[1]] * 2)} for i in range(8)]
+    (folder / "train.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+
+
+def _check_the_new_rows(model: tf.PreTrainedModel, matrix: torch.Tensor, new_ids: list[int]) -> None:
+    """The matrix keeps every row it had (a padded one is not shrunk) and grows to fit the new ids where it must (the
+    guide pads to a multiple of 64; any size that fits does); the new ids' rows start at the mean of the known tokens'
+    rows in both roles, untied (not from old padding rows)."""
+    rows = matrix.shape[0]
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert embedding.shape[0] >= max(rows, VOCAB + len(new_ids)), f"{rows} rows became {embedding.shape[0]}"
+    assert torch.equal(embedding[:VOCAB], matrix[:VOCAB]) and not untie.is_tied(model)
+    mean = matrix[:VOCAB].mean(dim=0).expand(len(new_ids), -1)
+    for weight in (embedding, head):
+        # mean_resizing draws within about 1e-6 of the mean; old padding rows hold 5.0
+        assert torch.allclose(weight[new_ids], mean, atol=1e-4), f"the new rows start at {weight[new_ids]}"
+
+
+@pytest.mark.parametrize("vocabulary", list(CHECKPOINTS))
+def test_the_tied_checkpoint_guide_runs_and_does_what_it_says(vocabulary, tmp_path, monkeypatch):
+    """Issue 69: resizing to len(tokenizer) shrank a padded matrix (the new ids then start from old padding rows), and
+    the TRL snippet trained a model that was never resized (IndexError on an exact vocabulary) and saved no
+    tokenizer."""
     pytest.importorskip("peft")
     pytest.importorskip("trl")
     code = snippets(GUIDE)
     assert len(code) == 4 and CHECKPOINT in code[0]
-    _tiny_qwen3(tmp_path / "checkpoint")
-    rows = [{"text": " ".join(["the", "The", "and", "of", "to", "in", "is"][i % 7 :] * 2)} for i in range(8)]
-    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    matrix = _tiny_checkpoint(vocabulary, tmp_path / "checkpoint")
     monkeypatch.chdir(tmp_path)  # the snippets write my-model, sft, ... where they run
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for snippet in code:
+        for i, snippet in enumerate(code):
             exec(snippet.replace(CHECKPOINT, repr(str(tmp_path / "checkpoint"))), namespace)  # noqa: S102
+            if i == 0:  # the tokens the guide added, found in its tokenizer whatever it calls them
+                tokenizer = namespace["tokenizer"]
+                new_tokens = [t for t in tokenizer.get_added_vocab() if t not in tiny_tokenizer().get_added_vocab()]
+                new_tokens = [t for t in new_tokens if t != "[SEP]"]
+                new_ids = tokenizer.convert_tokens_to_ids(new_tokens)
+                assert len(new_tokens) == 2 and new_ids == [VOCAB, VOCAB + 1], (new_tokens, new_ids)
+                _check_the_new_rows(namespace["model"], matrix, new_ids)
+                _write_training_text(tmp_path, new_tokens)
+
+    untied = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "my-checkpoint-untied")  # what the TRL route loads
+    _check_the_new_rows(untied, matrix, new_ids)
+    expected_rows = untied.get_input_embeddings().weight.shape[0]
+    mean = matrix[:VOCAB].mean(dim=0)
     reloaded = namespace["reloaded"]
-    assert reloaded.config.vocab_size == 48 + 2 and not untie.is_tied(reloaded)
+    assert reloaded.config.vocab_size == expected_rows and not untie.is_tied(reloaded)
+    for folder in ("my-model", "my-model-sft"):  # each saved model comes with the tokenizer that has the new tokens
+        assert tf.AutoTokenizer.from_pretrained(tmp_path / folder).convert_tokens_to_ids(new_tokens) == new_ids
     sft = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "my-model-sft")
     assert not untie.is_tied(sft) and sft.config.get_text_config().tie_word_embeddings is False
+    assert sft.get_input_embeddings().weight.shape[0] == expected_rows
+    trained = sft.get_output_embeddings().weight[new_ids]
+    assert not torch.allclose(trained, mean.expand(2, -1)), "TRL trained the new tokens' head rows"

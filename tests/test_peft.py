@@ -7,15 +7,19 @@ import warnings
 import pytest
 import torch
 import transformers as tf
+from packaging.version import Version
 
 import untie
-from untie.structure.peft_support import PeftUnsupported
+from untie.structure.peft_support import MERGE_RECORDS_THE_SPLIT, PeftUnsupported
 from untie.testing import ToyLMDataset, tiny_model
 
 peft = pytest.importorskip("peft")  # in the `test` extra: installed wherever the suite runs
 LoraConfig, get_peft_model, PeftModel = peft.LoraConfig, peft.get_peft_model, peft.PeftModel
 
 LORA = dict(target_modules=["c_attn"], r=4, lora_alpha=8, lora_dropout=0.0)
+#: Whether the installed PEFT's merge_and_unload() writes tie_word_embeddings=False after modules_to_save split a tied
+#: model (peft >= 0.19.0; 0.18 keeps True). The suite runs on the installed peft; CI's oldest run covers 0.18.
+MERGE_RECORDS = Version(peft.__version__) >= Version(MERGE_RECORDS_THE_SPLIT)
 
 
 def _trainer(model, make_args, **callback):
@@ -95,16 +99,78 @@ def test_merged_onto_a_tied_base_keeps_the_trained_head(make_args, tmp_path):
         (dict(), "cannot untie a PEFT model during training"),  # LoRA only: both matrices frozen and shared
         (dict(modules_to_save=["lm_head"], ensure_weight_tying=True), "cannot untie a PEFT model"),
         (dict(target_modules=["c_attn", "lm_head"], ensure_weight_tying=True), "cannot untie a PEFT model"),
-        (dict(modules_to_save=["lm_head"]), "PEFT has given the input embedding and the LM head separate"),
-        # peft 0.21 wraps only the embedding here, so the head stays the frozen original: untied as well
-        (dict(modules_to_save=["transformer.wte"], ensure_weight_tying=True), "separate parameters"),
+        # trainable_token_indices on a tied model: PEFT ties the rows' deltas in both roles, the merge stays tied
+        (dict(trainable_token_indices=[5, 6]), "PEFT keeps this model tied"),
+        # peft 0.21 wraps only the embedding here, so the head stays the frozen original: untied against the setting
+        (dict(modules_to_save=["transformer.wte"], ensure_weight_tying=True), r"ensure_weight_tying=True\) asks PEFT"),
     ],
 )
 def test_callback_refuses_peft_cases_when_the_trainer_is_built(config, match, make_args):
+    if config.get("ensure_weight_tying") and config.get("modules_to_save") == ["lm_head"] and not MERGE_RECORDS:
+        pytest.skip(f"peft {peft.__version__}'s get_peft_model raises AttributeError on this config (upstream)")
     model = _wrap(tiny_model("gpt2"), **config)
     with pytest.raises(PeftUnsupported, match=match) as error:
         _trainer(model, make_args)
     assert "untie.untie_embeddings(base_model)" in str(error.value)
+
+
+def _copies(model) -> list[torch.Tensor]:
+    """The trained copies PEFT's modules_to_save holds for the embedding and the head."""
+    inner = model.base_model.model
+    return [m.modules_to_save["default"].weight.detach().clone() for m in (inner.model.embed_tokens, inner.lm_head)]
+
+
+def test_modules_to_save_on_both_tied_matrices_trains_untied_where_peft_merges_them_untied(make_args, tmp_path):
+    """Issue 69: PEFT's modules_to_save gives each role of a tied model a trainable copy. From peft 0.19 the merge
+    writes tie_word_embeddings=False, so both trained matrices survive tie_weights() and a reload: UntieCallback()
+    accepts the model and says PEFT untied it. peft 0.18 keeps the flag, and the reload loses the trained head:
+    refused, and the same run without the callback shows the loss it prevents."""
+    base = tiny_model("qwen2")
+    original = base.model.embed_tokens.weight.detach().clone()
+    model = _wrap(base, target_modules=["q_proj"], modules_to_save=["embed_tokens", "lm_head"])
+    if MERGE_RECORDS:
+        trainer = _trainer(model, make_args)
+        trainer.train()
+        callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
+        assert "PEFT's modules_to_save gave the input embedding and the LM head" in callback.plan
+        assert "this library has nothing to untie" in callback.plan and callback.untie_step == 0
+    else:
+        with pytest.raises(PeftUnsupported, match=f"peft {peft.__version__} keeps that declaration"):
+            _trainer(model, make_args)
+        tf.Trainer(model=model, args=make_args(max_steps=6, learning_rate=1e-2), train_dataset=ToyLMDataset()).train()
+    embedding, head = _copies(model)
+    assert not torch.equal(embedding, original) and not torch.equal(head, original) and not torch.equal(embedding, head)
+    merged = model.merge_and_unload()
+    assert (merged.config.tie_word_embeddings is False) == MERGE_RECORDS
+    merged.tie_weights()  # what a later resize or trainer call does
+    assert torch.equal(merged.lm_head.weight, head) == MERGE_RECORDS
+    merged.save_pretrained(tmp_path / "merged")
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.equal(reloaded.model.embed_tokens.weight, embedding)
+    assert torch.equal(reloaded.lm_head.weight, head) == MERGE_RECORDS, "the trained head survives the reload"
+
+
+def test_modules_to_save_on_a_multimodal_model_says_that_text_config_needs_the_untie_after_the_merge(make_args):
+    """PEFT's merge writes the top-level flag only; Gemma 3's text_config keeps saying tied until untie records it."""
+    if not MERGE_RECORDS:
+        pytest.skip(f"peft {peft.__version__} < {MERGE_RECORDS_THE_SPLIT}: such a model is refused (test above)")
+    config = tf.Gemma3Config(
+        text_config=dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                         intermediate_size=32, head_dim=8, vocab_size=64),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=63, boi_token_index=62, eoi_token_index=61,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = _wrap(tf.Gemma3ForConditionalGeneration(config), target_modules=["q_proj"],
+                  modules_to_save=["embed_tokens", "lm_head"])  # fmt: skip
+    with pytest.warns(UserWarning, match="text_config keeps tie_word_embeddings=True"):
+        _trainer(model, make_args)
+    merged = model.merge_and_unload()
+    assert merged.config.tie_word_embeddings is False and merged.config.text_config.tie_word_embeddings is True
+    with pytest.warns(UserWarning, match="already untied"):
+        untie.untie_embeddings(merged)
+    assert merged.config.text_config.tie_word_embeddings is False and not untie.is_tied(merged)
 
 
 def test_an_untied_peft_model_stays_untied_as_without_peft_and_a_tie_is_refused(make_args):

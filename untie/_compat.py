@@ -324,3 +324,28 @@ def reindex_bitsandbytes_overrides(optimizer: torch.optim.Optimizer) -> None:
                 manager.index2config.pop((group_index, param_index), None)
             else:
                 manager.index2config[(group_index, param_index)] = config
+
+
+# -- peft: the modules PEFT inserts ------------------------------------------------------------------------------------
+# `peft.utils.ModulesToSaveWrapper` (the trainable copy of a module named in `modules_to_save`), its base
+# `peft.utils.AuxiliaryTrainingWrapper` (trainable tokens too) and `peft.tuners.tuners_utils.BaseTunerLayer` (every
+# adapter layer): peft exports none at its top level and has no public "did PEFT insert this" query. Checked: peft
+# 0.18.0, 0.19.0, 0.20.0 and 0.21.2.
+def is_modules_to_save_copy(module: Any) -> bool:
+    """Whether `module` is PEFT's `modules_to_save` wrapper (a trainable copy of the module it wraps)."""
+    try:
+        from peft.utils import ModulesToSaveWrapper
+    except ImportError:  # no peft: PEFT wrapped nothing
+        return False
+    return isinstance(module, ModulesToSaveWrapper)
+
+
+def has_peft_layers(model: nn.Module) -> bool:
+    """Whether any module of `model` is an adapter layer or a trainable wrapper PEFT inserted (none remain after
+    `merge_and_unload()`)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+        from peft.utils import AuxiliaryTrainingWrapper
+    except ImportError:
+        return False
+    return any(isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)) for module in model.modules())

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from untie.checkpoints.inspection import config_levels, levels_disagree
 from untie.checkpoints.loading import (
     CheckpointError,
     HeadNotStored,
@@ -78,6 +79,7 @@ def convert_checkpoint(
     check_stored_shapes(checkpoint, {layout.input_weight, layout.output_weight})
     model, missing = checkpoint.load()
     was_tied = is_tied(model)
+    levels = config_levels(model.config)
     if not was_tied and layout.output_weight in missing and (untie or init != "input"):
         _refuse_unstored_head(source, layout.output_weight, untie=untie, init=init)
     with warnings.catch_warnings():
@@ -97,7 +99,12 @@ def convert_checkpoint(
         "checks": [],
         "notes": [],
     }
-    if was_tied != untie:
+    if levels_disagree(levels):
+        said = ", ".join(f"{k}={v}" for k, v in levels.items() if v is not None)
+        summary["notes"].append(
+            f"the source's config levels disagreed ({said}); OUT's config says {summary['after']} at every level."
+        )
+    elif was_tied != untie:
         summary["notes"].append(f"the model was already {summary['after']}; its config was updated to say so.")
     summary["notes"] += _new_parameter_notes(model, missing, layout, head_is_embedding=was_tied or not untie)
     # Everything is written into a hidden sibling of OUT and renamed to OUT only once the reload checks pass: a kill,
@@ -316,6 +323,13 @@ def verify_conversion(model_class, output_dir: str, converted, *, untied: bool) 
             "resize_token_embeddings() can re-tie the head), and plain from_pretrained loads "
             f"{', '.join(sorted(apart))} as equal copies instead of one shared matrix. untie.untie_embeddings(model) "
             "after from_pretrained shares them again (UntieCallback does it by itself)."
+        )
+    levels = config_levels(reloaded.config)
+    if len(levels) > 1 and loader == "plain from_pretrained":  # a multimodal config: engines read either level
+        _expect(
+            all(value in (None, not untied) for value in levels.values()),
+            f"every config level says {state} ({', '.join(levels)})",
+            checks,
         )
     _expect(is_tied(reloaded) != untied, f"{loader} loads it {state}", checks)
     _expect(_same_embeddings(reloaded, converted), "the reloaded embedding and head equal the converted ones", checks)

@@ -75,9 +75,9 @@ def describe(
         "output_bias": None,
         "head_stored": head_stored,
         "config": {
-            "tie_word_embeddings": getattr(config, "tie_word_embeddings", None),
+            **config_levels(config),
             UNTIED_MARKER: bool(getattr(config, UNTIED_MARKER, False)),
-            "vocab_size": getattr(config, "vocab_size", None),
+            "vocab_size": _vocab_size(config),
         },
         "notes": [],
         "loaded": loaded,
@@ -92,7 +92,7 @@ def describe(
         if not bias_stored:
             report["notes"].append(f"{layout.output_bias} is not stored: from_pretrained initialises it (zeros).")
     report["status"] = _status(report, declared_tied, head_stored)
-    report["notes"][:0] = _notes(report)
+    report["notes"][:0] = _notes(report) + _level_notes(report)
     if pairs == "auto":
         found = tokenizer_pairs(_tokenizer(checkpoint, "read the pairs"), max_id=input_weight.shape[0])
         pairs = [pair.tokens for pair in found]
@@ -211,6 +211,38 @@ def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def _text_config(config: Any) -> tuple[str, Any] | None:
+    """A multimodal config's text sub-config and its attribute name ("text_config"); None where the text model's
+    settings are the config's own."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    if text is None or text is config:
+        return None
+    names = [name for name in getattr(config, "sub_configs", None) or {} if getattr(config, name, None) is text]
+    return (names[0] if names else "text_config"), text
+
+
+def config_levels(config: Any) -> dict[str, bool | None]:
+    """`tie_word_embeddings` at every level of `config` that serving engines read: the top level and, for a
+    multimodal model, its text sub-config ("text_config.tie_word_embeddings"); None where a level does not set it."""
+    levels = {"tie_word_embeddings": getattr(config, "tie_word_embeddings", None)}
+    text = _text_config(config)
+    if text is not None:
+        levels[f"{text[0]}.tie_word_embeddings"] = getattr(text[1], "tie_word_embeddings", None)
+    return levels
+
+
+def levels_disagree(levels: dict[str, bool | None]) -> bool:
+    """Whether the levels of `config_levels` that set the flag do not all say the same."""
+    return len({value for value in levels.values() if value is not None}) > 1
+
+
+def _vocab_size(config: Any) -> int | None:
+    """The vocabulary size: the config's own, or its text sub-config's (Gemma 3 multimodal keeps it only there)."""
+    size = getattr(config, "vocab_size", None)
+    text = _text_config(config)
+    return getattr(text[1], "vocab_size", None) if size is None and text is not None else size
+
+
 def _entry(name: str, weight: torch.Tensor) -> dict[str, Any]:
     return {"name": name, "shape": list(weight.shape), "dtype": str(weight.dtype).removeprefix("torch.")}
 
@@ -220,7 +252,8 @@ def _status(report: dict, declared_tied: bool, head_stored: bool) -> str:
         return "tied"
     if not head_stored:
         return "head-missing"
-    if declared_tied:
+    levels = {k: v for k, v in report["config"].items() if k.endswith("tie_word_embeddings")}
+    if declared_tied or any(levels.values()):  # a level that an engine may read still declares the tie
         return "untied-fragile"
     return "untied"
 
@@ -241,6 +274,8 @@ def _notes(report: dict) -> list[str]:
             f"{name} is not stored and the config does not tie it: from_pretrained initialises the head randomly. "
             "Load with tie_word_embeddings=True, or convert with `untie convert --tie`."
         ]
+    if status == "untied-fragile" and not report["config"]["tie_word_embeddings"]:
+        return []  # only a sub-config declares the tie: `_level_notes` says which
     if status == "untied-fragile":
         if report["config"][UNTIED_MARKER]:  # untied by this library where the flag cannot be cleared (T5, BART)
             fix = "call untie.untie_embeddings(model) right after loading (the flag also ties encoder and decoder)"
@@ -251,6 +286,32 @@ def _notes(report: dict) -> list[str]:
             f"the tie: a later tie_weights() or resize_token_embeddings() silently overwrites the head; {fix}."
         ]
     return [f"{name} is its own parameter; the config does not tie it, so it stays untied through reloads."]
+
+
+def _level_notes(report: dict) -> list[str]:
+    """A multimodal config whose levels disagree on the tie (PEFT's merge and a hand-copied head write only the top
+    level): which says what, who reads which, and the fix."""
+    levels = {k: v for k, v in report["config"].items() if k.endswith("tie_word_embeddings")}
+    if not levels_disagree(levels):
+        return []
+    said = ", ".join(f"{k}={v}" for k, v in levels.items() if v is not None)
+    others = " and ".join(k.removesuffix(".tie_word_embeddings") for k in levels if k != "tie_word_embeddings")
+    if report["status"] == "tied":
+        effect = (
+            f"transformers reads the top level and ties the head to the embedding, but an engine that reads {others} "
+            "looks for a head this folder does not store"
+        )
+        fix = "untie convert PATH OUT --tie"
+    elif report["config"]["tie_word_embeddings"]:
+        effect = f"the top level re-ties the head in transformers (above), while an engine that reads {others} does not"
+        fix = "untie convert PATH OUT --untie"
+    else:
+        effect = (
+            f"transformers reads the top level and keeps the head, but an engine or library that reads {others} "
+            "ties it to the embedding again"
+        )
+        fix = "untie convert PATH OUT --untie"
+    return [f"the config's levels disagree ({said}): {effect}. Run `{fix}` once: it writes every level."]
 
 
 def _token_ids(checkpoint: Checkpoint, pairs: Sequence[tuple[int | str, int | str]]) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from untie import _compat
 from untie.config import UntieConfig
 from untie.signals.triggers import UntieWhen
+from untie.structure.peft_support import split_by_peft
 
 if TYPE_CHECKING:
     from untie.core.run import UntieRun
@@ -35,6 +36,9 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
             return f"untie: {start}trains untied (untied at step {run.untie_step:,}, {run.untie_reason})"
         if run.arrived_untied:
             return f"untie: {start}trains untied from step 0; the model arrived untied: its head is its own matrix"
+        split = split_by_peft(run.model) if run.model is not None else None
+        if split is not None:
+            return f"untie: {start}trains untied from step 0: {split}"
         asked = " (untie_at=0)" if run.config.was_set("untie_at") and run.config.untie_at == 0 else ""
         return f"untie: {start}trains untied from step {step:,}{asked}; {_HEADS[run.head_init()]}{why}"
     deadline = ""
@@ -110,8 +114,10 @@ def _same(run: UntieRun, key: str, saved, now) -> bool:
 
 def short_run_notice(run: UntieRun, step: int, max_steps: int | None) -> None:
     """Say once when `metrics_every` leaves the trigger too few measurements before the deadline (or the run's end)
-    to fire, or leaves no measurement at all: a short fine-tune with the defaults would otherwise be a plain schedule
-    without a word."""
+    to fire, or leaves no measurement at all. A warning where it matters to what the user asked: the trigger was set
+    (`untie_when`), or there is no deadline, so the model stays tied because the trigger cannot fire. A note (logged)
+    where the default trigger of a short fine-tune leaves the untie at the deadline the plan line already gave: the
+    run does what it said (issue 69: every fine-tune under 500 steps was warned)."""
     every, last = run.config.metrics_every, run.deadline.step or max_steps
     if last is None:  # an open-ended custom loop: nothing to count against
         return
@@ -121,12 +127,16 @@ def short_run_notice(run: UntieRun, step: int, max_steps: int | None) -> None:
             return
         fit = max(1, (last - max(run.divergence.warmup_step, 1) + 1) // needed)
         what = f"the model unties at the deadline, step {last}" if run.deadline.step else "the model stays tied"
-        _compat.warn_in_user_code(
+        message = (
             f"{run.owner}: metrics_every={every} leaves the divergence trigger {chances} measurement(s) after its "
             f"warm-up (step {run.divergence.warmup_step}) and by step {last}; it needs {needed} in a row to fire, so "
             f"it cannot fire and {what}. Pass metrics_every <= {fit} to give it a chance, or untie_when=None for a "
             "plain schedule at untie_at."
         )
+        if run.config.was_set("untie_when") or run.deadline.step is None:
+            _compat.warn_in_user_code(message)
+        else:  # the default trigger, and the deadline the plan line named: a note
+            logger.info("untie: %s", message)
     elif every > last - step:  # no trigger reads them: a note, not a warning
         logger.info(
             "untie: metrics_every=%d measures nothing by step %d (the %s); pass a smaller metrics_every to see the "

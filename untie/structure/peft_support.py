@@ -2,13 +2,17 @@
 
 Under PEFT the base weights are frozen and only adapter weights are saved, so a head untied inside a `PeftModel`
 would be a base-model parameter that neither trains nor reaches the adapter file. What works is to untie (or tie)
-the base model *before* wrapping it, and to train the untied head through `modules_to_save`.
+the base model *before* wrapping it, and to train the untied head through `modules_to_save`, or to let PEFT's
+`modules_to_save` split a tied model itself (`peft >= 0.19`, see `MERGE_RECORDS_THE_SPLIT`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
+from untie import _compat
 from untie.errors import UntieError
 
 _UNTIE_FIRST = (
@@ -18,14 +22,80 @@ _UNTIE_FIRST = (
     "The whole route, with new tokens, merge and TRL: docs/guides/tied-checkpoints.md."
 )
 
+#: The first PEFT release whose `merge_and_unload()` records the split that `modules_to_save` makes on a tied model
+#: (`tie_word_embeddings=False` once the merged input embedding and LM head are separate matrices). Measured (issue
+#: 69, `scripts/peft_tied_merge.py`: a tiny tied Qwen3, LoRA + `modules_to_save` on one or both roles, 5 AdamW steps,
+#: transformers 5.24.0): peft 0.18.0 and 0.18.1 keep the flag True, so `tie_weights()` after the merge, or a save and
+#: reload, replaces the trained head with the embedding (logits move by 0.6-1.03); peft 0.19.0, 0.19.1, 0.20.0, 0.21.0
+#: and 0.21.2 write False, and the merged model keeps both matrices through `tie_weights()` and a reload (logits
+#: within 3e-7). peft 0.17 does not import under transformers 5. PEFT writes the top-level config only: a multimodal
+#: `text_config` keeps True (Gemma 3), which `untie.untie_embeddings(merged)` records too.
+MERGE_RECORDS_THE_SPLIT = "0.19.0"
+
 
 class PeftUnsupported(UntieError, ValueError):
     """A tie/untie request on a PEFT-wrapped model that would lose or freeze what the user trains."""
 
 
 def is_peft_model(model: nn.Module) -> bool:
-    """True for `peft.PeftModel` and for transformers models with an adapter attached (`model.add_adapter`)."""
-    return bool(getattr(model, "peft_config", None))
+    """True for `peft.PeftModel` and for transformers models with an adapter attached (`model.add_adapter`).
+
+    Not for the model `merge_and_unload()` returns: peft 0.18 leaves its `peft_config` attribute behind (0.19 deletes
+    it), so the attribute alone would refuse `untie.untie_embeddings(merged)`; a PEFT layer must remain too."""
+    if not getattr(model, "peft_config", None):
+        return False
+    try:
+        from peft import PeftModel
+    except ImportError:  # a peft_config without peft: say PEFT, the safe side
+        return True
+    return isinstance(model, PeftModel) or _compat.has_peft_layers(model)
+
+
+def merge_records_the_split() -> bool:
+    """Whether the installed PEFT's `merge_and_unload()` writes `tie_word_embeddings=False` for the split
+    `modules_to_save` makes on a tied model (`MERGE_RECORDS_THE_SPLIT`)."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("peft")) >= Version(MERGE_RECORDS_THE_SPLIT)
+
+
+def split_by_modules_to_save(model: Any) -> list[str]:
+    """The roles ("input embedding", "LM head") to which PEFT's `modules_to_save` gave a trainable copy of their own
+    in `model` (a PEFT model whose two roles were one matrix), in that order; [] where it gave none."""
+    modules = (("input embedding", model.get_input_embeddings()), ("LM head", model.get_output_embeddings()))
+    return [role for role, module in modules if _compat.is_modules_to_save_copy(module)]
+
+
+def asks_to_keep_the_tie(model: nn.Module) -> bool:
+    """Whether an adapter of `model` was configured with `ensure_weight_tying=True`."""
+    configs = getattr(model, "peft_config", None) or {}
+    return any(getattr(config, "ensure_weight_tying", False) for config in configs.values())
+
+
+def multimodal_levels(model: nn.Module) -> bool:
+    """Whether `model`'s config keeps the text model's settings in a sub-config of its own (`text_config`), which
+    PEFT's merge leaves saying tied."""
+    config = getattr(model, "config", None)
+    return config is not None and hasattr(config, "get_text_config") and config.get_text_config() is not config
+
+
+def split_by_peft(model: nn.Module) -> str | None:
+    """What PEFT did to a tied `model` it wrapped with `modules_to_save`, in words, for the run's line; None where it
+    did not split it (not a PEFT model, no copy, or a config that already says untied)."""
+    from untie.structure.surgery import is_tied, untie_recorded
+
+    if not is_peft_model(model) or is_tied(model) or untie_recorded(model):
+        return None
+    roles = split_by_modules_to_save(model)
+    if not roles:
+        return None
+    return (
+        f"PEFT's modules_to_save gave the {' and the '.join(roles)} a trainable copy of the tied matrix, so PEFT "
+        "untied the model when it wrapped it and this library has nothing to untie; merge_and_unload() records the "
+        f"untie (tie_word_embeddings=False, peft >= {MERGE_RECORDS_THE_SPLIT})"
+    )
 
 
 def refuse_peft_surgery(model: nn.Module, action: str) -> None:
@@ -42,27 +112,53 @@ def refuse_peft_surgery(model: nn.Module, action: str) -> None:
 
 
 def check_peft_run(model: nn.Module, *, tied: bool, untie_recorded: bool, keep_untied: bool) -> None:
-    """Accept a PEFT model for `UntieCallback` only if it is untied, the config records it, and it stays untied.
+    """Accept a PEFT model for `UntieCallback` only if it trains untied and its merge keeps both matrices: a base
+    model untied before wrapping, or a tied one that `modules_to_save` split on a PEFT whose merge records it
+    (`MERGE_RECORDS_THE_SPLIT`). Refuse what would lose or freeze a trained matrix, or what the run cannot do.
 
     `untie_recorded`: the config says untied (flag False or this library's marker); `keep_untied`: the run asks to
-    train untied from the start (`untie_at=0`, or a checkpoint this library untied).
+    train untied from the start (`untie_at=0`, or a checkpoint this library untied), or leaves `tie_init` unset.
     """
-    if tied:
+    split = [] if tied or untie_recorded else split_by_modules_to_save(model)
+    if tied or not (untie_recorded or split):
+        # Nothing split the tied matrix (LoRA only, ensure_weight_tying, or trainable_token_indices, whose rows PEFT
+        # ties in both roles): the model trains tied and its merge stays tied.
         raise PeftUnsupported(
             "UntieCallback cannot untie a PEFT model during training: the new head would be a frozen base-model "
-            f"parameter outside the adapter, so it would neither train nor be saved. {_UNTIE_FIRST}"
-        )
-    if not untie_recorded:
-        raise PeftUnsupported(
-            "PEFT has given the input embedding and the LM head separate parameters (modules_to_save or trainable "
-            "tokens on one of the tied matrices) while the config still declares the tie: after merge_and_unload(), "
-            "tie_weights() or a reload can overwrite the trained head. Either keep them tied "
-            "(LoraConfig(ensure_weight_tying=True)) and train without UntieCallback, or untie on purpose. "
-            f"{_UNTIE_FIRST}"
+            f"parameter outside the adapter, so it would neither train nor be saved. {_UNTIE_FIRST} Or train "
+            "without UntieCallback: PEFT keeps this model tied, and its merge stays tied."
         )
     if not keep_untied:
         raise PeftUnsupported(
             "This PEFT model is untied, and tie_init asks UntieCallback to tie it first (then untie at untie_at); it "
             "cannot do that under PEFT. Leave tie_init unset to train it untied, as without PEFT, or tie the base "
             "model before wrapping it (`untie.tie_embeddings(base_model)`)."
+        )
+    if untie_recorded:
+        return
+    roles = " and the ".join(split)
+    if asks_to_keep_the_tie(model):
+        raise PeftUnsupported(
+            f"LoraConfig(ensure_weight_tying=True) asks PEFT to keep the tie, but PEFT gave the {roles} a trainable "
+            "copy of its own, so this model would train untied against that setting. To keep the tie, name the "
+            "modules PEFT ties for this model (or leave both matrices out of modules_to_save) and train without "
+            f"UntieCallback; to untie, drop ensure_weight_tying. {_UNTIE_FIRST}"
+        )
+    if not merge_records_the_split():
+        from importlib.metadata import version
+
+        raise PeftUnsupported(
+            f"PEFT's modules_to_save gave the {roles} a trainable copy of the tied matrix while the config still "
+            f"declares the tie, and peft {version('peft')} keeps that declaration through merge_and_unload(): "
+            "tie_weights() after the merge, or a save and reload, then replaces the head with the embedding and "
+            f"loses what it learned. peft >= {MERGE_RECORDS_THE_SPLIT} records the untie at the merge: upgrade "
+            f"PEFT (pip install 'peft>={MERGE_RECORDS_THE_SPLIT}'), or untie on purpose. {_UNTIE_FIRST}"
+        )
+    if multimodal_levels(model):
+        _compat.warn_in_user_code(
+            f"PEFT's modules_to_save gave the {roles} a trainable copy of the tied matrix: this model trains untied. "
+            "PEFT's merge_and_unload() records the untie in the top-level config only, and this model's text_config "
+            "keeps tie_word_embeddings=True, which an engine that reads that level ties again. After the merge, "
+            "call untie.untie_embeddings(merged) (it records the untie at every level and copies nothing), or run "
+            "`untie convert SRC OUT --untie` on the saved folder."
         )
