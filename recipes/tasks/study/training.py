@@ -1,0 +1,177 @@
+"""One run of the study: its setup, its schedule, what it measures while it trains (the validation curve, the train
+loss curve, the trigger), and its record.
+
+The step loop, the evaluation, the data order and the checkpoints are the decision map's
+(`untie_recipes.tasks.decision_map.training`): step t reads the t-th slice of a permutation drawn from the seed, no
+dropout, so a run depends on its seed and its step only and a branch at step s is the tied run to s, then a live untie.
+What the study adds is the schedule (warm-up, constant, linear cooldown over the last 20% of the run's own budget)
+and a recorder that keeps a curve and can be resumed exactly (`CurveRecorder`)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from untie_recipes.tasks.decision_map.training import Recorder, TrainingSetup, save_checkpoint
+from untie_recipes.tasks.study.protocol import ARMS, Arm, lr_factor, untie_step
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: a cell's arm at a seed and a learning rate, over `budget` steps of its own schedule ("sweep" runs
+    are the half-budget LR sweep's, "arm" runs the study's)."""
+
+    cell: str
+    arm: str
+    setup: TrainingSetup
+    budget: int
+    kind: str = "arm"
+
+    @property
+    def spec(self) -> Arm:
+        return ARMS[self.arm]
+
+    @property
+    def name(self) -> str:
+        if self.kind == "sweep":
+            return f"{self.cell}-sweep-{self.arm}-lr{self.setup.learning_rate:g}-s{self.setup.seed}"
+        return f"{self.cell}-s{self.setup.seed}-{self.spec.file_name}"
+
+    @property
+    def branch_step(self) -> int | None:
+        """The tied run's step this arm branches from (None: it runs from step 0)."""
+        fraction = self.spec.fraction
+        return None if fraction is None else untie_step(fraction, self.budget)
+
+
+def build_optimizer(model: torch.nn.Module, setup: TrainingSetup, budget: int):
+    """AdamW over every parameter, and the study's schedule (`protocol.lr_factor`) as a `LambdaLR`: a head added by an
+    untie joins the shared matrix's group and follows the same curve."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=setup.learning_rate, weight_decay=setup.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done, budget, setup.warmup))
+    return optimizer, scheduler
+
+
+def curve_steps(budget: int, points: int) -> list[int]:
+    """The steps the validation curve is read at: `points` evenly spaced, the last at `budget`."""
+    return sorted({max(1, round(i * budget / points)) for i in range(1, points + 1)})
+
+
+def curve_subset(validation: torch.Tensor, blocks: int) -> torch.Tensor:
+    """`blocks` validation blocks evenly spaced over the split (every source is represented): the curve's
+    evaluations read these, the final loss reads them all."""
+    n = len(validation)
+    if blocks <= 0 or blocks >= n:
+        return validation
+    return validation[torch.arange(blocks) * n // blocks]
+
+
+class OutOfTime(Exception):
+    """A run stopped at its time limit after saving its resume checkpoint (the device tier's calls)."""
+
+
+class CurveRecorder(Recorder):
+    """The decision map's recorder (evaluations at the curve's steps, checkpoints, progress) that also keeps the train
+    loss curve (the mean over each interval between curve points), the trigger watch's state and the wall seconds
+    in what a checkpoint saves, so that a resumed run writes the record an uninterrupted one writes. `stop_at`: a
+    `time.monotonic()` past which the run saves `resume` and raises `OutOfTime`."""
+
+    def __init__(self, model, optimizer, scheduler, validation, steps, checkpoints, progress,
+                 resume: Path | None = None, stop_at: float | None = None) -> None:  # fmt: skip
+        super().__init__(model, optimizer, scheduler, validation, steps, checkpoints, progress)
+        self.train: dict[str, float] = {}
+        self.interval: list[float] = [0.0, 0.0]
+        self.watch = None
+        self.resume, self.stop_at = resume, stop_at
+        self.seconds_before, self.started = 0.0, time.perf_counter()
+
+    def __call__(self, step: int, loss: float) -> None:
+        self.interval = [self.interval[0] + loss, self.interval[1] + 1]
+        if step in self.budgets:
+            self.train[str(step)] = self.interval[0] / self.interval[1]
+            self.interval = [0.0, 0.0]
+        super().__call__(step, loss)
+        if self.stop_at is not None and time.monotonic() > self.stop_at and self.resume is not None:
+            save_checkpoint(self.resume, step, self.model, self.optimizer, self.scheduler, self.measured)
+            raise OutOfTime(step)
+
+    @property
+    def seconds(self) -> float:
+        return self.seconds_before + time.perf_counter() - self.started
+
+    @property
+    def measured(self) -> dict:
+        out = {**super().measured, "train": dict(self.train), "interval": list(self.interval),
+               "recent": list(self.recent), "seconds": self.seconds}  # fmt: skip
+        if self.watch is not None:
+            out["watch"] = self.watch.state_dict()
+        return out
+
+    def resume_from(self, measured: dict, seconds: bool = True) -> None:
+        """Continue from a checkpoint's measurements; `seconds` False starts the clock at 0 (a branch counts only
+        its own time)."""
+        super().resume_from(measured)
+        self.train = dict(measured.get("train", {}))
+        self.interval = list(measured.get("interval", [0.0, 0.0]))
+        self.recent = list(measured.get("recent", []))
+        self.seconds_before = measured.get("seconds", 0.0) if seconds else 0.0
+        self.started = time.perf_counter()
+        if self.watch is not None and "watch" in measured:
+            self.watch.load_state_dict(measured["watch"])
+
+
+@dataclass
+class StudyRecord:
+    """One finished run: what it trained, what it measured, where it ran and on which corpus."""
+
+    name: str
+    cell: str
+    arm: str
+    kind: str
+    seed: int
+    lr: float
+    budget_steps: int
+    untie_step: int | None
+    head: str | None
+    optimizer_state: str
+    curve_steps: list[int]
+    curve_validation: list[float]
+    """Validation loss on the curve's subset of blocks (`curve_subset`) at `curve_steps`."""
+    curve_train: list[float]
+    final_validation_loss: float
+    """On every validation block, at the end of the run."""
+    train_loss_tail: float
+    steps_run: int
+    """The optimizer steps this run computed (a branch: after its branch point)."""
+    tokens: int
+    """Tokens the arm trained on in all (a branch's tied phase included)."""
+    wall_seconds: float
+    setup: dict
+    params: int
+    embedding_params: int
+    tokens_per_embedding_row: float
+    machine: dict
+    corpus_digest: str
+    trigger: dict | None = None
+    checkpoint_digests: dict[str, str] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        partial.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> StudyRecord:
+        return cls(**json.loads(path.read_text()))
+
+    def curve(self) -> list[tuple[int, float]]:
+        return list(zip(self.curve_steps, self.curve_validation, strict=True))
+
+
+Progress = Callable[[int, float], None]
