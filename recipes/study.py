@@ -87,6 +87,12 @@ def check_same_settings(output_dir: Path, args: StudyArguments, digest: str) -> 
 def run_study(ctx: StudyContext, args: StudyArguments) -> None:
     """Each cell: its LR sweep, then every arm of each seed; one progress line for the whole job."""
     plans = {cell: cell_plan(cell, ctx.vocab, args.batch_size) for cell in args.cells}
+    for cell, plan in plans.items():
+        if plan["budget_steps"] * args.batch_size > len(ctx.corpus.train):
+            raise SystemExit(
+                f"cell {cell}: {plan['budget_steps']} steps of {args.batch_size} blocks need more than the corpus's "
+                f"{len(ctx.corpus.train)} training blocks: an arm would see tokens twice."
+            )
     total = sum(p["sweep_steps"] + p["steps_per_seed"] * len(args.seeds) for p in plans.values())
     bar = tqdm(total=total, desc="Study", unit="step", disable=args.disable_tqdm, dynamic_ncols=True, mininterval=10)
 
