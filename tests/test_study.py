@@ -59,7 +59,7 @@ def _ctx(corpus, folder: Path, **overrides) -> runs.StudyContext:
 
 
 def _without_time(record: StudyRecord) -> dict:
-    return {k: v for k, v in dataclasses.asdict(record).items() if k != "wall_seconds"}
+    return {k: v for k, v in dataclasses.asdict(record).items() if k not in ("wall_seconds", "cpu_seconds")}
 
 
 def test_the_schedule_warms_up_holds_and_cools_down_linearly_to_zero_over_the_last_fifth():
@@ -211,7 +211,8 @@ def _record(seed: int, arm: str, final: float, cpu: str = "CPU X", digest: str =
         name=f"A-s{seed}-{arm}", cell="A", arm=arm, kind="arm", seed=seed, lr=1e-3, budget_steps=100,
         untie_step=None, head=None, optimizer_state="copy", curve_steps=[50, 100], curve_validation=[final + 1, final],
         curve_train=[0.0, 0.0], final_validation_loss=final, train_loss_tail=0.0, steps_run=100, tokens=100 * 1024,
-        wall_seconds=1.0, setup={"batch_size": 8}, params=10, embedding_params=8, tokens_per_embedding_row=1.0,
+        wall_seconds=1.0, cpu_seconds=1.0, setup={"batch_size": 8}, params=10, embedding_params=8,
+        tokens_per_embedding_row=1.0,
         machine={"cpu": cpu, "kernel_path": "AVX2", "device": "cpu", "torch": "2", "threads": 1},
         corpus_digest=digest,
     )  # fmt: skip

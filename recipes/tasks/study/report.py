@@ -73,6 +73,7 @@ def cell_table(cell: str, records: list[StudyRecord]) -> dict:
     table: dict = {"cell": cell, "seeds": seeds, "seeds_recorded": sorted({s for _, s in arms}),
                    "sweep": {a: {"losses": {f"{lr:g}": v for lr, v in sorted(s.losses.items())}, "best": s.best,
                                  "note": s.note()} for a, s in sweep.items()}, "arms": {}}  # fmt: skip
+    _costs(table, cell, records)
     any_record = next(iter(arms.values()), None)
     if any_record is None:
         return table
@@ -96,9 +97,14 @@ def cell_table(cell: str, records: list[StudyRecord]) -> dict:
             "tokens_to_untied_final": _tokens_to_untied(arms, arm, seeds, tokens_per_step),
         }  # fmt: skip
     table["trigger"] = _trigger_rows(arms, seeds, budget)
-    hours = sum(r.wall_seconds * r.machine.get("threads", 1) for r in records if r.cell == cell) / 3600
-    table["core_hours"] = hours
     return table
+
+
+def _costs(table: dict, cell: str, records: list[StudyRecord]) -> None:
+    """The cell's cost: core-hours (CPU seconds of the runs' processes) and wall hours, over every recorded run."""
+    mine = [r for r in records if r.cell == cell]
+    table["core_hours"] = sum(r.cpu_seconds for r in mine) / 3600
+    table["wall_hours"] = sum(r.wall_seconds for r in mine) / 3600
 
 
 def write_report(output_dir: Path, records: list[StudyRecord]) -> dict:

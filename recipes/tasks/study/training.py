@@ -89,6 +89,7 @@ class CurveRecorder(Recorder):
         self.watch = None
         self.resume, self.stop_at = resume, stop_at
         self.seconds_before, self.started = 0.0, time.perf_counter()
+        self.cpu_before, self.cpu_started = 0.0, time.process_time()
 
     def __call__(self, step: int, loss: float) -> None:
         self.interval = [self.interval[0] + loss, self.interval[1] + 1]
@@ -102,12 +103,19 @@ class CurveRecorder(Recorder):
 
     @property
     def seconds(self) -> float:
+        """Wall seconds of the run so far (over every sitting)."""
         return self.seconds_before + time.perf_counter() - self.started
+
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU seconds of this process spent on the run so far (over every sitting): its core-hours on a machine
+        shared with other jobs, where wall time overstates them."""
+        return self.cpu_before + time.process_time() - self.cpu_started
 
     @property
     def measured(self) -> dict:
         out = {**super().measured, "train": dict(self.train), "interval": list(self.interval),
-               "recent": list(self.recent), "seconds": self.seconds}  # fmt: skip
+               "recent": list(self.recent), "seconds": self.seconds, "cpu_seconds": self.cpu_seconds}  # fmt: skip
         if self.watch is not None:
             out["watch"] = self.watch.state_dict()
         return out
@@ -120,7 +128,8 @@ class CurveRecorder(Recorder):
         self.interval = list(measured.get("interval", [0.0, 0.0]))
         self.recent = list(measured.get("recent", []))
         self.seconds_before = measured.get("seconds", 0.0) if seconds else 0.0
-        self.started = time.perf_counter()
+        self.cpu_before = measured.get("cpu_seconds", 0.0) if seconds else 0.0
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
         if self.watch is not None and "watch" in measured:
             self.watch.load_state_dict(measured["watch"])
 
@@ -151,6 +160,8 @@ class StudyRecord:
     tokens: int
     """Tokens the arm trained on in all (a branch's tied phase included)."""
     wall_seconds: float
+    cpu_seconds: float
+    """CPU seconds of the run's process (with one thread: its core-seconds, whatever else the machine ran)."""
     setup: dict
     params: int
     embedding_params: int
