@@ -16,7 +16,7 @@ import torch
 
 import untie
 from untie_recipes.tasks.decision_map import corpus as corpus_module
-from untie_recipes.tasks.decision_map.training import evaluate, train_steps
+from untie_recipes.tasks.decision_map.training import data_order, evaluate, train_steps
 from untie_recipes.tasks.study import protocol, report, runs, stats, sweep, training
 from untie_recipes.tasks.study.model import build_model
 from untie_recipes.tasks.study.training import CurveRecorder, RunSpec, StudyRecord
@@ -89,7 +89,7 @@ def _live_untie(ctx: runs.StudyContext, spec: RunSpec) -> tuple[list[float], flo
     steps = training.curve_steps(spec.budget, ctx.curve_points)
     recorder = CurveRecorder(model, optimizer, scheduler, ctx.curve_validation, steps, {}, lambda *_: None)
     recorder.hooks.append(lambda step: untier.step())
-    order = runs.data_order(len(ctx.corpus.train), spec.setup.seed)
+    order = data_order(len(ctx.corpus.train), spec.setup.seed)
     train_steps(model, optimizer, scheduler, spec.setup, ctx.corpus.train, order, 0, spec.budget, recorder)
     assert untier.untie_step == spec.branch_step
     return [recorder.losses[str(s)] for s in steps], evaluate(model, ctx.corpus.validation)
@@ -136,7 +136,7 @@ def test_the_tied_run_measures_the_default_trigger_without_acting(small_corpus, 
     config = untie.UntieConfig(policy="off", untie_at=None, metrics_every=2)
     untier = untie.Untier(model, config=config, max_steps=spec.budget, tokenizer=small_corpus.tokenizer)
     untier.start(optimizer)
-    order = runs.data_order(len(small_corpus.train), 1)
+    order = data_order(len(small_corpus.train), 1)
     train_steps(model, optimizer, scheduler, spec.setup, small_corpus.train, order, 0, spec.budget,
                 lambda step, loss: untier.step())  # fmt: skip
     history = [h for h in untier.run.history if "trigger" in h]
@@ -272,3 +272,39 @@ def test_the_lr_sweep_extends_one_value_beyond_an_edge(monkeypatch, tmp_path, sm
     assert summaries["tied"].best == pytest.approx(1.2e-2) and summaries["tied"].extended == [pytest.approx(1.2e-2)]
     assert summaries["tied"].at_edge  # one extension only: still at the edge, and the note says so
     assert "still sits at an edge" in summaries["tied"].note()
+
+
+def test_the_device_tier_stops_at_its_time_limit_and_the_next_call_continues_to_the_same_records(
+    recipe, small_corpus, tmp_path, monkeypatch
+):
+    """The device preset on the CPU at tiny shapes, from an exported corpus, with a clock that ticks once per read:
+    each call stops at its limit and the calls together write the records one unlimited call writes."""
+    cell = dataclasses.replace(TINY, name="D64x2t4", tokens_per_parameter=1.2)
+    monkeypatch.setitem(protocol.CELLS, "D64x2t4", cell)
+    exported = tmp_path / "corpus"
+    from untie_recipes.tasks.study import corpus_files, provenance
+
+    corpus_files.export_corpus(small_corpus, exported, {"sources": ["test"], **{"blocks_sha256":
+                               provenance.blocks_digest(small_corpus)}})  # fmt: skip
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(training, "CLOCK", lambda: float(next(ticks)))
+
+    def call(name: str, limit: str) -> None:
+        recipe.main(["--preset", "device", "--device", "cpu", "--corpus_dir", str(exported), "--cells", "D64x2t4",
+                     "--seeds", "1", "--batch_size", "16", "--warmup", "2", "--curve_points", "4", "--curve_blocks",
+                     "8", "--time_limit", limit, "--output_dir", str(tmp_path / name), "--records_dir",
+                     str(tmp_path / f"{name}-committed"), "--corpus_pin", str(tmp_path / "pin.json"),
+                     "--disable_tqdm"])  # fmt: skip
+
+    calls = 0
+    while len(list((tmp_path / "cut-committed").glob("*-s1-*.json"))) < len(cell.arms):
+        call("cut", "7")  # shorter than any run of the cell: every run stops and resumes
+        calls += 1
+        assert calls < 60
+    call("whole", "0")
+    cut = {p.name: _without_time(StudyRecord.load(p)) for p in (tmp_path / "cut" / "records").glob("*.json")}
+    whole = {p.name: _without_time(StudyRecord.load(p)) for p in (tmp_path / "whole" / "records").glob("*.json")}
+    assert calls > 3 and cut == whole
+    tied = whole["D64x2t4-s1-tied.json"]
+    assert tied["epochs"] > 1 and tied["setup"]["batch_size"] == 16  # a budget past the corpus reads it again
+    assert small_corpus.train.shape == corpus_files.load_exported(exported)[0].train.shape

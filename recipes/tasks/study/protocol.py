@@ -84,9 +84,21 @@ ARMS: dict[str, Arm] = {
 #: Cell B leaves out the copy at step 0 and the fresh optimizer state (the budget, as the issue allows).
 CELL_B_ARMS = tuple(name for name in ARMS if name not in ("copy0", "untie@2/3-fresh"))
 
+#: The CPU tier's cells (issue 68, item 1).
+CPU_CELLS = ("A", "B")
+#: The device tier's cells (issue 68, item 3): widths 64 x 2, 128 x 4 and 256 x 8 at 4 and 10 tokens per parameter,
+#: at a 32,768 vocabulary, every arm; the sweep centred on the decision map's rate for the width.
+DEVICE_SHAPES = {64: (2, 3e-3), 128: (4, 2e-3), 256: (8, 1e-3)}
+DEVICE_CELLS = tuple(f"D{w}x{DEVICE_SHAPES[w][0]}t{t}" for w in DEVICE_SHAPES for t in (4, 10))
+
 CELLS: dict[str, Cell] = {
     "A": Cell("A", width=64, layers=2, tokens_per_parameter=10.0, lr_centre=3e-3, arms=tuple(ARMS)),
     "B": Cell("B", width=128, layers=4, tokens_per_parameter=4.0, lr_centre=2e-3, arms=CELL_B_ARMS),
+    **{
+        f"D{w}x{layers}t{t}": Cell(f"D{w}x{layers}t{t}", w, layers, float(t), lr, tuple(ARMS))
+        for w, (layers, lr) in DEVICE_SHAPES.items()
+        for t in (4, 10)
+    },
 }
 
 

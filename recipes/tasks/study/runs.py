@@ -21,7 +21,6 @@ from untie import UntieConfig, untie_embeddings
 from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
 from untie_recipes.tasks.decision_map.training import (
     TrainingSetup,
-    data_order,
     embedding_digest,
     evaluate,
     load_checkpoint,
@@ -31,12 +30,15 @@ from untie_recipes.tasks.study.model import build_model, parameter_counts
 from untie_recipes.tasks.study.protocol import ARMS, CELLS, budget_steps, cooldown_start, half_budget, untie_step
 from untie_recipes.tasks.study.training import (
     CurveRecorder,
+    OutOfTime,
     Progress,
     RunSpec,
     StudyRecord,
     build_optimizer,
     curve_steps,
     curve_subset,
+    out_of_time,
+    study_order,
 )
 from untie_recipes.tasks.study.trigger import TriggerWatch
 
@@ -59,7 +61,7 @@ class StudyContext:
     records_dir: Path | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stop_at: float | None = None
-    """A `time.monotonic()` after which a run saves its resume checkpoint and stops (`OutOfTime`)."""
+    """A `training.CLOCK()` value after which a run saves its resume checkpoint and stops (`OutOfTime`)."""
     trigger_config: UntieConfig | None = field(default_factory=UntieConfig)
     """The trigger the tied run measures (the default, `UntieConfig()`); None measures nothing."""
 
@@ -167,7 +169,7 @@ def train_run(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: StudyR
         if recorder.watch is not None:
             recorder.watch.arm(start + 1)
     progress(start - first, float("nan"))
-    order = data_order(len(ctx.corpus.train), spec.setup.seed)
+    order = study_order(len(ctx.corpus.train), spec.setup.seed, spec.budget * spec.setup.batch_size)
     train_steps(model, optimizer, scheduler, spec.setup, ctx.corpus.train, order, start, spec.budget, recorder)
     final = evaluate(model, ctx.corpus.validation)
     if recorder.watch is not None:
@@ -191,6 +193,7 @@ def _record(ctx: StudyContext, spec: RunSpec, recorder: CurveRecorder, final: fl
         tokens_per_embedding_row=tokens / ctx.vocab, machine=dict(ctx.machine), corpus_digest=ctx.corpus_digest,
         trigger=recorder.watch.summary() if recorder.watch is not None else None,
         checkpoint_digests={s: d for s, d in recorder.digests.items() if s in branch_points},
+        epochs=spec.budget * spec.setup.batch_size / len(ctx.corpus.train),
     )  # fmt: skip
 
 
@@ -214,6 +217,8 @@ def run_or_reuse(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: Stu
     if record is not None:
         progress(spec.budget - (spec.branch_step or 0), float("nan"))
         return record
+    if out_of_time(ctx.stop_at):
+        raise OutOfTime(0)
     started = time.perf_counter()
     record = train_run(ctx, spec, progress, tied)
     logger.info("study: %s done in %.0f s (final validation loss %.4f)", spec.name, time.perf_counter() - started,

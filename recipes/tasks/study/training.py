@@ -17,8 +17,28 @@ from pathlib import Path
 
 import torch
 
-from untie_recipes.tasks.decision_map.training import Recorder, TrainingSetup, save_checkpoint
+from untie_recipes.tasks.decision_map.training import Recorder, TrainingSetup, data_order, save_checkpoint
 from untie_recipes.tasks.study.protocol import ARMS, Arm, lr_factor, untie_step
+
+#: The clock a time limit reads (`out_of_time`); a test replaces it with one that ticks per call.
+CLOCK = time.monotonic
+#: Epoch e > 0 of a seed's data order is the permutation drawn from seed + EPOCH_STRIDE * e.
+EPOCH_STRIDE = 1_000_003
+
+
+def out_of_time(stop_at: float | None) -> bool:
+    """Whether a time limit (a `CLOCK()` value; None: no limit) has passed."""
+    return stop_at is not None and CLOCK() > stop_at
+
+
+def study_order(n_blocks: int, seed: int, blocks_needed: int) -> torch.Tensor:
+    """The decision map's permutation of the blocks for the seed (`data_order`); where a budget needs more blocks than
+    the corpus has (the device tier's larger cells), further permutations follow, one per epoch, each drawn from the
+    seed and the epoch. One epoch (every CPU cell) is exactly the decision map's order."""
+    parts = [data_order(n_blocks, seed)]
+    while len(parts) * n_blocks < blocks_needed:
+        parts.append(data_order(n_blocks, seed + EPOCH_STRIDE * len(parts)))
+    return torch.cat(parts)
 
 
 @dataclass(frozen=True)
@@ -79,7 +99,7 @@ class CurveRecorder(Recorder):
     """The decision map's recorder (evaluations at the curve's steps, checkpoints, progress) that also keeps the train
     loss curve (the mean over each interval between curve points), the trigger watch's state and the wall seconds
     in what a checkpoint saves, so that a resumed run writes the record an uninterrupted one writes. `stop_at`: a
-    `time.monotonic()` past which the run saves `resume` and raises `OutOfTime`."""
+    `CLOCK()` value past which the run saves `resume` and raises `OutOfTime`."""
 
     def __init__(self, model, optimizer, scheduler, validation, steps, checkpoints, progress,
                  resume: Path | None = None, stop_at: float | None = None) -> None:  # fmt: skip
@@ -97,7 +117,7 @@ class CurveRecorder(Recorder):
             self.train[str(step)] = self.interval[0] / self.interval[1]
             self.interval = [0.0, 0.0]
         super().__call__(step, loss)
-        if self.stop_at is not None and time.monotonic() > self.stop_at and self.resume is not None:
+        if out_of_time(self.stop_at) and self.resume is not None:
             save_checkpoint(self.resume, step, self.model, self.optimizer, self.scheduler, self.measured)
             raise OutOfTime(step)
 
@@ -170,6 +190,8 @@ class StudyRecord:
     corpus_digest: str
     trigger: dict | None = None
     checkpoint_digests: dict[str, str] = field(default_factory=dict)
+    epochs: float = 1.0
+    """Passes over the training blocks the run's budget needs (above 1: blocks are seen again, `study_order`)."""
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
