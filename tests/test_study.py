@@ -272,6 +272,8 @@ def test_the_lr_sweep_extends_one_value_beyond_an_edge(monkeypatch, tmp_path, sm
     assert summaries["tied"].best == pytest.approx(1.2e-2) and summaries["tied"].extended == [pytest.approx(1.2e-2)]
     assert summaries["tied"].at_edge  # one extension only: still at the edge, and the note says so
     assert "still sits at an edge" in summaries["tied"].note()
+    one = dataclasses.replace(_record(1, "tied", 4.0), kind="sweep", lr=3e-3)
+    assert sweep.summarize("A", "tied", [one]).note() == "in progress: 2 of the first 3 values to run"
 
 
 def test_the_device_tier_stops_at_its_time_limit_and_the_next_call_continues_to_the_same_records(

@@ -77,7 +77,7 @@ def markdown(results: dict) -> str:
     lines = ["# The tie-then-untie study: results", "", "Written by `python recipes/study.py --report_only`.", ""]
     for group in results["groups"]:
         lines += [f"## {group['cpu']}, kernels {group['kernel_path']}, {group['device']}, torch {group['torch']}", ""]
-        lines += [f"Corpus blocks SHA-256 `{group['corpus_digest'][:16]}...`; {group['runs']} runs.", ""]
+        lines += [f"Corpus blocks SHA-256 `{group['corpus_digest'][:16]}...`; {group['runs']} run(s).", ""]
         for table in group["cells"].values():
             lines += cell_lines(table)
         verdict = group["verdict"]

@@ -24,8 +24,12 @@ class SweepSummary:
     best: float
     extended: list[float]
     at_edge: bool
+    missing: int = 0
+    """Values of the first three not recorded yet (a sweep in progress)."""
 
     def note(self) -> str:
+        if self.missing:
+            return f"in progress: {self.missing} of the first {len(self.losses) + self.missing} values to run"
         parts = []
         if self.extended:
             parts.append("extended to " + ", ".join(f"{v:g}" for v in self.extended) + " (best at an edge)")
@@ -40,7 +44,8 @@ def summarize(cell: str, arm: str, records: list[StudyRecord]) -> SweepSummary:
     first = set(CELLS[cell].sweep_values())
     best = best_value(losses)
     extended = sorted(lr for lr in losses if not any(abs(lr - v) <= 1e-12 * v for v in first))
-    return SweepSummary(arm, losses, best, extended, next_sweep_value(losses) is not None)
+    missing = sum(not any(abs(lr - v) <= 1e-12 * v for lr in losses) for v in first)
+    return SweepSummary(arm, losses, best, extended, next_sweep_value(losses) is not None, missing)
 
 
 def sweep_spec(ctx: StudyContext, cell: str, arm: str, lr: float, seed: int, budget: int) -> RunSpec:
