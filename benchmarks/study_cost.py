@@ -19,6 +19,8 @@ import torch
 import transformers as tf
 from common import machine, write_results
 
+from untie_recipes.tasks.study.model import llama  # the study's decoder (recipes/study.py)
+
 #: One seed of the issue's arms, in full runs: tied, untied and the default (untied from step 0 for a model built
 #: fresh) run the whole budget; an untie at fraction f branches from the tied run and costs 1 - f; the three
 #: optimizer-state levers branch at the best fraction (1/3 assumed here).
@@ -35,16 +37,6 @@ class Arguments:
     warmup: int = 2
     tokens_per_parameter: float = field(default=4.0, metadata={"help": "the budget (the issue: at least 4)"})
     output_dir: str = "runs/bench-study-cost"
-
-
-def llama(width: int, layers: int, vocab: int, block: int) -> tf.LlamaForCausalLM:
-    """The study's decoder: head dimension 32, SwiGLU at 8/3 of the width (a multiple of 8), tied."""
-    heads = max(1, width // 32)
-    config = tf.LlamaConfig(
-        vocab_size=vocab, hidden_size=width, intermediate_size=8 * width // 3 // 8 * 8, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=block, tie_word_embeddings=True,
-    )  # fmt: skip
-    return tf.LlamaForCausalLM(config)
 
 
 def measure(width: int, layers: int, args: Arguments) -> dict:

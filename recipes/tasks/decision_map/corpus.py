@@ -267,6 +267,12 @@ def _debian_provenance(cache_dir: Path) -> dict | None:
     return json.loads(path.read_text())["packages"] if path.exists() else None
 
 
+def corpus_folder(sources: tuple[str, ...], cache_dir: Path | None = None, vocab_size: int = VOCAB_SIZE) -> Path:
+    """Where `load_corpus` caches the blocks, the tokenizer and ``provenance.json`` of `sources` at `vocab_size`."""
+    name = "+".join(sorted(sources)) + ("" if vocab_size == VOCAB_SIZE else f"-vocab{vocab_size}")
+    return Path(cache_dir or default_cache_dir()) / "decision-map" / f"{name}-v{CACHE_VERSION}"
+
+
 def load_corpus(
     sources: tuple[str, ...] = ("shakespeare", "kjv"), cache_dir: Path | None = None, vocab_size: int = VOCAB_SIZE
 ) -> TokenizedCorpus:
@@ -274,9 +280,8 @@ def load_corpus(
     built once and cached under `cache_dir` (`default_cache_dir()`)."""
     from transformers import PreTrainedTokenizerFast
 
-    cache_dir = Path(cache_dir or default_cache_dir())
-    name = "+".join(sorted(sources)) + ("" if vocab_size == VOCAB_SIZE else f"-vocab{vocab_size}")
-    folder = cache_dir / "decision-map" / f"{name}-v{CACHE_VERSION}"
+    folder = corpus_folder(sources, cache_dir, vocab_size)
+    cache_dir = folder.parents[1]
     if (folder / "blocks.pt").exists():
         blocks = torch.load(folder / "blocks.pt")
         tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)

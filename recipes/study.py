@@ -1,0 +1,221 @@
+"""Where does a tied phase pay? The tie-then-untie study of issue 68: Llama-style decoders on the decision map's
+corpus (shakespeare + kjv + debian-docs, blocks of 128 tokens), an LR sweep per cell, eight arms, three development
+seeds. The protocol and the rule that turns its tables into the default: docs/recipes/study.md.
+
+    python recipes/study.py --plan                  # the cells' sizes, budgets and branch steps; runs nothing
+    python recipes/study.py                         # the CPU tier: cells A then B (8,192 vocabulary, one thread)
+    python recipes/study.py --cells A --seeds 1     # a part of it
+    python recipes/study.py --report_only           # results.json and results.md from the finished runs
+    python recipes/study.py --preset device --export_corpus runs/corpus-vocab32768   # build and export its corpus
+    python recipes/study.py --preset device --corpus_dir runs/corpus-vocab32768      # the device tier, one call
+
+Finished runs are records under ``--output_dir/records`` (copied to ``--records_dir``, the committed folder, and
+read back from it at the start, so a fresh machine skips them), skipped by a rerun; an interrupted run resumes from
+its last checkpoint, so the study spreads over sittings. The device tier (``--preset device``: cells of 64 x 2, 128 x
+4 and 256 x 8 at 4 and 10 tokens per parameter, a 32,768 vocabulary, batches of 32 blocks, one CUDA device) stops
+each call cleanly at ``--time_limit`` seconds and the next call continues. Seeds 31-33 are reserved for an
+independent held-out evaluation and refused without ``--held_out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from untie_recipes.common import parse
+from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, TokenizedCorpus, default_cache_dir, load_corpus
+from untie_recipes.tasks.study import training
+from untie_recipes.tasks.study.corpus_files import export_corpus, load_exported
+from untie_recipes.tasks.study.protocol import CELLS, CPU_CELLS, DEVELOPMENT_SEEDS, DEVICE_CELLS, check_seeds
+from untie_recipes.tasks.study.provenance import check_pin, corpus_pin, machine_facts
+from untie_recipes.tasks.study.report import load_records, write_report
+from untie_recipes.tasks.study.runs import StudyContext, cell_plan, run_seed
+from untie_recipes.tasks.study.sweep import run_sweep
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO / "docs" / "data" / "study"
+#: Preset -> defaults (flags given on the command line win). "cpu": the CPU tier; "device": the device tier, whose
+#: batches are 4 times larger (32 blocks of 128 tokens: a GPU step of 8 blocks is mostly overhead).
+PRESETS = {
+    "cpu": {"cells": list(CPU_CELLS), "vocab_size": 8192, "batch_size": 8, "device": "cpu", "time_limit": 0.0,
+            "output_dir": "runs/study", "records_dir": str(DATA / "records"), "corpus_pin": str(DATA / "corpus.json"),
+            "allow_repeats": False},
+    "device": {"cells": list(DEVICE_CELLS), "vocab_size": 32768, "batch_size": 32, "device": "cuda",
+               "time_limit": 450.0, "output_dir": "runs/study-device", "records_dir": str(DATA / "device" / "records"),
+               "corpus_pin": str(DATA / "corpus-vocab32768.json"), "allow_repeats": True},
+}  # fmt: skip
+
+
+@dataclass
+class StudyArguments:
+    preset: str = field(default="cpu", metadata={"help": f"one of {sorted(PRESETS)}; flags override its values"})
+    cells: list[str] | None = field(default=None, metadata={"help": f"among {sorted(CELLS)}"})
+    seeds: list[int] = field(default_factory=lambda: list(DEVELOPMENT_SEEDS), metadata={"help": "development seeds"})
+    sweep_seed: int = field(default=DEVELOPMENT_SEEDS[0], metadata={"help": "the LR sweep's development seed"})
+    held_out: bool = field(default=False, metadata={"help": "allow the reserved held-out seeds (their evaluation)"})
+    batch_size: int | None = field(default=None, metadata={"help": f"blocks of {BLOCK} tokens per optimizer step"})
+    warmup: int = field(default=100, metadata={"help": "linear warm-up steps (then constant, then the cooldown)"})
+    curve_points: int = field(default=20, metadata={"help": "validation evaluations per run (the curve)"})
+    curve_blocks: int = field(default=512, metadata={"help": "validation blocks the curve reads (the final: all)"})
+    resume_every: int = field(default=250, metadata={"help": "steps between resume checkpoints"})
+    max_extensions: int = field(default=1, metadata={"help": "LR values a sweep may add beyond an edge"})
+    threads: int = field(default=1, metadata={"help": "torch threads (1: the same numbers at any load)"})
+    vocab_size: int | None = field(default=None, metadata={"help": "the corpus's BPE vocabulary"})
+    device: str | None = field(default=None, metadata={"help": "cpu, or cuda (one device)"})
+    time_limit: float | None = field(default=None, metadata={"help": "seconds of training per call (0: none)"})
+    allow_repeats: bool | None = field(default=None, metadata={"help": "let a budget read the blocks again"})
+    output_dir: str | None = field(default=None, metadata={"help": "records, checkpoints, results"})
+    records_dir: str | None = field(default=None, metadata={"help": "finished records are copied here; '' off"})
+    corpus_pin: str | None = field(default=None, metadata={"help": "the committed corpus pin (written once)"})
+    repin: bool = field(default=False, metadata={"help": "accept a corpus whose blocks differ from the pin"})
+    cache_dir: str | None = field(default=None, metadata={"help": "corpus cache (default $UNTIE_CACHE or ~/.cache)"})
+    corpus_dir: str | None = field(default=None, metadata={"help": "an exported corpus folder (no cache, no fetch)"})
+    export_corpus: str | None = field(default=None, metadata={"help": "write the corpus to this folder and exit"})
+    report_only: bool = field(default=False, metadata={"help": "write the report from the finished runs only"})
+    plan: bool = field(default=False, metadata={"help": "print the cells' sizes, budgets and branch steps, then exit"})
+    disable_tqdm: bool = field(default=False, metadata={"help": "no progress line"})
+
+    def resolve(self) -> None:
+        if self.preset not in PRESETS:
+            raise SystemExit(f"--preset {self.preset!r}: choose one of {sorted(PRESETS)}.")
+        for key, value in PRESETS[self.preset].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        unknown = sorted(set(self.cells) - set(CELLS))
+        if unknown:
+            raise SystemExit(f"--cells {unknown}: choose among {sorted(CELLS)}.")
+        for cell in self.cells:
+            check_seeds(cell, (*self.seeds, self.sweep_seed), self.held_out)
+
+
+def check_same_settings(output_dir: Path, args: StudyArguments, digest: str) -> None:
+    """Refuse an output_dir whose runs used other settings: records are named by cell, arm, seed and LR only."""
+    wanted = {"vocab_size": args.vocab_size, "batch_size": args.batch_size, "warmup": args.warmup, "block": BLOCK,
+              "curve_points": args.curve_points, "curve_blocks": args.curve_blocks,
+              "corpus_digest": digest}  # fmt: skip
+    path = output_dir / "study.json"
+    if path.exists():
+        found = json.loads(path.read_text())
+        if found != wanted:
+            raise SystemExit(f"{output_dir} holds a study of {found}; this one is {wanted}: pass another --output_dir.")
+        return
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted, indent=2) + "\n")
+
+
+def run_study(ctx: StudyContext, args: StudyArguments) -> None:
+    """Each cell: its LR sweep, then every arm of each seed; one progress line for the whole job."""
+    plans = {cell: cell_plan(cell, ctx.vocab, args.batch_size) for cell in args.cells}
+    for cell, plan in plans.items():
+        if plan["budget_steps"] * args.batch_size > len(ctx.corpus.train) and not args.allow_repeats:
+            raise SystemExit(
+                f"cell {cell}: {plan['budget_steps']} steps of {args.batch_size} blocks need more than the corpus's "
+                f"{len(ctx.corpus.train)} training blocks: an arm would see tokens twice (--allow_repeats allows it)."
+            )
+    total = sum(p["sweep_steps"] + p["steps_per_seed"] * len(args.seeds) for p in plans.values())
+    bar = tqdm(total=total, desc="Study", unit="step", disable=args.disable_tqdm, dynamic_ncols=True, mininterval=10)
+
+    def progress(steps: int, loss: float) -> None:
+        bar.update(steps)
+        if loss == loss:
+            bar.set_postfix_str(f"loss {loss:.3f}", refresh=False)
+
+    def extend(steps: int) -> None:
+        bar.total += steps
+
+    try:
+        for cell in args.cells:
+            budget = plans[cell]["budget_steps"]
+            bar.set_description(f"Study {cell} sweep")
+            sweep = run_sweep(ctx, cell, args.sweep_seed, budget, progress, args.max_extensions, extend)
+            for arm, summary in sweep.items():
+                logging.info("study: cell %s, %s: LR %g (%s)", cell, arm, summary.best, summary.note())
+            lrs = {arm: summary.best for arm, summary in sweep.items()}
+            for seed in args.seeds:
+                bar.set_description(f"Study {cell} seed {seed}")
+                run_seed(ctx, cell, seed, lrs, budget, progress)
+    finally:
+        bar.close()
+
+
+def load(args: StudyArguments) -> tuple[TokenizedCorpus, dict]:
+    """The corpus and its pin: from an exported folder (`--corpus_dir`), or built and cached."""
+    if args.corpus_dir:
+        return load_exported(Path(args.corpus_dir))
+    cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    corpus = load_corpus(SOURCES, cache_dir, args.vocab_size)
+    return corpus, corpus_pin(corpus, cache_dir, args.vocab_size)
+
+
+def on_device(corpus: TokenizedCorpus, device: torch.device) -> TokenizedCorpus:
+    """The blocks on `device`; on CUDA, deterministic kernels and full float32 matmuls (a rerun repeats numbers)."""
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device here; --device cpu runs the same protocol on the CPU.")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return dataclasses.replace(corpus, train=corpus.train.to(device), validation=corpus.validation.to(device))
+
+
+def import_records(records_dir: Path | None, folder: Path) -> None:
+    """Copy the committed records that `folder` lacks into it: a fresh machine skips the runs finished elsewhere."""
+    if records_dir is None or not records_dir.is_dir():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in records_dir.glob("*.json"):
+        if not (folder / path.name).exists():
+            shutil.copyfile(path, folder / path.name)
+
+
+def report(output_dir: Path) -> dict:
+    results = write_report(output_dir, load_records(output_dir / "records"))
+    print((output_dir / "results.md").read_text())
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    (args,), _explicit = parse((StudyArguments,), argv)
+    args.resolve()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    torch.set_num_threads(args.threads)
+    stop_at = training.CLOCK() + args.time_limit if args.time_limit else None
+    output_dir = Path(args.output_dir)
+    if args.report_only:
+        return report(output_dir)
+    corpus, pin = load(args)
+    if args.export_corpus:
+        export_corpus(corpus, Path(args.export_corpus), pin)
+        return pin
+    if args.plan:
+        plans = {cell: cell_plan(cell, len(corpus.tokenizer), args.batch_size) for cell in args.cells}
+        print(json.dumps(plans, indent=2))
+        return plans
+    check_pin(pin, Path(args.corpus_pin), args.repin)
+    check_same_settings(output_dir, args, pin["blocks_sha256"])
+    records_dir = Path(args.records_dir) if args.records_dir else None
+    import_records(records_dir, output_dir / "records")
+    device = torch.device(args.device)
+    ctx = StudyContext(on_device(corpus, device), output_dir, machine_facts(device, REPO), pin["blocks_sha256"],
+                       batch_size=args.batch_size, warmup=args.warmup, curve_points=args.curve_points,
+                       curve_blocks=args.curve_blocks, resume_every=args.resume_every, records_dir=records_dir,
+                       device=device, stop_at=stop_at)  # fmt: skip
+    try:
+        run_study(ctx, args)
+    except training.OutOfTime:
+        logging.info("study: stopped at the time limit (%s s); the same command continues.", args.time_limit)
+    return report(output_dir)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The corpus as a small folder that travels: a machine without internet (the device tier's) cannot fetch the
+sources, and the cached blocks (int64, about 120 MB) are too large to carry. `export_corpus` writes the blocks as
+compressed uint16 (any vocabulary up to 65,536), the tokenizer and the pin; `load_exported` reads them back and
+checks the blocks against the pin's digest.
+
+    python recipes/study.py --preset device --export_corpus runs/corpus-vocab32768   # here: build (once) and export
+    python recipes/study.py --preset device --corpus_dir runs/corpus-vocab32768      # there: train from it
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers as tf
+
+from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus
+from untie_recipes.tasks.study.provenance import blocks_digest
+
+BLOCKS_FILE = "blocks-uint16.npz"
+PIN_FILE = "pin.json"
+
+
+def export_corpus(corpus: TokenizedCorpus, folder: Path, pin: dict) -> None:
+    """Write the corpus's blocks (uint16, compressed), its tokenizer and its pin into `folder`."""
+    if len(corpus.tokenizer) > 65536:
+        raise ValueError(f"a vocabulary of {len(corpus.tokenizer)} does not fit uint16: the export holds up to 65,536.")
+    folder.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(folder / BLOCKS_FILE, train=corpus.train.numpy().astype(np.uint16),
+                        validation=corpus.validation.numpy().astype(np.uint16))  # fmt: skip
+    corpus.tokenizer.save_pretrained(folder)
+    (folder / PIN_FILE).write_text(json.dumps(pin, indent=2) + "\n")
+
+
+def load_exported(folder: Path) -> tuple[TokenizedCorpus, dict]:
+    """The corpus and its pin from an `export_corpus` folder; refused if the blocks do not match the pin."""
+    pin = json.loads((folder / PIN_FILE).read_text())
+    with np.load(folder / BLOCKS_FILE) as blocks:
+        train = torch.from_numpy(blocks["train"].astype(np.int64))
+        validation = torch.from_numpy(blocks["validation"].astype(np.int64))
+    corpus = TokenizedCorpus(
+        train, validation, tf.PreTrainedTokenizerFast.from_pretrained(folder), tuple(pin["sources"])
+    )
+    if blocks_digest(corpus) != pin["blocks_sha256"]:
+        raise SystemExit(f"{folder}: its blocks do not match its pin's SHA-256: a damaged or edited export.")
+    return corpus, pin

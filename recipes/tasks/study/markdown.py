@@ -1,0 +1,87 @@
+"""The study's results as Markdown (`results.md`): one section per pool group and cell, then the verdict."""
+
+from __future__ import annotations
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _interval(paired: dict) -> str:
+    if paired.get("mean") is None:
+        return "-"
+    if paired.get("low") is None:
+        return f"{paired['mean']:+.4f}"
+    return f"{paired['mean']:+.4f} [{paired['low']:+.4f}, {paired['high']:+.4f}]"
+
+
+def _tokens(values: list[float | None]) -> str:
+    return ", ".join("never" if v is None else f"{v / 1e6:.2f}M" for v in values)
+
+
+def _sweep_lines(table: dict) -> list[str]:
+    lines = ["| arm | LR: final validation loss (half budget) | best | note |", "|---|---|---|---|"]
+    for arm, sweep in table["sweep"].items():
+        losses = ", ".join(f"{lr}: {_num(loss)}" for lr, loss in sweep["losses"].items())
+        lines.append(f"| {arm} | {losses} | {sweep['best']:g} | {sweep['note']} |")
+    return lines
+
+
+def _arm_lines(table: dict) -> list[str]:
+    lines = [
+        f"| arm | LR | untie step | mean | sd | vs {table['reference']} (95% t) | vs untied (95% t) | "
+        "tokens to untied's final loss, per seed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, row in table["arms"].items():
+        lines.append(
+            f"| {arm} | {row['lr']:g} | {row['untie_step'] if row['untie_step'] is not None else '-'} | "
+            f"{_num(row['mean'])} | {_num(row['sd'])} | {_interval(row['vs_reference'])} | "
+            f"{_interval(row['vs_untied'])} | {_tokens(row['tokens_to_untied_final'])} |"
+        )
+    return lines
+
+
+def _trigger_lines(table: dict) -> list[str]:
+    lines = ["| seed | trigger would fire at | default's untie of a loaded model | best fixed fraction (this seed) |",
+             "|---|---|---|---|"]  # fmt: skip
+    for row in table["trigger"]:
+        fired = "never" if row["would_fire_step"] is None else (
+            f"step {row['would_fire_step']} ({row['would_fire_fraction']:.1%})")  # fmt: skip
+        lines.append(f"| {row['seed']} | {fired} | step {row['default_untie_step']} | {row['best_fixed']} "
+                     f"(step {row['best_fixed_step']}) |")  # fmt: skip
+    return lines
+
+
+def cell_lines(table: dict) -> list[str]:
+    lines = [f"### Cell {table['cell']}", ""]
+    if "budget_steps" in table:
+        lines += [
+            f"{table['params']:,} parameters tied ({table['embedding_share']:.0%} in the embedding); budget "
+            f"{table['budget_steps']:,} steps of {table['batch']} tokens = {table['tokens']:,} tokens, "
+            f"{table['tokens_per_embedding_row']:.0f} tokens per embedding row. Complete seeds: {table['seeds']} "
+            f"(recorded: {table['seeds_recorded']}); {table['core_hours']:.2f} core-hours ({table['wall_hours']:.2f} "
+            "wall hours) recorded.",
+            "",
+        ]
+    if table["sweep"]:
+        lines += ["LR sweep (one development seed, half the budget):", "", *_sweep_lines(table), ""]
+    if table["arms"]:
+        lines += [f"Final validation loss over seeds {table['seeds']}; paired differences are the arm minus the "
+                  "reference, seed by seed (< 0: the arm ends lower).", "", *_arm_lines(table), ""]  # fmt: skip
+        lines += ["The trigger, measured on the tied run without acting:", "", *_trigger_lines(table), ""]
+    return lines
+
+
+def markdown(results: dict) -> str:
+    lines = ["# The tie-then-untie study: results", "", "Written by `python recipes/study.py --report_only`.", ""]
+    for group in results["groups"]:
+        lines += [f"## {group['cpu']}, kernels {group['kernel_path']}, {group['device']}, torch {group['torch']}", ""]
+        lines += [f"Corpus blocks SHA-256 `{group['corpus_digest'][:16]}...`; {group['runs']} run(s).", ""]
+        for table in group["cells"].values():
+            lines += cell_lines(table)
+        verdict = group["verdict"]
+        lines += ["### The rule's verdict", "", f"- fresh model: {verdict['fresh_model']} ({verdict['why']})",
+                  f"- a copy at step 0: {verdict['copy_at_step_0']}", f"- loaded tied model: {verdict['loaded_model']}",
+                  ""]  # fmt: skip
+    return "\n".join(lines)

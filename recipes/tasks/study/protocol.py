@@ -1,0 +1,159 @@
+"""The study's protocol, fixed before any run: the cells, the arms, the budget, the schedule, the seeds.
+
+Everything here is a constant or a pure function of them, so the recipe, the device tier and the report read one
+definition. The numbers follow issue 68: two cells on the decision map's corpus (an 8,192 BPE vocabulary, blocks of
+128 tokens), a budget in tokens per parameter of the tied model, a linear warm-up, a constant learning rate and a
+linear cooldown to 0 over the last 20% of the budget, three development seeds, and three held-out seeds of cell A
+that no development command may run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from untie.signals.triggers import resolve_step
+
+#: The share of a run's budget that its linear cooldown to 0 covers (the last 20%).
+COOLDOWN = 0.2
+#: Development seeds (the default); the LR sweep runs on the first.
+DEVELOPMENT_SEEDS = (1, 2, 3)
+#: Seeds reserved for an independent held-out evaluation of cell A: refused unless ``--held_out`` is given.
+HELD_OUT_SEEDS = (31, 32, 33)
+#: The sweep's values around a cell's centre: a factor of 2 apart.
+SWEEP_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell of the study: a Llama-style decoder's shape, its token budget and its arms."""
+
+    name: str
+    width: int
+    layers: int
+    tokens_per_parameter: float
+    lr_centre: float
+    """The middle of the LR sweep (the decision map's rate for the width), fixed before any run."""
+    arms: tuple[str, ...]
+
+    def sweep_values(self) -> tuple[float, ...]:
+        """The sweep's three learning rates, a factor of `SWEEP_FACTOR` apart around `lr_centre`."""
+        return (self.lr_centre / SWEEP_FACTOR, self.lr_centre, self.lr_centre * SWEEP_FACTOR)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """How an arm trains: untied from step 0 (its head `head`: "drawn" by the model's initialiser or a "copy" of the
+    embedding), or tied and untied at `fraction` of the budget (branched from the tied run) with the head's
+    optimizer state `optimizer_state`; tied throughout when neither is set."""
+
+    name: str
+    head: str | None = None
+    fraction: float | None = None
+    optimizer_state: str = "copy"
+
+    @property
+    def tied_phase(self) -> bool:
+        """Whether the arm starts tied (tied, and every branch): it trains at the tied arm's learning rate."""
+        return self.head is None
+
+    @property
+    def plain(self) -> str:
+        """Whose swept learning rate the arm uses: "tied" for the tied-phase arms (kept after the untie), "untied" for
+        the arms untied from step 0."""
+        return "tied" if self.tied_phase else "untied"
+
+    @property
+    def file_name(self) -> str:
+        return self.name.replace("/", "of")
+
+
+ARMS: dict[str, Arm] = {
+    arm.name: arm
+    for arm in (
+        Arm("tied"),
+        Arm("untied", head="drawn"),
+        Arm("copy0", head="copy"),
+        Arm("untie@1/3", fraction=1 / 3),
+        Arm("untie@2/3", fraction=2 / 3),
+        Arm("untie@2/3-fresh", fraction=2 / 3, optimizer_state="reset"),
+        Arm("untie@0.8", fraction=1 - COOLDOWN),
+        Arm("untie@0.95", fraction=0.95),
+    )
+}
+#: Cell B leaves out the copy at step 0 and the fresh optimizer state (the budget, as the issue allows).
+CELL_B_ARMS = tuple(name for name in ARMS if name not in ("copy0", "untie@2/3-fresh"))
+
+#: The CPU tier's cells (issue 68, item 1).
+CPU_CELLS = ("A", "B")
+#: The device tier's cells (issue 68, item 3): widths 64 x 2, 128 x 4 and 256 x 8 at 4 and 10 tokens per parameter,
+#: at a 32,768 vocabulary, every arm; the sweep centred on the decision map's rate for the width.
+DEVICE_SHAPES = {64: (2, 3e-3), 128: (4, 2e-3), 256: (8, 1e-3)}
+DEVICE_CELLS = tuple(f"D{w}x{DEVICE_SHAPES[w][0]}t{t}" for w in DEVICE_SHAPES for t in (4, 10))
+
+CELLS: dict[str, Cell] = {
+    "A": Cell("A", width=64, layers=2, tokens_per_parameter=10.0, lr_centre=3e-3, arms=tuple(ARMS)),
+    "B": Cell("B", width=128, layers=4, tokens_per_parameter=4.0, lr_centre=2e-3, arms=CELL_B_ARMS),
+    **{
+        f"D{w}x{layers}t{t}": Cell(f"D{w}x{layers}t{t}", w, layers, float(t), lr, tuple(ARMS))
+        for w, (layers, lr) in DEVICE_SHAPES.items()
+        for t in (4, 10)
+    },
+}
+
+
+def budget_steps(tokens_per_parameter: float, params: int, batch_size: int, block: int) -> int:
+    """The budget in optimizer steps: ceil(tokens_per_parameter * params / (batch_size * block))."""
+    return math.ceil(tokens_per_parameter * params / (batch_size * block))
+
+
+def half_budget(budget: int) -> int:
+    """The LR sweep's budget: half the cell's (its cooldown is its own last 20%)."""
+    return math.ceil(budget / 2)
+
+
+def untie_step(fraction: float, budget: int) -> int:
+    """The step a branch at `fraction` of a `budget`-step run unties at (the library's rounding)."""
+    step = resolve_step(fraction, budget, "untie_at")
+    assert step is not None
+    return step
+
+
+def cooldown_start(budget: int) -> int:
+    """The first step of the cooldown: the branch at 0.8 unties exactly there."""
+    return untie_step(1 - COOLDOWN, budget)
+
+
+def lr_factor(done: int, budget: int, warmup: int) -> float:
+    """The learning-rate multiplier of the optimizer step that follows `done` steps (a `LambdaLR` lambda): a linear
+    warm-up over `warmup` steps, 1 until `cooldown_start`, then linear to 0 at `budget`."""
+    start = cooldown_start(budget)
+    if done >= start:
+        return max(0.0, (budget - done) / (budget - start))
+    return min(1.0, (done + 1) / max(1, warmup))
+
+
+def check_seeds(cell: str, seeds: tuple[int, ...], held_out: bool) -> None:
+    """Refuse the held-out seeds unless the held-out evaluation asks for them (``--held_out``)."""
+    reserved = sorted(set(seeds) & set(HELD_OUT_SEEDS))
+    if reserved and not held_out:
+        raise SystemExit(
+            f"cell {cell}: seeds {reserved} are reserved for the independent held-out evaluation (issue 68): a "
+            f"development run must not see them. Use the development seeds {DEVELOPMENT_SEEDS} or others."
+        )
+
+
+def best_value(losses: dict[float, float]) -> float:
+    """The learning rate with the lowest final loss (a non-finite loss counts as the worst; a tie: the smaller)."""
+    return min(sorted(losses), key=lambda lr: (losses[lr] if math.isfinite(losses[lr]) else math.inf, lr))
+
+
+def next_sweep_value(losses: dict[float, float]) -> float | None:
+    """The value the sweep extends to when its best (lowest final loss) sits at an edge of the values run: a factor of
+    `SWEEP_FACTOR` beyond that edge; None when the best is inside. A diverged run (a non-finite loss) counts as the
+    worst."""
+    values = sorted(losses)
+    best = best_value(losses)
+    if len(values) < 2 or values[0] < best < values[-1]:
+        return None
+    return best / SWEEP_FACTOR if best == values[0] else best * SWEEP_FACTOR

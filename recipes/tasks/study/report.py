@@ -1,0 +1,123 @@
+"""The study's tables from its records: per cell (and per pool group: records of other corpus builds or machines are
+never compared), the LR sweep, each arm's LR, mean and sd of the final validation loss over complete seeds, paired
+differences against the better of tied and untied and against untied with 95% t-intervals, the tokens each arm needs
+to reach untied's final loss, the tokens per embedding row, and where the trigger would have fired beside the best
+fixed fraction, per seed; then the rule of docs/recipes/study.md applied to them (`verdict`)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from untie_recipes.tasks.decision_map.corpus import BLOCK
+from untie_recipes.tasks.study.markdown import markdown
+from untie_recipes.tasks.study.protocol import ARMS, CELLS
+from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_reach
+from untie_recipes.tasks.study.sweep import PLAIN, summarize
+from untie_recipes.tasks.study.training import StudyRecord
+from untie_recipes.tasks.study.verdict import verdict
+
+#: The branches at a fixed fraction with the optimizer state copied: "the best fixed fraction" is among these.
+FIXED = tuple(name for name, arm in ARMS.items() if arm.fraction is not None and arm.optimizer_state == "copy")
+
+
+def load_records(folder: Path) -> list[StudyRecord]:
+    return [StudyRecord.load(path) for path in sorted(folder.glob("*.json"))]
+
+
+def complete_seeds(cell: str, arms: dict[tuple[str, int], StudyRecord]) -> list[int]:
+    """The seeds that have every arm of the cell (only they enter the paired comparisons)."""
+    seeds = sorted({seed for _, seed in arms})
+    return [s for s in seeds if all((arm, s) in arms for arm in CELLS[cell].arms)]
+
+
+def _paired(arms, arm: str, reference: str, seeds: list[int]) -> dict:
+    """`arm` minus `reference`, seed by seed (< 0: the arm ends lower), with its t-interval."""
+    diffs = [arms[(arm, s)].final_validation_loss - arms[(reference, s)].final_validation_loss for s in seeds]
+    return {"reference": reference, **t_interval(diffs), "per_seed": diffs}
+
+
+def _tokens_to_untied(arms, arm: str, seeds: list[int], tokens_per_step: int) -> list[float | None]:
+    """Per seed, the tokens `arm` needs to reach that seed's untied final loss on the curve's blocks."""
+    out = []
+    for seed in seeds:
+        target = arms[("untied", seed)].curve_validation[-1]
+        record = arms[(arm, seed)]
+        out.append(tokens_to_reach(record.curve_steps, record.curve_validation, target, tokens_per_step))
+    return out
+
+
+def _trigger_rows(arms, seeds: list[int], budget: int) -> list[dict]:
+    """Per seed: where the tied run's trigger would have fired (and the default's untie of a loaded tied model,
+    the trigger or the deadline), beside that seed's best fixed fraction."""
+    rows = []
+    for seed in seeds:
+        trigger = arms[("tied", seed)].trigger or {}
+        fired = trigger.get("first_would_fire_step")
+        fixed = [a for a in FIXED if (a, seed) in arms]
+        best = min(fixed, key=lambda a: arms[(a, seed)].final_validation_loss) if fixed else None
+        rows.append({
+            "seed": seed, "would_fire_step": fired, "would_fire_fraction": fired / budget if fired else None,
+            "default_untie_step": trigger.get("default_untie_step"), "deadline_step": trigger.get("deadline_step"),
+            "best_fixed": best, "best_fixed_step": arms[(best, seed)].untie_step if best else None,
+        })  # fmt: skip
+    return rows
+
+
+def cell_table(cell: str, records: list[StudyRecord]) -> dict:
+    """One cell's table from one pool group's records."""
+    arms = {(r.arm, r.seed): r for r in records if r.cell == cell and r.kind == "arm"}
+    seeds = complete_seeds(cell, arms)
+    sweep = {a: summarize(cell, a, records) for a in PLAIN if any(r.kind == "sweep" and r.arm == a for r in records)}
+    table: dict = {"cell": cell, "seeds": seeds, "seeds_recorded": sorted({s for _, s in arms}),
+                   "sweep": {a: {"losses": {f"{lr:g}": v for lr, v in sorted(s.losses.items())}, "best": s.best,
+                                 "note": s.note()} for a, s in sweep.items()}, "arms": {}}  # fmt: skip
+    _costs(table, cell, records)
+    any_record = next(iter(arms.values()), None)
+    if any_record is None:
+        return table
+    budget = any_record.budget_steps
+    tokens_per_step = any_record.setup["batch_size"] * BLOCK
+    table.update(budget_steps=budget, tokens=any_record.tokens, params=any_record.params,
+                 embedding_share=any_record.embedding_params / any_record.params,
+                 tokens_per_embedding_row=any_record.tokens_per_embedding_row,
+                 batch=f"{any_record.setup['batch_size']} x {BLOCK}")  # fmt: skip
+    if len(seeds) == 0:
+        return table
+    means = {a: statistics.fmean(arms[(a, s)].final_validation_loss for s in seeds) for a in CELLS[cell].arms}
+    reference = min(("tied", "untied"), key=lambda a: means[a])
+    table["reference"] = reference
+    for arm in CELLS[cell].arms:
+        finals = [arms[(arm, s)].final_validation_loss for s in seeds]
+        table["arms"][arm] = {
+            "lr": arms[(arm, seeds[0])].lr, "untie_step": arms[(arm, seeds[0])].untie_step, "per_seed": finals,
+            "mean": means[arm], "sd": statistics.stdev(finals) if len(finals) > 1 else None,
+            "vs_reference": _paired(arms, arm, reference, seeds), "vs_untied": _paired(arms, arm, "untied", seeds),
+            "tokens_to_untied_final": _tokens_to_untied(arms, arm, seeds, tokens_per_step),
+        }  # fmt: skip
+    table["trigger"] = _trigger_rows(arms, seeds, budget)
+    return table
+
+
+def _costs(table: dict, cell: str, records: list[StudyRecord]) -> None:
+    """The cell's cost: core-hours (CPU seconds of the runs' processes) and wall hours, over every recorded run."""
+    mine = [r for r in records if r.cell == cell]
+    table["core_hours"] = sum(r.cpu_seconds for r in mine) / 3600
+    table["wall_hours"] = sum(r.wall_seconds for r in mine) / 3600
+
+
+def write_report(output_dir: Path, records: list[StudyRecord]) -> dict:
+    """`results.json` and `results.md` under `output_dir`: one table per (pool group, cell), and the verdict."""
+    groups = []
+    for key, group in sorted(pool_groups(records).items(), key=lambda kv: str(kv[0])):
+        cells = {c: cell_table(c, group) for c in CELLS if any(r.cell == c for r in group)}
+        machine = group[0].machine
+        groups.append({"corpus_digest": key[0], "cpu": machine.get("cpu"), "kernel_path": machine.get("kernel_path"),
+                       "device": machine.get("device"), "torch": machine.get("torch"), "runs": len(group),
+                       "cells": cells, "verdict": verdict(cells)})  # fmt: skip
+    results = {"groups": groups}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (output_dir / "results.md").write_text(markdown(results))
+    return results

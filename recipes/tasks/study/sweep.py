@@ -1,0 +1,72 @@
+"""The learning-rate sweep: for each cell, tied and untied each at 3 values a factor of 2 apart, on one development
+seed at half the budget (its cooldown is its own last 20%); each one's best is the lowest final validation loss. A
+best at an edge of the values run extends the sweep by one value beyond that edge (`protocol.next_sweep_value`),
+at most `max_extensions` times, and the summary says so."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from untie_recipes.tasks.study.protocol import CELLS, best_value, half_budget, next_sweep_value
+from untie_recipes.tasks.study.runs import StudyContext, run_or_reuse
+from untie_recipes.tasks.study.training import Progress, RunSpec, StudyRecord
+
+PLAIN = ("tied", "untied")
+
+
+@dataclass
+class SweepSummary:
+    """One arm's sweep: final loss per value, the best, the values added beyond the first three, and whether the best
+    still sits at an edge."""
+
+    arm: str
+    losses: dict[float, float]
+    best: float
+    extended: list[float]
+    at_edge: bool
+    missing: int = 0
+    """Values of the first three not recorded yet (a sweep in progress)."""
+
+    def note(self) -> str:
+        if self.missing:
+            return f"in progress: {self.missing} of the first {len(self.losses) + self.missing} values to run"
+        parts = []
+        if self.extended:
+            parts.append("extended to " + ", ".join(f"{v:g}" for v in self.extended) + " (best at an edge)")
+        if self.at_edge:
+            parts.append("the best still sits at an edge")
+        return "; ".join(parts) or "best inside the values"
+
+
+def summarize(cell: str, arm: str, records: list[StudyRecord]) -> SweepSummary:
+    """The sweep of `arm` in `cell` from its records (the recipe decides from it, the report shows it)."""
+    losses = {r.lr: r.final_validation_loss for r in records if r.cell == cell and r.arm == arm and r.kind == "sweep"}
+    first = set(CELLS[cell].sweep_values())
+    best = best_value(losses)
+    extended = sorted(lr for lr in losses if not any(abs(lr - v) <= 1e-12 * v for v in first))
+    missing = sum(not any(abs(lr - v) <= 1e-12 * v for lr in losses) for v in first)
+    return SweepSummary(arm, losses, best, extended, next_sweep_value(losses) is not None, missing)
+
+
+def sweep_spec(ctx: StudyContext, cell: str, arm: str, lr: float, seed: int, budget: int) -> RunSpec:
+    return RunSpec(cell, arm, ctx.setup(cell, seed, lr), half_budget(budget), kind="sweep")
+
+
+def run_sweep(ctx: StudyContext, cell: str, seed: int, budget: int, progress: Progress, max_extensions: int = 1,
+              on_extend=None) -> dict[str, SweepSummary]:  # fmt: skip
+    """Run (or reuse) the cell's sweep; returns each plain arm's summary. `on_extend(steps)`: called before an
+    extension runs, with its steps (the progress line's total grows)."""
+    out = {}
+    for arm in PLAIN:
+        records = [run_or_reuse(ctx, sweep_spec(ctx, cell, arm, lr, seed, budget), progress)
+                   for lr in CELLS[cell].sweep_values()]  # fmt: skip
+        for _ in range(max_extensions):
+            value = next_sweep_value({r.lr: r.final_validation_loss for r in records})
+            if value is None:
+                break
+            spec = sweep_spec(ctx, cell, arm, value, seed, budget)
+            if on_extend is not None:
+                on_extend(spec.budget)
+            records.append(run_or_reuse(ctx, spec, progress))
+        out[arm] = summarize(cell, arm, records)
+    return out

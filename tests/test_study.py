@@ -1,0 +1,312 @@
+"""The tie-then-untie study (recipes/study.py), on tiny shapes: its schedule, its branches (exact against a live
+untie), its trigger measured without acting, its resume, its held-out seeds, its pooling rule, its statistics and its
+LR sweep's extension."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import untie
+from untie_recipes.tasks.decision_map import corpus as corpus_module
+from untie_recipes.tasks.decision_map.training import data_order, evaluate, train_steps
+from untie_recipes.tasks.study import protocol, report, runs, stats, sweep, training
+from untie_recipes.tasks.study.model import build_model
+from untie_recipes.tasks.study.training import CurveRecorder, RunSpec, StudyRecord
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("the", "The", "king", "King", "and", "And", "lord", "shall", "thee", "thou", "good", "night", "come", "go")
+#: A tiny cell in place of A: budgets of a few steps at batch 4.
+TINY = protocol.Cell("A", width=32, layers=1, tokens_per_parameter=0.12, lr_centre=3e-3, arms=protocol.CELLS["A"].arms)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The study's runs use one thread (as the recipe does): on a shared machine two threads spin, not compute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def small_corpus():
+    """Random sentences of a few words (some in two cases: the tokenizer's pairs), cut into blocks."""
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(WORDS), (300, 60), generator=generator)
+    texts = [" ".join(WORDS[i] for i in row) + "." for row in picks.tolist()]
+    return corpus_module.build_corpus(texts, ("test",), vocab_size=300)
+
+
+@pytest.fixture
+def tiny_cell(monkeypatch):
+    monkeypatch.setitem(protocol.CELLS, "A", TINY)
+
+
+def _ctx(corpus, folder: Path, **overrides) -> runs.StudyContext:
+    settings = dict(batch_size=4, warmup=2, curve_points=4, curve_blocks=8, resume_every=4,
+                    trigger_config=untie.UntieConfig(metrics_every=2))  # fmt: skip
+    settings.update(overrides)
+    return runs.StudyContext(corpus, folder, {"cpu": "test CPU", "kernel_path": "X", "threads": 1}, "digest",
+                             **settings)  # fmt: skip
+
+
+def _without_time(record: StudyRecord) -> dict:
+    return {k: v for k, v in dataclasses.asdict(record).items() if k not in ("wall_seconds", "cpu_seconds")}
+
+
+def test_the_schedule_warms_up_holds_and_cools_down_linearly_to_zero_over_the_last_fifth():
+    model = torch.nn.Linear(2, 2)
+    setup = runs.TrainingSetup(8, 1, 1, 1, 1, learning_rate=1.0, warmup=10)
+    optimizer, scheduler = training.build_optimizer(model, setup, budget=100)
+    rates = []
+    for _ in range(100):
+        rates.append(optimizer.param_groups[0]["lr"])  # the rate optimizer step len(rates) uses
+        optimizer.step()
+        scheduler.step()
+    assert rates[:10] == pytest.approx([(i + 1) / 10 for i in range(10)])
+    assert rates[10:81] == pytest.approx([1.0] * 71)
+    assert protocol.cooldown_start(100) == 80 and protocol.untie_step(0.8, 100) == 80
+    assert rates[80:] == pytest.approx([(100 - done) / 20 for done in range(80, 100)])
+    assert optimizer.param_groups[0]["lr"] == 0.0  # linear to 0 at the budget
+    assert protocol.half_budget(101) == 51 and protocol.cooldown_start(51) == 41  # the sweep's own last 20%
+
+
+def _live_untie(ctx: runs.StudyContext, spec: RunSpec) -> tuple[list[float], float]:
+    """The arm as one live run: tied, `untie.Untier` unties at the branch step with the arm's optimizer state."""
+    model = build_model(spec.setup.width, spec.setup.layers, spec.setup.seed, ctx.vocab, 128, None)
+    optimizer, scheduler = training.build_optimizer(model, spec.setup, spec.budget)
+    untier = untie.Untier(model, max_steps=spec.budget, untie_at=spec.branch_step, untie_when=None, metrics_every=0,
+                          optimizer_state=spec.spec.optimizer_state)  # fmt: skip
+    untier.start(optimizer)
+    steps = training.curve_steps(spec.budget, ctx.curve_points)
+    recorder = CurveRecorder(model, optimizer, scheduler, ctx.curve_validation, steps, {}, lambda *_: None)
+    recorder.hooks.append(lambda step: untier.step())
+    order = data_order(len(ctx.corpus.train), spec.setup.seed)
+    train_steps(model, optimizer, scheduler, spec.setup, ctx.corpus.train, order, 0, spec.budget, recorder)
+    assert untier.untie_step == spec.branch_step
+    return [recorder.losses[str(s)] for s in steps], evaluate(model, ctx.corpus.validation)
+
+
+def test_a_branched_arm_equals_a_live_untie_at_its_step(small_corpus, tmp_path, tiny_cell):
+    ctx = _ctx(small_corpus, tmp_path)
+    records = runs.run_seed(ctx, "A", 1, {"tied": 4e-3, "untied": 2e-3}, 15, lambda *_: None)
+    for arm in ("untie@1/3", "untie@2/3-fresh", "untie@0.95"):
+        record = records[arm]
+        spec = RunSpec("A", arm, ctx.setup("A", 1, 4e-3), 15)
+        assert record.untie_step == spec.branch_step and record.lr == 4e-3  # the tied arm's rate, kept
+        curve, final = _live_untie(ctx, spec)
+        assert record.curve_validation == pytest.approx(curve, abs=1e-6)
+        assert record.final_validation_loss == pytest.approx(final, abs=1e-6)
+    assert records["untied"].lr == 2e-3 and records["copy0"].lr == 2e-3
+    assert records["untie@1/3"].final_validation_loss != records["tied"].final_validation_loss
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "A-s1-tied").iterdir()) == ["final.pt"]
+
+
+def test_the_untied_arm_is_what_the_default_policy_does_to_a_fresh_model():
+    drawn = build_model(32, 1, 5, 300, 128, "drawn")
+    torch.manual_seed(5)
+    fresh = build_model(32, 1, 5, 300, 128, None)
+    untier = untie.Untier(fresh, max_steps=10)
+    untier.start(torch.optim.AdamW(fresh.parameters()))
+    assert untier.run.untie_step == 0 and not untie.is_tied(fresh)
+    assert torch.equal(fresh.lm_head.weight, drawn.lm_head.weight)
+    assert torch.equal(fresh.model.embed_tokens.weight, drawn.model.embed_tokens.weight)
+
+
+def test_the_tied_run_measures_the_default_trigger_without_acting(small_corpus, tmp_path, tiny_cell):
+    ctx = _ctx(small_corpus, tmp_path)
+    spec = RunSpec("A", "tied", ctx.setup("A", 1, 4e-3), 24)
+    record = runs.train_run(ctx, spec, lambda *_: None)
+    quiet = runs.train_run(_ctx(small_corpus, tmp_path / "quiet", trigger_config=None), spec, lambda *_: None)
+    assert record.curve_validation == quiet.curve_validation  # measuring does not change training
+    trigger = record.trigger
+    assert [m["step"] for m in trigger["measurements"]] == list(range(2, 25, 2))
+    assert trigger["rule"]["signal"] == "gap" and trigger["rule"]["significance"] is not None  # the evidence rule
+
+    model = build_model(32, 1, 1, ctx.vocab, 128, None)  # the library's own trigger, acting, on the same run
+    optimizer, scheduler = training.build_optimizer(model, spec.setup, spec.budget)
+    config = untie.UntieConfig(policy="off", untie_at=None, metrics_every=2)
+    untier = untie.Untier(model, config=config, max_steps=spec.budget, tokenizer=small_corpus.tokenizer)
+    untier.start(optimizer)
+    order = data_order(len(small_corpus.train), 1)
+    train_steps(model, optimizer, scheduler, spec.setup, small_corpus.train, order, 0, spec.budget,
+                lambda step, loss: untier.step())  # fmt: skip
+    history = [h for h in untier.run.history if "trigger" in h]
+    live = [(h["step"], None if math.isnan(h["trigger"]) else h["trigger"]) for h in history]
+    watched = [(m["step"], m["average"]) for m in trigger["measurements"]][: len(live)]
+    assert watched == pytest.approx(live)
+    assert trigger["first_would_fire_step"] == untier.untie_step  # None where neither fired
+    assert trigger["deadline_step"] == round(0.3 * 24)
+
+
+def test_an_interrupted_run_resumes_to_the_record_an_uninterrupted_run_writes(small_corpus, tmp_path, tiny_cell):
+    ctx = _ctx(small_corpus, tmp_path / "cut")
+    spec = RunSpec("A", "tied", ctx.setup("A", 2, 4e-3), 14)
+    calls = []
+
+    def dies_after_step_6(steps, loss):
+        calls.append(steps)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runs.run_or_reuse(ctx, spec, dies_after_step_6)
+    assert (tmp_path / "cut" / "checkpoints" / spec.name / "resume.pt").exists()
+    resumed = runs.run_or_reuse(ctx, spec, lambda *_: None)
+    whole = runs.run_or_reuse(_ctx(small_corpus, tmp_path / "whole"), spec, lambda *_: None)
+    assert _without_time(resumed) == _without_time(whole)
+    assert resumed.steps_run == 14 and len(resumed.trigger["measurements"]) == 7
+    assert not (tmp_path / "cut" / "checkpoints" / spec.name / "resume.pt").exists()
+
+
+@pytest.fixture
+def recipe(small_corpus, monkeypatch):
+    spec = importlib.util.spec_from_file_location("study_recipe", ROOT / "recipes" / "study.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "study_recipe", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "load_corpus", lambda sources, cache_dir, vocab_size: small_corpus)
+    return module
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--output_dir", str(tmp_path / "out"), "--records_dir", str(tmp_path / "committed"),
+            "--corpus_pin", str(tmp_path / "pin.json"), "--batch_size", "4", "--warmup", "2", "--curve_points", "4",
+            "--curve_blocks", "8", "--disable_tqdm", *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags", [["--seeds", "1", "31"], ["--sweep_seed", "32"], ["--cells", "B", "--seeds", "33"]])
+def test_the_held_out_seeds_are_refused_without_the_held_out_flag(recipe, tmp_path, flags):
+    with pytest.raises(SystemExit, match="reserved for the independent held-out evaluation"):
+        recipe.main(_args(tmp_path, *flags))
+    assert not (tmp_path / "out").exists()
+    protocol.check_seeds("A", (31,), held_out=True)  # the held-out evaluation's own command passes
+
+
+def test_the_recipe_runs_sweep_then_arms_records_and_reuses_them(recipe, tmp_path, tiny_cell, monkeypatch):
+    results = recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
+    (group,) = results["groups"]
+    table = group["cells"]["A"]
+    assert table["seeds"] == [1] and set(table["arms"]) == set(TINY.arms)
+    assert set(table["sweep"]) == {"tied", "untied"}
+    names = sorted(p.name for p in (tmp_path / "committed").glob("*.json"))
+    assert names == sorted(p.name for p in (tmp_path / "out" / "records").glob("*.json"))
+    assert len([n for n in names if "-sweep-" in n]) >= 6
+    assert json.loads((tmp_path / "pin.json").read_text())["blocks_sha256"] == group["corpus_digest"]
+    monkeypatch.setattr(runs, "train_run", lambda *a, **k: pytest.fail("a finished run ran again"))
+    again = recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
+    assert json.dumps(again, sort_keys=True) == json.dumps(results, sort_keys=True)
+
+
+def _record(seed: int, arm: str, final: float, cpu: str = "CPU X", digest: str = "d1") -> StudyRecord:
+    return StudyRecord(
+        name=f"A-s{seed}-{arm}", cell="A", arm=arm, kind="arm", seed=seed, lr=1e-3, budget_steps=100,
+        untie_step=None, head=None, optimizer_state="copy", curve_steps=[50, 100], curve_validation=[final + 1, final],
+        curve_train=[0.0, 0.0], final_validation_loss=final, train_loss_tail=0.0, steps_run=100, tokens=100 * 1024,
+        wall_seconds=1.0, cpu_seconds=1.0, setup={"batch_size": 8}, params=10, embedding_params=8,
+        tokens_per_embedding_row=1.0,
+        machine={"cpu": cpu, "kernel_path": "AVX2", "device": "cpu", "torch": "2", "threads": 1},
+        corpus_digest=digest,
+    )  # fmt: skip
+
+
+def test_records_of_another_corpus_build_or_cpu_kind_are_not_pooled(tmp_path):
+    base = [_record(1, "tied", 5.0), _record(1, "untied", 5.1)]
+    other_cpu = _record(2, "tied", 4.0, cpu="CPU Y")
+    other_corpus = _record(3, "tied", 4.5, digest="d2")
+    groups = stats.pool_groups([*base, other_cpu, other_corpus])
+    assert sorted(len(g) for g in groups.values()) == [1, 1, 2]
+    stats.check_poolable(base)
+    for stranger in (other_cpu, other_corpus):
+        with pytest.raises(ValueError, match="cannot be pooled"):
+            stats.check_poolable([*base, stranger])
+    results = report.write_report(tmp_path, [*base, other_cpu, other_corpus])
+    assert sorted(g["cpu"] for g in results["groups"]) == ["CPU X", "CPU X", "CPU Y"]
+    assert {g["corpus_digest"] for g in results["groups"]} == {"d1", "d2"}
+
+
+def test_the_paired_t_interval_matches_a_hand_computed_example():
+    # mean -0.2, sd 0.1, n 3: t(0.975, 2) = 4.303, half-width 4.303 * 0.1 / sqrt(3) = 0.24843
+    interval = stats.t_interval([-0.1, -0.2, -0.3])
+    assert interval["mean"] == pytest.approx(-0.2) and interval["sd"] == pytest.approx(0.1)
+    assert (interval["low"], interval["high"]) == pytest.approx((-0.44843, 0.04843), abs=1e-5)
+    assert not stats.below_zero(interval) and not stats.above_zero(interval)
+    # n 4: mean 2.5, sd 1.29099, t(0.975, 3) = 3.182: half-width 2.05397
+    interval = stats.t_interval([1.0, 2.0, 3.0, 4.0])
+    assert (interval["low"], interval["high"]) == pytest.approx((0.44603, 4.55397), abs=1e-5)
+    assert stats.above_zero(interval)
+    assert stats.t_interval([0.5])["low"] is None
+
+
+def test_tokens_to_reach_a_loss_interpolate_the_curve():
+    steps, losses = [10, 20, 30], [5.0, 4.0, 3.0]
+    assert stats.tokens_to_reach(steps, losses, 3.5, 100) == pytest.approx(2500.0)
+    assert stats.tokens_to_reach(steps, losses, 5.5, 100) == pytest.approx(1000.0)
+    assert stats.tokens_to_reach(steps, losses, 2.0, 100) is None
+
+
+def test_the_lr_sweep_extends_one_value_beyond_an_edge(monkeypatch, tmp_path, small_corpus):
+    assert protocol.next_sweep_value({1.0: 3.0, 2.0: 3.1, 4.0: 3.2}) == 0.5
+    assert protocol.next_sweep_value({1.0: 3.2, 2.0: 3.1, 4.0: 3.0}) == 8.0
+    assert protocol.next_sweep_value({1.0: 3.2, 2.0: 3.0, 4.0: 3.1}) is None
+    assert protocol.next_sweep_value({1.0: 3.2, 2.0: 3.1, 4.0: math.nan}) is None  # a diverged run is the worst
+    ran = []
+
+    def fake_run(ctx, spec, progress, tied=None):  # the loss falls with the rate: the best is the largest
+        ran.append((spec.arm, spec.setup.learning_rate, spec.budget))
+        record = _record(1, spec.arm, 10.0 - spec.setup.learning_rate * 100)
+        return dataclasses.replace(record, kind="sweep", lr=spec.setup.learning_rate)
+
+    monkeypatch.setattr(sweep, "run_or_reuse", fake_run)
+    summaries = sweep.run_sweep(_ctx(small_corpus, tmp_path), "A", 1, 100, lambda *_: None)
+    assert [lr for arm, lr, _ in ran if arm == "tied"] == pytest.approx([1.5e-3, 3e-3, 6e-3, 1.2e-2])
+    assert {budget for *_, budget in ran} == {50}  # half the budget
+    assert summaries["tied"].best == pytest.approx(1.2e-2) and summaries["tied"].extended == [pytest.approx(1.2e-2)]
+    assert summaries["tied"].at_edge  # one extension only: still at the edge, and the note says so
+    assert "still sits at an edge" in summaries["tied"].note()
+    one = dataclasses.replace(_record(1, "tied", 4.0), kind="sweep", lr=3e-3)
+    assert sweep.summarize("A", "tied", [one]).note() == "in progress: 2 of the first 3 values to run"
+
+
+def test_the_device_tier_stops_at_its_time_limit_and_the_next_call_continues_to_the_same_records(
+    recipe, small_corpus, tmp_path, monkeypatch
+):
+    """The device preset on the CPU at tiny shapes, from an exported corpus, with a clock that ticks once per read:
+    each call stops at its limit and the calls together write the records one unlimited call writes."""
+    cell = dataclasses.replace(TINY, name="D64x2t4", tokens_per_parameter=1.2)
+    monkeypatch.setitem(protocol.CELLS, "D64x2t4", cell)
+    exported = tmp_path / "corpus"
+    from untie_recipes.tasks.study import corpus_files, provenance
+
+    corpus_files.export_corpus(small_corpus, exported, {"sources": ["test"], **{"blocks_sha256":
+                               provenance.blocks_digest(small_corpus)}})  # fmt: skip
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(training, "CLOCK", lambda: float(next(ticks)))
+
+    def call(name: str, limit: str) -> None:
+        recipe.main(["--preset", "device", "--device", "cpu", "--corpus_dir", str(exported), "--cells", "D64x2t4",
+                     "--seeds", "1", "--batch_size", "16", "--warmup", "2", "--curve_points", "4", "--curve_blocks",
+                     "8", "--time_limit", limit, "--output_dir", str(tmp_path / name), "--records_dir",
+                     str(tmp_path / f"{name}-committed"), "--corpus_pin", str(tmp_path / "pin.json"),
+                     "--disable_tqdm"])  # fmt: skip
+
+    calls = 0
+    while len(list((tmp_path / "cut-committed").glob("*-s1-*.json"))) < len(cell.arms):
+        call("cut", "7")  # shorter than any run of the cell: every run stops and resumes
+        calls += 1
+        assert calls < 60
+    call("whole", "0")
+    cut = {p.name: _without_time(StudyRecord.load(p)) for p in (tmp_path / "cut" / "records").glob("*.json")}
+    whole = {p.name: _without_time(StudyRecord.load(p)) for p in (tmp_path / "whole" / "records").glob("*.json")}
+    assert calls > 3 and cut == whole
+    tied = whole["D64x2t4-s1-tied.json"]
+    assert tied["epochs"] > 1 and tied["setup"]["batch_size"] == 16  # a budget past the corpus reads it again
+    assert small_corpus.train.shape == corpus_files.load_exported(exported)[0].train.shape
