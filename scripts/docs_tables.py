@@ -474,6 +474,13 @@ TABLES: dict[str, Table] = {
             ("deepspeed-measurement-memory-before", "record"),
         )
     },
+    # Deterministic on one thread, exact on the CPU kind its page names (a minute on 2 cores).
+    "route-table": Table(
+        page="docs/guides/tied-checkpoints.md",
+        commands=(("python", "scripts/route_table.py", "--output_dir", "{out}"),),
+        output="results.md",
+        cost="cpu-kind",
+    ),
     "example-times": Table(
         page="docs/guides/fine-tuning.md",
         commands=(("python", "benchmarks/example_times.py", "--include_quick_start"),),
