@@ -400,6 +400,15 @@ TABLES: dict[str, Table] = {
         ),
         output=None,
     ),
+    # The quick start's tied claim restated relative and judged on seeds 43-45 (issue 69), pre-registered: it failed.
+    "exor-tied-claim-verdict": Table(
+        page="docs/recipes/exor.md",
+        commands=(
+            _exor("--arms", "untied", "tied", "--seeds", "43", "44", "45", "--output_dir", "{out}"),
+            ("python", "scripts/judge_tied_claim.py", "{out}", "--write", "{out}/judgement.md"),
+        ),
+        output="judgement.md",
+    ),
     "exor-paper-gap-rule": Table(
         page="docs/guides/trigger.md",
         commands=(_exor("--preset", "paper", "--untie_when", "gap"),),

@@ -51,9 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", default="runs/exor-judge", help="the recipe's output folder")
     parser.add_argument("--model", default="mixer", help="the model judged (the quick preset's: mixer)")
+    parser.add_argument(
+        "--write", metavar="PATH", help="also write the table and verdict to PATH and exit 0 (the docs table's command)"
+    )
     args = parser.parse_args(argv)
     judgement = judge_relative_tied_claim(read_records(args.folder), args.model)
     print(markdown(judgement))
+    if args.write:
+        Path(args.write).write_text(markdown(judgement) + "\n")
+        return 0
     if judgement["verdict"] == "undecided":
         seed = judgement["next_seed"]
         print(

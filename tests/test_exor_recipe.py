@@ -539,3 +539,18 @@ def test_the_restated_tied_claim_is_judged_seed_by_seed_on_fresh_seeds_that_lear
     assert judge.main([str(tmp_path)]) == 2
     printed = capsys.readouterr().out
     assert "verdict: undecided" in printed and "--seeds 46 --output_dir" in printed
+
+
+def test_the_quick_preset_leaves_the_mixers_tied_claim_unchecked_after_its_judgement():
+    """Issue 69: the tied claim, restated relative and pre-registered, failed on seed 45 (docs/recipes/exor.md); the
+    quick preset's Mixer no longer checks it, and says why. Other presets and models still judge it."""
+    quick = [
+        {**_learning_record(arm, 42, 0.68, input_01=0.2, output_01=0.2), "model": "mixer",
+         "settings": {"preset": "quick"}}
+        for arm in ("tied", "untied")
+    ]  # fmt: skip
+    (tied,) = [c for c in exor_claims.check_claims(quick) if c["claim"].startswith("[mixer] tied (main): (2,3)")]
+    assert tied["holds"] is None and tied["evidence"] == exor_claims.QUICK_MIXER_TIED
+    paper = [{**record, "settings": {"preset": "paper"}} for record in quick]
+    (tied,) = [c for c in exor_claims.check_claims(paper) if c["claim"].startswith("[mixer] tied (main): (2,3)")]
+    assert tied["holds"] is False
