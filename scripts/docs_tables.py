@@ -404,10 +404,10 @@ TABLES: dict[str, Table] = {
     "exor-tied-claim-verdict": Table(
         page="docs/recipes/exor.md",
         commands=(
-            _exor("--arms", "untied", "tied", "--seeds", "43", "44", "45", "--output_dir", "{out}"),
-            ("python", "scripts/judge_tied_claim.py", "{out}", "--write", "{out}/judgement.md"),
+            _exor("--arms", "untied", "tied", "--seeds", "43", "44", "45", "--output_dir", "{out}/exor-judge"),
+            ("python", "scripts/judge_tied_claim.py", "{out}/exor-judge", "--write", "{out}/exor-judge/judgement.md"),
         ),
-        output="judgement.md",
+        output="exor-judge/judgement.md",
     ),
     "exor-paper-gap-rule": Table(
         page="docs/guides/trigger.md",
