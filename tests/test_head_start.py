@@ -15,6 +15,7 @@ from untie import UntieCallback, Untier
 from untie.structure.head_start import FLOOR, judge
 from untie.structure.policy import weights_evidence
 from untie.structure.surgery import input_weight, is_tied, output_weight
+from untie.testing import tiny_model
 
 VOCAB = 300
 
@@ -254,3 +255,94 @@ def test_a_fresh_model_under_trainer_is_not_told_of_a_trigger_rule_it_never_runs
         trainer.train()
     assert trainer.callback_handler.callbacks[0].untie_step == 0
     assert not [r for r in caplog.records if "pair-free rule" in r.getMessage()]
+
+
+# -- an independent tester's cases (issue 67 review) -------------------------------------------------------------------
+@pytest.mark.parametrize("bf16", [False, True])
+def test_weights_loaded_after_the_trainer_under_autocast_train_the_first_step_on_their_head(tmp_path, bf16):
+    """Under bf16 autocast the check's cast of the drawn head was cached for the rest of the first forward, so the
+    first step trained on the drawn head although the verdict copied the embedding."""
+    trained = trained_llama(200, 3e-3)
+    batch = step_task(rows=16, seed=1)
+    torch.manual_seed(7)
+    trainer = _trainer(tf.LlamaForCausalLM(llama_config()), str(tmp_path))
+    trainer.args.bf16 = bf16
+    trainer.model.load_state_dict(trained.state_dict())
+    trainer.train()
+    loss_at_step_1 = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
+    assert loss_at_step_1 == pytest.approx(loss_on(trained, batch), abs=0.05 if bf16 else 1e-3)
+
+
+def granite_config() -> tf.GraniteConfig:
+    return tf.GraniteConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, logits_scaling=8.0,
+    )  # fmt: skip
+
+
+def test_a_model_that_scales_the_heads_output_is_judged_at_its_own_scale():
+    """Granite divides the head's logits by 8 before the loss: scored raw, a trained tied head read as far worse than
+    a drawn one, and the draw was kept over trained weights."""
+    torch.manual_seed(0)
+    trained = tf.GraniteForCausalLM(granite_config())
+    trained.get_input_embeddings().weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=3e-3)
+    data = step_task()
+    for step in range(60):
+        batch = data[(step * 16) % 64 :][:16]
+        trained(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained.get_input_embeddings().weight.requires_grad_(True)
+    assert weights_evidence(trained).verdict == "drawn"
+    model = tf.GraniteForCausalLM(granite_config())
+    model.load_state_dict(trained.state_dict())
+    batch = step_task(seed=1)
+    untier, first = _first_forward_with_untier(model, batch)
+    assert untier.policy_choice.head_init == "copy" and first == pytest.approx(loss_on(trained, batch), abs=1e-5)
+
+
+def test_the_draw_keeps_the_output_modules_bias():
+    model = tiny_model("bert")
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        head.bias.fill_(0.25)  # a trained bias: the draw is of the weight alone
+    Untier(model, max_steps=10, from_scratch=True, untie_at=0, untie_when=None)
+    assert not is_tied(model) and torch.equal(head.bias, torch.full_like(head.bias, 0.25))
+
+
+def test_forwards_without_gradients_are_not_judged_and_padding_is_not_evidence():
+    """Evaluation or generation before training passes untouched (no verdict, no collective); the first forward that
+    trains is judged, on the positions that can tell (padding and repeated tokens left out)."""
+    torch.manual_seed(5)
+    model = tf.LlamaForCausalLM(llama_config())
+    model.config.pad_token_id = 0
+    untier = Untier(model, max_steps=10)
+    drawn = output_weight(model).detach().clone()
+    ids = step_task(rows=16, seed=1)
+    ids[:, 12:] = 0  # right padding: pad -> pad repeats a fresh tied model "predicts"
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert untier.run.first_batch is not None and torch.equal(output_weight(model), drawn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    untier.start(optimizer)
+    model(input_ids=ids, attention_mask=mask).logits.sum().backward()  # no labels: the input ids, padding left out
+    assert untier.run.first_batch is None and untier.policy_choice.head_init == "model"
+    assert torch.equal(output_weight(model), drawn)
+
+
+def test_a_state_saved_at_step_0_keeps_the_check_for_the_draw_it_holds():
+    torch.manual_seed(3)
+    model = tf.LlamaForCausalLM(llama_config())
+    untier = Untier(model, max_steps=10)
+    untier.start(torch.optim.AdamW(model.parameters(), lr=0.0))
+    state, weights = untier.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(3)
+    resumed = tf.LlamaForCausalLM(llama_config())
+    again = Untier(resumed, max_steps=10)
+    again.start(torch.optim.AdamW(resumed.parameters(), lr=0.0))
+    resumed.load_state_dict(weights)
+    again.load_state_dict(state)
+    assert again.run.first_batch is not None  # the draw saved at step 0 was never judged: it still will be

@@ -561,7 +561,10 @@ class UntieRun:
         why, for the line at train begin and the run state."""
         self.first_batch = None
         if self.choice is not None:
-            reason = f"{self.choice.reason}; at the first batch, {verdict.detail}"
+            if verdict.start == "copy":  # the weights' evidence was wrong: the function says what the model is
+                reason = f"at the first batch, {verdict.detail} (its embedding alone had read as a fresh draw)"
+            else:
+                reason = f"{self.choice.reason}; at the first batch, {verdict.detail}"
             self.choice = dataclasses.replace(self.choice, head_init=verdict.start, reason=reason)
         if verdict.start == "copy":
             logger.warning("untie: the head starts as a copy of the embedding, not drawn: %s", verdict.detail)
@@ -635,8 +638,10 @@ class UntieRun:
         be a tied one saved at step 0: its run continues as it was). It says nothing: `announce` does, once
         the adapter knows which run begins (`Untier` begins a fresh run at `start` and, when a checkpoint loads before
         the first step, the resumed one in its place)."""
-        if (step or resumed) and self.first_batch is not None:
-            self.first_batch.remove()  # a resumed run's head is its checkpoint's: nothing to judge
+        if self.first_batch is not None and (step or (resumed and is_tied(model))):
+            # A resumed run's head is its checkpoint's, trained, or the run resumes tied: nothing to judge. A state
+            # saved at step 0 holds the draw the first forward has not judged yet: the check stays.
+            self.first_batch.remove()
             self.first_batch = None
         if (step or resumed) and self.choice is not None and self.choice.untied_from_start and not self.untied:
             if self.emulation is not None or is_tied(model):

@@ -528,8 +528,8 @@ def sort_param_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> Non
 
 def draw_head(model: nn.Module, owner: str) -> None:
     """Draw `model`'s LM head (untied, before the first step) with the model's own initialiser, as a model built
-    untied has it (`UntieConfig.head_init="model"`). A head that is sharded or partitioned already keeps its copy of
-    the embedding, and a warning naming `owner` says so."""
+    untied has it (`UntieConfig.head_init="model"`); the output module's bias, if any, is kept. A head that is sharded
+    or partitioned already keeps its copy of the embedding, and a warning naming `owner` says so."""
     head = output_weight(model)
     if is_split(head):
         _compat.warn_in_user_code(
@@ -541,7 +541,12 @@ def draw_head(model: nn.Module, owner: str) -> None:
     module = getattr(model, "get_output_embeddings", lambda: None)()
     if not isinstance(module, nn.Module) or getattr(module, "weight", None) is not head:
         raise UntieRuntimeError(f"{owner}: head_init='model' found no output module holding the head to draw.")
+    bias = getattr(module, "bias", None)
+    kept = bias.detach().clone() if isinstance(bias, torch.Tensor) else None
     _compat.init_module_weights(model, module)
+    if kept is not None and bias is not None:  # the draw is of the weight: a bias (trained, or zeros) stays as it was
+        with torch.no_grad():
+            bias.copy_(kept)
     embedding = input_weight(model)
     if torch.equal(head, embedding):  # an initialiser that leaves this module to its parent (T5, transformers 5.12)
         with torch.no_grad():
