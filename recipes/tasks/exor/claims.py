@@ -22,7 +22,7 @@ MIN_SEEDS_FOR_OUTCOMES = 3
 QUICK_MIXER_TIED = (
     "not checked at the quick preset: the Mixer's shared (0,1) is not held apart there (0.13-0.28 of d(0,2) under five "
     "schedules; the relative form, pre-registered, failed on seed 45: below the untied arm's input (0,1)); it holds on "
-    "the paper preset's Transformer. docs/recipes/exor.md, \"The tied claim restated, and judged on fresh seeds\""
+    'the paper preset\'s Transformer. docs/recipes/exor.md, "The tied claim restated, and judged on fresh seeds"'
 )
 
 
