@@ -52,6 +52,12 @@ def test_inspect_flags_the_fragile_folders_and_convert_repairs_them(measured):
     assert fragile["convert"] == "untied" and fragile["converted"]["inspect"] == "untied"
     assert fragile["converted"]["after_tie_weights"] == 0.0
     for route, run in measured[0]["multimodal"].items():  # Gemma 3: a level that still says tied is flagged
+        if route == "peft_merge" and _peft_merge_keeps_the_tie():
+            # peft 0.18: the merge leaves the config tied at every level, so a reload re-ties the trained head (the
+            # reason UntieCallback refuses modules_to_save there: untie/structure/peft_support.py)
+            assert run["inspect"] == "untied-fragile" and set(run["levels"].values()) == {True}, (route, run)
+            assert run["plain_reload_and_tie_weights"] > 1e-3, (route, run)
+            continue
         disagree = len(set(run["levels"].values())) > 1
         assert run["inspect"] == ("untied-fragile" if disagree else "untied"), (route, run)
         assert run["plain_reload_and_tie_weights"] == 0.0, (route, run)
@@ -65,3 +71,12 @@ def test_the_serving_cost_is_the_published_shapes_arithmetic_and_the_table_holds
     rows = [line for line in measured[1].splitlines() if line.startswith("| ")][1:]
     routes = ("full fine-tune", "LoRA", "new tokens", "multimodal", "a fragile folder", "serving")
     assert len(rows) == 9 and all(any(row.startswith(f"| {r}") for row in rows) for r in routes), rows
+
+
+def _peft_merge_keeps_the_tie() -> bool:
+    """Whether the installed PEFT's merge_and_unload leaves tie_word_embeddings=True (peft 0.18; 0.19 and later write
+    False: scripts/peft_tied_merge.py)."""
+    import peft
+    from packaging.version import Version
+
+    return Version(peft.__version__) < Version("0.19")
