@@ -122,13 +122,7 @@ def test_inspect_flags_fragile_and_missing_heads(tmp_path, capsys):
 
 def _gemma3_multimodal() -> tf.Gemma3ForConditionalGeneration:
     """A tiny Gemma 3 multimodal model: `vocab_size` lives in its text_config only."""
-    config = tf.Gemma3Config(
-        text_config=dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                         intermediate_size=32, head_dim=8, vocab_size=64),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=14),
-        mm_tokens_per_image=4, image_token_index=63, boi_token_index=62, eoi_token_index=61,
-    )  # fmt: skip
+    config = untie.testing.tiny_gemma3_multimodal_config()
     torch.manual_seed(0)
     return tf.Gemma3ForConditionalGeneration(config)
 

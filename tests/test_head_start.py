@@ -82,14 +82,7 @@ def test_judge_copies_where_nothing_can_be_scored():
 
 # -- the cases of issue 67 ---------------------------------------------------------------------------------------------
 def _first_forward_with_untier(model: torch.nn.Module, batch: torch.Tensor) -> tuple[Untier, float]:
-    untier = Untier(model, max_steps=10)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    untier.start(optimizer)
-    loss = model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    optimizer.step()
-    untier.step()
-    return untier, float(loss)
+    return _first_forward_with_untier_started(Untier(model, max_steps=10), model, batch)
 
 
 def test_a_body_trained_against_a_frozen_tied_embedding_keeps_its_head_as_a_copy():
@@ -119,14 +112,15 @@ def test_a_fresh_model_keeps_its_drawn_head():
     assert "predicts no better with its tied head than with a drawn one" in untier_run.plan
 
 
-def _first_forward_with_untier_started(untier: Untier, model, batch):
+def _first_forward_with_untier_started(untier: Untier, model, batch) -> tuple[Untier, float]:
+    """One step at lr 0 of a `model` the `untier` attached: the first forward's loss, and the untier."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     untier.start(optimizer)
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     optimizer.step()
     untier.step()
-    return untier, float(loss)
+    return untier, float(loss.detach())
 
 
 def _trainer(model, folder, steps: int = 1, lr: float = 0.0) -> tf.Trainer:

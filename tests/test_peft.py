@@ -154,13 +154,7 @@ def test_modules_to_save_on_a_multimodal_model_says_that_text_config_needs_the_u
     """PEFT's merge writes the top-level flag only; Gemma 3's text_config keeps saying tied until untie records it."""
     if not MERGE_RECORDS:
         pytest.skip(f"peft {peft.__version__} < {MERGE_RECORDS_THE_SPLIT}: such a model is refused (test above)")
-    config = tf.Gemma3Config(
-        text_config=dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                         intermediate_size=32, head_dim=8, vocab_size=64),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=14),
-        mm_tokens_per_image=4, image_token_index=63, boi_token_index=62, eoi_token_index=61,
-    )  # fmt: skip
+    config = untie.testing.tiny_gemma3_multimodal_config()
     torch.manual_seed(0)
     model = _wrap(tf.Gemma3ForConditionalGeneration(config), target_modules=["q_proj"],
                   modules_to_save=["embed_tokens", "lm_head"])  # fmt: skip

@@ -299,13 +299,7 @@ def test_the_untie_never_changes_the_config_object_the_model_was_built_from():
 
 
 def test_a_multimodal_untie_leaves_the_text_sub_config_it_was_built_from_alone():
-    config = tf.Gemma3Config(
-        text_config=dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
-                         intermediate_size=32, head_dim=8, vocab_size=64),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           image_size=28, patch_size=14),
-        mm_tokens_per_image=4, image_token_index=63, boi_token_index=62, eoi_token_index=61,
-    )  # fmt: skip
+    config = untie.testing.tiny_gemma3_multimodal_config()
     text = config.text_config
     model = tf.Gemma3ForConditionalGeneration(config)
     untie.untie_embeddings(model)

@@ -138,6 +138,18 @@ def tiny_model(arch: str, seed: int = 0) -> tf.PreTrainedModel:
     return model_class(make_config())
 
 
+def tiny_gemma3_multimodal_config() -> tf.Gemma3Config:
+    """A tiny multimodal Gemma 3 config (tied): its vocabulary (64) and its tie live in `text_config` too, as the real
+    model's do, the level PEFT's merge and a hand-copied head leave alone."""
+    return tf.Gemma3Config(
+        text_config=dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, hidden_size=16,
+                         intermediate_size=32, head_dim=8, vocab_size=64),
+        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=63, boi_token_index=62, eoi_token_index=61,
+    )  # fmt: skip
+
+
 def tiny_tokenizer() -> tf.PreTrainedTokenizerBase:
     """A WordPiece tokenizer of VOCAB entries, the tiny models' vocabulary, with case and word-start variants
     (`the`/`The`, `the`/`##the`, ...) for `pairs="auto"` and the default trigger to read."""

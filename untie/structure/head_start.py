@@ -175,7 +175,6 @@ class FirstBatchCheck:
     def __init__(self, model: nn.Module, on_verdict: Callable[[HeadVerdict], None], registry: Registry) -> None:
         self.model = model
         self.on_verdict = on_verdict
-        self.registry = registry
         self.verdict: HeadVerdict | None = None
         self._call: tuple[tuple, dict] | None = None
         module = model.get_output_embeddings()  # type: ignore[operator]  # a transformers model (draw_head found it)
