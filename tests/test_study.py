@@ -142,7 +142,8 @@ def test_the_tied_run_measures_the_default_trigger_without_acting(small_corpus, 
     history = [h for h in untier.run.history if "trigger" in h]
     live = [(h["step"], None if math.isnan(h["trigger"]) else h["trigger"]) for h in history]
     watched = [(m["step"], m["average"]) for m in trigger["measurements"]][: len(live)]
-    assert watched == pytest.approx(live)
+    assert [step for step, _ in watched] == [step for step, _ in live]  # pytest 9's approx takes no nested pairs
+    assert [value for _, value in watched] == pytest.approx([value for _, value in live])
     assert trigger["first_would_fire_step"] == untier.untie_step  # None where neither fired
     assert trigger["deadline_step"] == round(0.3 * 24)
 
