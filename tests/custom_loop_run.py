@@ -135,7 +135,7 @@ def main(out_dir: str, mode: str) -> None:
         return
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=MICRO_BATCHES)
     if mode == "nosync":  # negative control: without the head's gradient sync the ranks drift apart
-        untie.core.run.sync_grads_across_ranks = lambda param: None
+        untie.core.model_structure.sync_grads_across_ranks = lambda param: None
         train(accelerator, out_dir, "nosync")
         return
     train(accelerator, out_dir, "run")

@@ -19,7 +19,7 @@ from untie.testing import ToyLMDataset, tiny_model
 def main(out_dir: str, arch: str, mode: str) -> None:
     tf.logging.set_verbosity_error()
     if mode == "nosync":  # negative control: show that without the hook the ranks drift apart
-        untie.core.run.sync_grads_across_ranks = lambda param: None
+        untie.core.model_structure.sync_grads_across_ranks = lambda param: None
     model = tiny_model(arch)
     # "trigger-single": one process with both ranks' batches (8 = 2 x 4, the same samples in the same steps).
     batch_size = 8 if mode == "trigger-single" else 4

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 import transformers as tf
+from conftest import training_args
 
 import untie
 from untie.core.run import RunOrderError
@@ -121,14 +122,14 @@ def test_class_passed_without_arguments_trains_a_fresh_model_untied_and_off_runs
 def test_default_trigger_unties_before_the_deadline_when_it_fires(make_args, monkeypatch):
     # Half of the two roles' updates cancel at every measurement: the default rule (warm-up 5% = step 2, patience 5)
     # fires at step 6, before the default deadline at 30% of 40 steps (12).
-    monkeypatch.setattr(untie.core.run, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
+    monkeypatch.setattr(untie.core.measuring, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
     callback = untie.UntieCallback(metrics_every=1, from_scratch=False)  # the default plan for trained weights
     _train(tiny_model("gpt2"), make_args(max_steps=40), [callback])
     assert (callback.untie_step, callback.untie_reason, callback.divergence.fired_step) == (6, "trigger", 6)
 
 
 def test_a_chosen_untie_at_is_an_exact_schedule_unless_a_rule_is_given(make_args, monkeypatch):
-    monkeypatch.setattr(untie.core.run, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
+    monkeypatch.setattr(untie.core.measuring, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
     scheduled = untie.UntieCallback(untie_when=None, untie_at=0.3, metrics_every=1)  # the default's value, but chosen
     _train(tiny_model("gpt2"), make_args(max_steps=40), [scheduled])
     assert scheduled.rule is None and (scheduled.untie_step, scheduled.untie_reason) == (12, "deadline")
@@ -255,7 +256,7 @@ def test_resume_with_trainer_restoring_callback_states_matches_uninterrupted_run
 ):
     """With restore_callback_states_from_checkpoint=True, Trainer swaps in a new UntieCallback built from the
     checkpoint: it takes over the model's setup and the trigger's streak, and the run ends as if never stopped."""
-    monkeypatch.setattr(untie.core.run, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
+    monkeypatch.setattr(untie.core.measuring, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
     rule = untie.UntieWhen(signal="cancellation", threshold=0.5, smoothing=0.0, warmup=0, patience=6)
 
     def run(resume=None):
@@ -609,3 +610,18 @@ def test_a_plain_trainer_checkpoint_resumed_with_the_callback_saves_normally(mak
     saved = json.loads((tmp_path / "plain" / "checkpoint-4" / "trainer_state.json").read_text())
     assert "UntieCallback" in saved["stateful_callbacks"]
     assert saved["stateful_callbacks"]["UntieCallback"]["attributes"]["untie_state"]["global_step"] == 4
+
+
+def test_a_second_train_call_resuming_a_checkpoint_of_the_first_equals_it(tmp_path):
+    """`trainer.train()` then `trainer.train(resume_from_checkpoint=...)` on the same Trainer: the second call attaches
+    the model again with the checkpoint's structure (it failed: the tied checkpoint loaded into the model the first
+    call had untied, and torch refused the optimizer state)."""
+    callback = untie.UntieCallback(untie_at=6, untie_when=None)
+    args = training_args(tmp_path, max_steps=8, save_strategy="steps", save_steps=4)
+    trainer = tf.Trainer(model=tiny_model("llama"), args=args, train_dataset=ToyLMDataset(), callbacks=[callback])
+    trainer.train()
+    first = _losses(trainer)
+    assert callback.untie_step == 6 and not untie.is_tied(trainer.model)
+    trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert (callback.untie_step, callback.untie_reason) == (6, "deadline")
+    assert _losses(trainer)[-4:] == pytest.approx(first[4:], abs=1e-5)

@@ -3,6 +3,7 @@ JSON with the library version, and taken as it is by both adapters (`config=` an
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -188,3 +189,18 @@ def test_a_damaged_or_non_object_json_file_is_refused_naming_it(content, says, t
     with pytest.raises(ValueError, match=re.escape(f"UntieConfig.from_json_file('{path}'): the file ")) as error:
         UntieConfig.from_json_file(path)
     assert says in str(error.value)
+
+
+def test_the_defaults_survive_a_round_trip_through_to_dict_and_to_json():
+    """Issue 67: `UntieConfig(**config.to_dict())` keeps the default plan (the unset schedule stays unset), and so do
+    the JSON forms (`to_json_dict` leaves an unset schedule setting out); a schedule written out counts as asked for."""
+    default = untie.UntieConfig()
+    for again in (
+        untie.UntieConfig(**default.to_dict()),
+        untie.UntieConfig(**copy.deepcopy(default.to_dict())),
+        untie.UntieConfig.from_json(default.to_json()),
+        untie.UntieConfig(**default.to_json_dict()),
+    ):
+        assert again == default and again.chosen_policy()[0] == "fresh-untied"
+    written = untie.UntieConfig(**json.loads(json.dumps(default.to_dict())))  # the values, written out by hand
+    assert written != default and written.chosen_policy()[0] == "off"

@@ -15,42 +15,16 @@ from untie import UntieCallback, Untier
 from untie.structure.head_start import FLOOR, judge
 from untie.structure.policy import weights_evidence
 from untie.structure.surgery import input_weight, is_tied, output_weight
-from untie.testing import tiny_model
+from untie.testing import STEP_VOCAB, step_llama_config, step_task, tiny_model, train_on_step_task
 
-VOCAB = 300
-
-
-def step_task(rows: int = 64, length: int = 24, seed: int = 0) -> torch.Tensor:
-    """Sequences following x -> (7x + 3) mod VOCAB from a uniform start: learnable, far below chance (log 300)."""
-    generator = torch.Generator().manual_seed(seed)
-    columns = [torch.randint(VOCAB, (rows,), generator=generator)]
-    for _ in range(length - 1):
-        columns.append((columns[-1] * 7 + 3) % VOCAB)
-    return torch.stack(columns, 1)
-
-
-def llama_config() -> tf.LlamaConfig:
-    return tf.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
-    )  # fmt: skip
+VOCAB = STEP_VOCAB
+llama_config = step_llama_config
 
 
 def trained_llama(steps: int, lr: float, freeze_embedding: bool = False) -> tf.LlamaForCausalLM:
-    """A tied Llama trained `steps` AdamW steps on the task (seed 0); with `freeze_embedding`, only its body trains
-    (the embedding keeps its fresh draw: the weights' evidence reads it as built fresh)."""
+    """A tied Llama trained `steps` AdamW steps on the step task (seed 0; `untie.testing.train_on_step_task`)."""
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(llama_config())
-    model.get_input_embeddings().weight.requires_grad_(not freeze_embedding)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    data = step_task()
-    for step in range(steps):
-        batch = data[(step * 16) % 64 :][:16]
-        model(input_ids=batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.get_input_embeddings().weight.requires_grad_(True)
-    return model
+    return train_on_step_task(tf.LlamaForCausalLM(llama_config()), steps, lr, freeze_embedding)
 
 
 def loss_on(model: torch.nn.Module, batch: torch.Tensor) -> float:
@@ -202,7 +176,7 @@ def test_a_resumed_run_keeps_its_checkpoints_head(tmp_path):
     resumed.load_state_dict(weights)
     optimizer.load_state_dict(optim_state)
     again.load_state_dict(state)
-    assert again.run.first_batch is None
+    assert again.run.structure.first_batch is None
     resumed(input_ids=batch, labels=batch)
     assert torch.equal(output_weight(resumed), weights["lm_head.weight"])
 
@@ -318,11 +292,11 @@ def test_forwards_without_gradients_are_not_judged_and_padding_is_not_evidence()
     mask = (ids != 0).long()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
-    assert untier.run.first_batch is not None and torch.equal(output_weight(model), drawn)
+    assert untier.run.structure.first_batch is not None and torch.equal(output_weight(model), drawn)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     untier.start(optimizer)
     model(input_ids=ids, attention_mask=mask).logits.sum().backward()  # no labels: the input ids, padding left out
-    assert untier.run.first_batch is None and untier.policy_choice.head_init == "model"
+    assert untier.run.structure.first_batch is None and untier.policy_choice.head_init == "model"
     assert torch.equal(output_weight(model), drawn)
 
 
@@ -339,4 +313,27 @@ def test_a_state_saved_at_step_0_keeps_the_check_for_the_draw_it_holds():
     again.start(torch.optim.AdamW(resumed.parameters(), lr=0.0))
     resumed.load_state_dict(weights)
     again.load_state_dict(state)
-    assert again.run.first_batch is not None  # the draw saved at step 0 was never judged: it still will be
+    assert again.run.structure.first_batch is not None  # the draw saved at step 0 was never judged: it still will be
+
+
+def test_weights_loaded_after_untier_and_before_the_first_step_are_kept_and_said():
+    """The user attaches a fresh model (the default draws its head), then loads trained tied weights into it before
+    the first step: the loaded matrix fills the head too. The run keeps it, and its line says so (it said the head
+    was drawn)."""
+    trained = trained_llama(60, 3e-3)
+    batch = step_task(rows=16, seed=1)
+    torch.manual_seed(7)
+    model = tf.LlamaForCausalLM(llama_config())
+    untier = Untier(model, max_steps=10)
+    assert not torch.equal(output_weight(model), input_weight(model))  # drawn at attach
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    untier.start(optimizer)
+    model.load_state_dict(trained.state_dict())
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    untier.step()
+    assert float(loss) == pytest.approx(loss_on(trained, batch), abs=1e-5)
+    assert untier.policy_choice.head_init == "copy"
+    assert untier.plan.startswith("untie: trains untied from step 0; the head starts as a copy")
+    assert "weights loaded after the run was attached replaced the draw" in untier.plan

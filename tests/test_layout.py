@@ -222,14 +222,24 @@ def test_no_refusal_of_the_library_raises_a_bare_built_in():
         untie.UntieConfig(untie_at=-1)
 
 
+def _without_type_only_imports(tree: ast.Module) -> ast.Module:
+    """The module without its ``if TYPE_CHECKING:`` blocks (imports for annotations only: no edge at run time)."""
+    tree.body = [
+        node
+        for node in tree.body
+        if not (isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING")
+    ]
+    return tree
+
+
 def test_the_library_folders_import_one_another_without_a_loop():
-    """The sub-packages form layers (docs/development.md, "Layout"): no folder imports one that imports it back,
-    directly or through others (the loops structure <-> engines and checkpoints <-> core are gone)."""
+    """The sub-packages form layers (docs/development.md, "Layout"): no folder imports one that imports it back at
+    run time, directly or through others (the loops structure <-> engines and checkpoints <-> core are gone)."""
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     edges: dict[str, set[str]] = {folder: set() for folder in folders}
     for folder in folders:
         for path in (PACKAGE / folder).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text())):
+            for node in ast.walk(_without_type_only_imports(ast.parse(path.read_text()))):
                 if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("untie."):
                     target = node.module.split(".")[1]
                     if target in folders and target != folder:
@@ -241,3 +251,18 @@ def test_the_library_folders_import_one_another_without_a_loop():
     loops = sorted(f"{a} -> {b}" for a in folders for b in edges[a] if reaches(b, a, {b}))
     assert not loops, loops
     assert "engines" not in edges["structure"] and "core" not in edges["checkpoints"]
+
+
+def test_the_run_holds_state_and_executes_a_decision_it_does_not_make():
+    """Issue 67: `UntieRun` stays under 400 lines and decides nothing itself: the policy, the schedule and the
+    structure plans are `untie.structure.decision.decide`'s (its only import of them), the phase table is
+    `untie.core.phases`', the messages `untie.core.messages`', the measuring `untie.core.measuring`'s."""
+    source = (PACKAGE / "core" / "run.py").read_text()
+    tree = ast.parse(source)
+    run_class = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "UntieRun")
+    assert run_class.end_lineno - run_class.lineno + 1 < 400
+    assert len(source.splitlines()) < 400
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert {"decide", "enter"} <= imported
+    assert not imported & {"choose", "choose_plan", "settle", "plan_structure", "default_rule", "built_fresh"}
+    assert "_announce_pending" not in source and "_started" not in source  # no phase flags: the table's transitions

@@ -105,8 +105,8 @@ def test_the_default_reads_pairs_when_trainer_has_a_tokenizer(tokenizers, make_a
     tokenizer = tokenizers["byte-level-bpe"]
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tokenizer), n_embd=16, n_layer=1, n_head=2))
     callback = untie.UntieCallback(policy="off")
-    with caplog.at_level("WARNING", logger="untie"):
-        _build_trainer(model, make_args, tokenizer if with_tokenizer else None, callback)
+    with caplog.at_level("WARNING", logger="untie"):  # said at train begin, where a trigger runs
+        _build_trainer(model, make_args, tokenizer if with_tokenizer else None, callback).train()
     if with_tokenizer:
         assert callback.pairs == [p.ids for p in tokenizer_pairs(tokenizer)]
         assert callback.rule == callback.divergence.rule == untie.RULES["evidence"]
@@ -166,13 +166,13 @@ def test_the_default_says_when_the_tokenizer_gives_no_pairs(make_args, caplog):
     tokenizer = tf.BertTokenizer(vocab={word: i for i, word in enumerate(words)})
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(words), n_embd=16, n_layer=1, n_head=2))
     callback = untie.UntieCallback(policy="off")  # the tied phase's defaults
-    with caplog.at_level("WARNING", logger="untie"):
-        _build_trainer(model, make_args, tokenizer, callback)
+    with caplog.at_level("WARNING", logger="untie"):  # said at train begin, where a trigger runs
+        _build_trainer(model, make_args, tokenizer, callback).train()
     assert callback.pairs == [] and callback.rule == untie.RULES["cancellation"]
     assert f"no case or word-start variants among the model's {len(words)} embedding rows" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="untie"):  # the rule chosen by name: nothing to say
-        _build_trainer(model, make_args, tokenizer, untie.UntieCallback(untie_when="cancellation"))
+        _build_trainer(model, make_args, tokenizer, untie.UntieCallback(untie_when="cancellation")).train()
     assert "pair-free rule" not in caplog.text
 
 
@@ -184,5 +184,6 @@ def _build_trainer(model, make_args, tokenizer, callback) -> tf.Trainer:
         args=make_args(max_steps=4),
         train_dataset=ToyLMDataset(vocab=vocab),
         processing_class=tokenizer,
+        data_collator=tf.default_data_collator,  # equal-length rows: no padding (some tokenizers have no pad token)
         callbacks=[callback],
     )

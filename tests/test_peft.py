@@ -238,3 +238,14 @@ def test_untie_refuses_a_model_given_an_adapter_by_transformers_add_adapter():
     with pytest.raises(PeftUnsupported):
         untie.untie_embeddings(with_adapter)
     assert untie.is_tied(with_adapter), "a refused call must leave the model as it was"
+
+
+def test_a_base_untied_before_wrapping_is_said_to_arrive_untied(make_args):
+    """Issue 67: the line of a PEFT model whose base was untied before wrapping said "the head starts as a copy of the
+    embedding": its head is the base's own matrix, and nothing was copied."""
+    base = tiny_model("gpt2")
+    untie.untie_embeddings(base)
+    trainer = _trainer(_wrap(base, modules_to_save=["lm_head"]), make_args)
+    trainer.train()
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
+    assert callback.plan == "untie: trains untied from step 0; the model arrived untied: its head is its own matrix"

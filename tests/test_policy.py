@@ -266,7 +266,7 @@ def test_weights_loaded_by_hand_count_as_trained_so_no_policy_draws_a_head_over_
     by_hand = tiny_model("gpt2")
     by_hand.load_state_dict(_trained_by_hand().state_dict())
     untier = untie.Untier(by_hand, max_steps=4)  # the defaults
-    assert untier.policy_choice.plan == "as set" and untier.run.head_init() == "copy" and untie.is_tied(by_hand)
+    assert untier.policy_choice.plan == "as set" and untier.run.decision.head_init == "copy" and untie.is_tied(by_hand)
     untier.close()
 
 
@@ -352,7 +352,9 @@ def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_a
     resumed = untie.UntieCallback()
     trainer = tf.Trainer(model=resumed_model, args=args, train_dataset=ToyLMDataset(), callbacks=[resumed])
     assert untie.is_tied(resumed_model)  # the plan waits for train(), where the checkpoint is known: nothing drawn
-    monkeypatch.setattr(untie.core.run, "draw_head", lambda *args: pytest.fail("a head was drawn on a tied resume"))
+    monkeypatch.setattr(
+        untie.core.model_structure, "draw_head", lambda *args: pytest.fail("a head was drawn on a tied resume")
+    )
     trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert resumed.untie_step == 6 and resumed.untie_reason == "deadline"
     assert resumed.policy_choice.plan == "as set"

@@ -13,8 +13,11 @@ import torch
 
 import untie
 from untie import UntieConfig, Untier
+from untie.adapters.callback import TRAINER_CALLBACK
+from untie.adapters.untier import CUSTOM_LOOP
 from untie.checkpoints.saved_state import UntieStateError, weights_fingerprint
-from untie.core.run import CALL_PHASES, SAVED_ATTRIBUTES, Adapter, RunOrderError, UntieRun
+from untie.core.phases import RUN_TRANSITIONS
+from untie.core.run import SAVED_ATTRIBUTES, Adapter, RunOrderError, UntieRun
 from untie.structure.plan import SavedFacts
 from untie.structure.surgery import is_tied, tie_embeddings, untie_embeddings
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
@@ -91,12 +94,12 @@ def test_prepare_ties_an_untied_model_only_when_asked_and_keeps_it_untied_with_u
 def test_prepare_in_emulated_mode_gives_the_head_its_own_parameter():
     adapter = FakeAdapter(UntieConfig(untie_at=4, untie_when=None, metrics_every=0), tying_mode="emulated")
     head, embedding = adapter.model.get_output_embeddings().weight, adapter.model.get_input_embeddings().weight
-    assert head is not embedding and torch.equal(head, embedding) and adapter.run.emulation is not None
+    assert head is not embedding and torch.equal(head, embedding) and adapter.run.structure.emulation is not None
     adapter.begin()
     adapter.train(3)
     assert torch.equal(head, embedding)  # trained as tied
     adapter.train(1)
-    assert adapter.reasons == {4: "deadline"} and adapter.run.emulation is None
+    assert adapter.reasons == {4: "deadline"} and adapter.run.structure.emulation is None
 
 
 def test_measurements_happen_on_metrics_steps_only_and_feed_the_history():
@@ -125,7 +128,7 @@ def test_a_trigger_that_fires_unties_at_the_measurement_step_before_the_deadline
     adapter.begin()
     adapter.train(6)
     assert adapter.reasons == {4: "trigger"}  # measurements at 2 and 4: the second in a row fires
-    assert adapter.run.untie_reason == "trigger" and adapter.run.probe is None
+    assert adapter.run.untie_reason == "trigger" and adapter.run.measurements.probe is None
     assert math.isfinite(next(h for h in adapter.run.history if h["step"] == 4)["trigger"])
     assert "knn_overlap" in adapter.run.history[-1]  # after the untie: the drift between the two spaces
 
@@ -195,10 +198,10 @@ def test_the_saved_tying_implementation_decides_the_resumed_structure(config_mod
     adapter = FakeAdapter(UntieConfig(untie_at=10, untie_when=None, tying_mode=config_mode), tying_mode=run_mode)
     if outcome.startswith("refused"):
         with pytest.raises(ValueError, match="tied phase with"):
-            adapter.run.match_saved(adapter.model, SavedFacts("checkpoint-5", untied=False, head_stored=head_stored))
+            adapter.run.expect_checkpoint(SavedFacts("checkpoint-5", untied=False, head_stored=head_stored))
         return
-    adapter.run.match_saved(adapter.model, SavedFacts("checkpoint-5", untied=False, head_stored=head_stored))
-    assert (adapter.run.emulation is not None) == (outcome == "emulated")
+    adapter.run.expect_checkpoint(SavedFacts("checkpoint-5", untied=False, head_stored=head_stored))
+    assert (adapter.run.structure.emulation is not None) == (outcome == "emulated")
     assert is_tied(adapter.model) == (outcome == "live")
 
 
@@ -285,9 +288,10 @@ def test_the_phases_are_enforced_in_one_place_and_a_call_out_of_order_names_the_
     with pytest.raises(RunOrderError, match=r"attach\(\) in phase 'stepping'"):
         run.attach(model)
     assert isinstance(RunOrderError("x"), untie.UntieError) and issubclass(RunOrderError, RuntimeError)
-    run_calls = {"attach", "settle", "adopt", "expect_checkpoint", "start", "arm", "measure", "end_of_step"}
+    run_calls = {"attach", "hold", "settle", "adopt", "expect", "expect_checkpoint", "start", "arm", "measure"}
+    assert set(RUN_TRANSITIONS) == run_calls | {"end_of_step", "close"}
     adapters_calls = {"UntieCallback.on_train_begin", "Untier.start", "Untier.step", "Untier.load_state_dict"}
-    assert set(CALL_PHASES) == run_calls | adapters_calls
+    assert set(TRAINER_CALLBACK.transitions) | set(CUSTOM_LOOP.transitions) == adapters_calls
     run.close()
     with pytest.raises(RunOrderError, match=r"arm\(\) in phase 'closed'"):
         run.arm(2)
@@ -299,10 +303,10 @@ def test_a_checkpoint_expected_before_attach_and_an_untie_held_back_are_phases_o
     back until `settle` knows the checkpoint; `start` before it is out of order)."""
     run = UntieRun(UntieConfig())
     run.expect_checkpoint(SavedFacts("checkpoint-9", untied=True))
-    assert (run.phase, run.expected.where) == ("expecting", "checkpoint-9")
+    assert (run.phase, run.saved.where) == ("expecting", "checkpoint-9")
     model = tiny_model("gpt2")
     run.attach(model)
-    assert (run.phase, run.expected, is_tied(model)) == ("attached", None, False)  # the checkpoint's structure
+    assert (run.phase, run.saved.untied, is_tied(model)) == ("attached", True, False)  # the checkpoint's structure
     with pytest.raises(RunOrderError, match=r"settle\(\) in phase 'attached'"):
         run.settle(None)
 
@@ -320,7 +324,7 @@ def test_a_checkpoint_expected_before_attach_and_an_untie_held_back_are_phases_o
 
 def test_the_custom_loops_calls_are_checked_in_the_same_table():
     """`Untier`'s order (start once, steps after it, a state loaded after start and before the first step) is the
-    run's table's (`CALL_PHASES`), raising the same `RunOrderError` naming the order."""
+    run's table (`untie.core.phases`), the rows `Untier` adds,, raising the same `RunOrderError` naming the order."""
     model = tiny_model("gpt2")
     untier = untie.Untier(model, max_steps=4, untie_at=2, untie_when=None)
     with pytest.raises(RunOrderError, match=r"Untier.step\(\) in phase 'attached'.*untier.start\(optimizer\) once"):

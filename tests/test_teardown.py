@@ -101,7 +101,7 @@ def test_zero_tying_restores_a_forward_set_before_it_and_leaves_nothing():
     foreign = foreign_installs(model)
     run = UntieRun(untie.UntieConfig(untie_at=3, untie_when=None, metrics_every=1))
     run.attach(model, engine="DEEPSPEED")
-    assert type(run.emulation).__name__ == "ZeroTying"
+    assert type(run.structure.emulation).__name__ == "ZeroTying"
     assert not foreign_installs_kept(foreign)["embedding forward"]  # replaced while tied
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     run.start(optimizer, 0, 6)

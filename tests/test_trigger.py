@@ -197,7 +197,7 @@ def test_deadline_unties_when_the_trigger_stays_quiet(make_args):
 
 
 def test_nan_signals_never_untie(make_args, monkeypatch):
-    monkeypatch.setattr(untie.core.run, "role_signals_on_rows", lambda *a, **k: {"cosine": math.nan})
+    monkeypatch.setattr(untie.core.measuring, "role_signals_on_rows", lambda *a, **k: {"cosine": math.nan})
     rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=1)
     callback = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=1)
     trainer, _ = _train(make_args(), callback)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 
 import pytest
 import torch
@@ -215,3 +216,78 @@ def test_accelerate_save_state_writes_the_untie_state_where_the_model_goes(per_n
     assert any((tmp_path / "node1").glob("model*")) == per_node  # accelerate's own rule for the weights
     untier.close()
     accelerator.free_memory()
+
+
+def _tied_state_at_step_4():
+    """A tied-phase state (weights, optimizer, untie state) saved at step 4 of a run set to untie at 8 of 10."""
+    data = ToyLMDataset(n=8)
+    model = tiny_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    untier = untie.Untier(model, optimizer, max_steps=10, untie_at=8, untie_when=None)
+    _full_batch_loop(model, untier, data, 4)
+    assert untie.is_tied(model)
+    saved = {
+        "model": copy.deepcopy(model.state_dict()),
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
+        "untie": json.loads(json.dumps(untier.state_dict())),
+    }
+    return (
+        {"input_ids": data.ids, "labels": data.ids.clone()},
+        saved,
+        sum(len(g["params"]) for g in optimizer.param_groups),
+    )
+
+
+def test_a_default_untier_resuming_a_tied_state_past_its_deadline_unties_at_the_first_forward():
+    """Issue 67: a tied-phase state saved under other settings (untie_at=8 of 10), resumed at step 4 by a default
+    `Untier` (its deadline, 30% of 10, has passed): the run used to untie inside `start`, so the head joined the
+    optimizer before the user loaded the saved optimizer state, and torch refused it. The untie now waits for the first
+    forward: the state loads into the tied structure it was saved from, and the step then trains untied."""
+    batch, saved, tied_count = _tied_state_at_step_4()
+
+    resumed_model = tiny_model("llama")
+    resumed = untie.Untier(resumed_model, max_steps=10)  # the defaults: a fresh model, untied from step 0 (drawn)
+    resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=5e-3)
+    resumed.start(resumed_optimizer)
+    with pytest.warns(UserWarning) as said:
+        resumed.load_state_dict(saved["untie"])
+    said = " ".join(str(w.message) for w in said)
+    assert "resumed at step 4 with changed settings (untie_at: 8 -> 0.3, " in said
+    assert "the head the default drew at Untier() for a fresh start (never trained) is dropped" in said
+    resumed_model.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])  # refused by torch before: 17 parameters against 16
+    assert untie.is_tied(resumed_model) and resumed.run.pending_untie == 4
+    loss = resumed_model(**batch).loss  # the untie, before the first forward
+    assert not untie.is_tied(resumed_model) and (resumed.untie_step, resumed.untie_reason) == (4, "deadline")
+    embedding, head = resumed_model.get_input_embeddings().weight, resumed_model.get_output_embeddings().weight
+    assert torch.equal(head, embedding) and head is not embedding
+    loss.backward()
+    resumed_optimizer.step()
+    resumed.step()  # the loaded weights are checked: the head is the checkpoint's shared matrix
+    assert sum(len(group["params"]) for group in resumed_optimizer.param_groups) == tied_count + 1
+    assert resumed.plan.startswith("untie: resumed at step 4: the checkpoint's run was tied and its deadline")
+    assert "continues its tied phase" not in resumed.plan and "trains untied from step 4" not in resumed.plan
+
+
+def test_the_untie_due_at_a_resume_survives_an_evaluation_first_and_says_no_trigger_notice(caplog):
+    """The untie waiting for the first forward, where that forward is an evaluation under `torch.inference_mode()`:
+    the head is a normal parameter that trains (it was an inference tensor, and the next step failed). No trigger runs
+    after it, so the pair-free rule's notice is not said."""
+    batch, saved, _ = _tied_state_at_step_4()
+    model = tiny_model("llama")
+    untier = untie.Untier(model, max_steps=10, from_scratch=False)  # counts as trained: nothing drawn, nothing dropped
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    untier.start(optimizer)
+    with pytest.warns(UserWarning, match="changed settings"):
+        untier.load_state_dict(saved["untie"])
+    model.load_state_dict(saved["model"])
+    optimizer.load_state_dict(saved["optimizer"])
+    with caplog.at_level(logging.INFO, logger="untie"), torch.inference_mode():
+        model(**batch)
+    assert (untier.untie_step, untier.untie_reason) == (4, "deadline")
+    assert not model.get_output_embeddings().weight.is_inference()
+    model(**batch).loss.backward()
+    optimizer.step()
+    untier.step()
+    assert model.get_output_embeddings().weight.grad is not None
+    assert not any("pair-free rule" in record.getMessage() for record in caplog.records)

@@ -5,7 +5,7 @@ is an `UntieValueError` (a `ValueError`), a bad type an `UntieTypeError`, a refu
 an `UntieRuntimeError`, a missing or existing path an `UntieFileNotFoundError` / `UntieFileExistsError`;
 `untie.UntieStateError` and `untie.PeftUnsupported` are `ValueError`s, the checkpoint tools' errors
 (`untie.checkpoints.loading.CheckpointError`) are plain, and a run's calls out of order raise
-`untie.core.run.RunOrderError`, a `RuntimeError`. `tests/test_errors.py` checks that no refusal in the library raises
+`untie.core.phases.RunOrderError`, a `RuntimeError`. `tests/test_errors.py` checks that no refusal in the library raises
 a bare built-in.
 """
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import transformers as tf
+from torch import nn
 
 from untie.errors import UntieValueError
 from untie.signals.metric_keys import pair_key
@@ -158,6 +159,43 @@ def tiny_tokenizer() -> tf.PreTrainedTokenizerBase:
         words += [word, word.capitalize(), f"##{word}"]
     words += [f"w{i}" for i in range(VOCAB - len(words))]
     return tf.BertTokenizer(vocab={word: i for i, word in enumerate(words)})
+
+
+#: The step task's vocabulary (`step_task`): chance is log 300 = 5.70 nat.
+STEP_VOCAB = 300
+
+
+def step_task(rows: int = 64, length: int = 24, seed: int = 0, vocab: int = STEP_VOCAB) -> torch.Tensor:
+    """Sequences following x -> (7x + 3) mod `vocab` from a uniform start: a learnable task whose loss falls far below
+    chance, so a model trained on it for a few dozen steps predicts what a fresh one cannot (issue 67's cases)."""
+    generator = torch.Generator().manual_seed(seed)
+    columns = [torch.randint(vocab, (rows,), generator=generator)]
+    for _ in range(length - 1):
+        columns.append((columns[-1] * 7 + 3) % vocab)
+    return torch.stack(columns, 1)
+
+
+def step_llama_config() -> tf.LlamaConfig:
+    """A tied one-layer Llama, 32 wide, for the step task's vocabulary."""
+    return tf.LlamaConfig(
+        vocab_size=STEP_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+    )  # fmt: skip
+
+
+def train_on_step_task(model: nn.Module, steps: int, lr: float, freeze_embedding: bool = False) -> nn.Module:
+    """`model` trained `steps` AdamW steps of 16 rows on the step task (seed 0); with `freeze_embedding`, only its
+    body trains (the embedding keeps its fresh draw: the weights' evidence reads it as built fresh)."""
+    model.get_input_embeddings().weight.requires_grad_(not freeze_embedding)  # type: ignore[operator]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    data = step_task()
+    for step in range(steps):
+        batch = data[(step * 16) % 64 :][:16]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.get_input_embeddings().weight.requires_grad_(True)  # type: ignore[operator]
+    return model
 
 
 class ToyLMDataset(torch.utils.data.Dataset):

@@ -12,15 +12,30 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from untie.adapters import trainer_glue as glue
+from untie.adapters.views import RunViews
 from untie.checkpoints.checkpoint import STATE_KEY, read_saved_run, saved_callback_state
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import TRAINER_CALLBACK, RunViews, UntieRun
+from untie.core.phases import Adapter, RunOrderError
+from untie.core.run import UntieRun
 from untie.distributed import training_engine
 from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.structure.peft_support import is_peft_model
 
 logger = logging.getLogger(__name__)
+
+#: The Trainer adapter, its row of the run's table (`untie.core.phases`) and the order its users follow.
+TRAINER_CALLBACK = Adapter(
+    "UntieCallback",
+    "Trainer(processing_class=tokenizer)",
+    # Trainer's start of training: the callback attached when the Trainer was built.
+    {"UntieCallback.on_train_begin": (frozenset({"attached"}), None)},
+    order=(
+        "UntieCallback prepares the model when the Trainer is built, before the optimizer and the checkpoint loader "
+        "see it (trainer.add_callback(...) afterwards is too late). Pass it to the constructor: "
+        "Trainer(..., callbacks=[UntieCallback(...)])"
+    ),
+)
 
 
 class UntieCallback(RunViews, TrainerCallback, ExportableState):
@@ -56,6 +71,8 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         """The run logic and state (`untie.core.run.UntieRun`)."""
         self._global_step = 0
         self._trainer_registry = Registry("UntieCallback: the Trainer")
+        self._trainer_builds_optimizer = True
+        """Trainer builds the optimizer (none was passed to it): a later call resuming a checkpoint may rebuild it."""
         """The Trainer's `train` entry (`trainer_glue.wrap_train`): for the Trainer's life, not one run's."""
 
     @classmethod
@@ -88,6 +105,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
             )
         glue.move_first(self)
         trainer = glue.find_trainer(self)
+        self._trainer_builds_optimizer = trainer is None or trainer.optimizer is None
         # With the Trainer found, train() is entered first (train_call): the plan settles once the checkpoint is known.
         settle_later = trainer is not None and trainer.model_init is None
         self.run.attach(model, engine=training_engine(args), tokenizer=processing_class, settle_later=settle_later)
@@ -100,9 +118,14 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         """One `trainer.train()` call, entered before Trainer builds or loads anything (`trainer_glue.wrap_train`):
         give the model the structure of the checkpoint in `folder` (refusing an incomplete one), attach the model of
         a later call, and with `model_init` each model it builds (each hyperparameter_search trial)."""
-        if trainer.model_init is not None or self.run.phase == "closed":
+        later_call = self.run.phase == "closed"
+        if trainer.model_init is not None or later_call:
             self.run.close()  # the model is built next (model_init), or this is a later call: attach anew
         saved = None
+        if folder is not None and later_call and self._trainer_builds_optimizer:
+            # Trainer keeps the previous call's optimizer, built for the structure that call left (an untied head);
+            # the checkpoint's run may be tied: Trainer builds it again for the structure resumed, and loads its state.
+            trainer.optimizer = trainer.lr_scheduler = None
         if folder is not None:
             model = self.run.model or trainer.model  # PEFT adapters hold no embedding to look up
             saved = read_saved_run(folder, None if model is None or is_peft_model(model) else model)
@@ -115,7 +138,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
             attach = functools.partial(self.run.attach, **self.run.attach_args)
             prepared = glue.preparing(trainer.model_init, attach)
             call.replace("Trainer.model_init (attach each model)", trainer, "model_init", prepared)
-        elif self.run.phase == "closed":
+        elif later_call:  # closed, or expecting the checkpoint of this call: `attach` applies it
             self.run.attach(trainer.model, **self.run.attach_args)
         try:
             yield
@@ -127,7 +150,13 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         if self.run.phase == "new":
             self._adopt_attached_run()
         # Attached when the Trainer was built (not added later), and the model Trainer trains is the one prepared.
-        self.run.check("UntieCallback.on_train_begin", model=model)
+        self.run.check("UntieCallback.on_train_begin")
+        if model is not None and model is not self.run.model:
+            raise RunOrderError(
+                "UntieCallback: on_train_begin() got a model the run did not prepare (was trainer.model replaced "
+                "after the Trainer was built?): its tied structure and checkpoint guard would be missing. Build a new "
+                "Trainer with that model, or give Trainer a model_init that returns it."
+            )
         # This train() call's run state: the checkpoint's when resuming (Trainer does not restore it), else fresh.
         self._global_step = state.global_step
         glue.keep_a_place_in_saved_state(state, self)

@@ -28,6 +28,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
+from untie.adapters.views import RunViews
 from untie.checkpoints.saved_state import (
     STATE_FILE,
     UntieStateError,
@@ -41,13 +42,32 @@ from untie.checkpoints.saved_state import (
     write_state_file,
 )
 from untie.config import UntieConfig, build_config, settings_help
-from untie.core.run import CUSTOM_LOOP, RunViews, UntieRun
+from untie.core.phases import Adapter
+from untie.core.run import UntieRun
 from untie.distributed import gathered, training_engine
 from untie.errors import UntieFileNotFoundError, UntieValueError
 from untie.structure.plan import SavedFacts
 from untie.structure.surgery import inner_optimizer, input_weight, output_weight
 
 logger = logging.getLogger(__name__)
+
+#: The custom-loop adapter, its rows of the run's table (`untie.core.phases`) and the order its users follow: start
+#: once, steps after it, a state loaded after start and before the first step.
+CUSTOM_LOOP = Adapter(
+    "Untier",
+    "tokenizer=tokenizer",
+    {
+        "Untier.start": (frozenset({"attached"}), None),
+        "Untier.step": (frozenset({"started", "stepping"}), None),
+        "Untier.load_state_dict": (frozenset({"started"}), None),
+    },
+    order=(
+        "Untier(model) before the optimizer, untier.start(optimizer) once, untier.load_state_dict(...) or "
+        "accelerator.load_state(...) before the first step, untier.step() after each optimizer step, then "
+        "untier.close()"
+    ),
+    loads_after_start=True,
+)
 
 
 class Untier(RunViews):
@@ -182,7 +202,7 @@ class Untier(RunViews):
         self.run.measure(step)  # a no-op unless the optimizer skipped this step (GradScaler overflow) unmeasured
         reason = self.run.end_of_step(step)
         self.run.arm(step + 1)
-        return self.run.take_latest() if (self.run.latest or reason) else {}
+        return self.run.take_latest() if (self.run.measurements.latest or reason) else {}
 
     def close(self) -> None:
         """The run is over: take every install off the model, the optimizer and the accelerator (`UntieRun.close`);
@@ -227,10 +247,6 @@ class Untier(RunViews):
         expected = state["weights"]
         if expected is None:  # a Trainer checkpoint's state: no fingerprint to compare
             return
-        if self.run.untied and not attributes["untied"]:
-            # A deadline already passed (settings changed on resume) untied the model at this step: the head is a
-            # copy of the checkpoint's shared matrix once the weights load.
-            expected = {**expected, "separate_head": True, "head": expected["embedding"]}
         self._expected_weights = None if weights_checked else (expected, where)
 
     def _check_loaded_weights(self) -> None:
@@ -239,6 +255,10 @@ class Untier(RunViews):
         if self._expected_weights is None:
             return
         (expected, where), self._expected_weights = self._expected_weights, None
+        if self.run.untied and not expected["separate_head"]:
+            # A deadline already passed (settings changed on resume) untied the model at the resume step, at its first
+            # forward: the head is a copy of the checkpoint's shared matrix.
+            expected = {**expected, "separate_head": True, "head": expected["embedding"]}
         difference = fingerprint_difference(expected, self._fingerprint())
         if difference is not None:
             raise UntieStateError(

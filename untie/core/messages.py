@@ -15,7 +15,6 @@ from untie.structure.peft_support import split_by_peft
 
 if TYPE_CHECKING:
     from untie.core.run import UntieRun
-    from untie.structure.policy import PolicyChoice
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +22,30 @@ _HEADS = {
     "model": "the head is drawn by the model's initialiser (head_init)",
     "copy": "the head starts as a copy of the embedding (head_init)",
 }
+
+
+def say_once(said: set[str], texts) -> None:
+    """Say each of `texts` ((text, warning category) pairs; category None: a logged warning) not in `said` yet (a
+    run's record: each once per run), in the user's code."""
+    for text, category in texts:
+        if text not in said:
+            said.add(text)
+            if category is None:
+                logger.warning(text)
+            else:
+                _compat.warn_in_user_code(text, category)
+
+
+def announce(run: UntieRun, step: int, max_steps: int | None) -> str:
+    """Say what the run begun at `step` will do, in one line in its own numbers (`plan_line`; returned, the run keeps
+    it in its state): a warning where a policy decided, a note where the schedule was set; and a trigger that cannot
+    fire in the run (`short_run_notice`)."""
+    line = plan_line(run, step, max_steps)
+    decided = run.choice is not None and run.choice.policy != "off"
+    logger.log(logging.WARNING if decided else logging.INFO, line)
+    if run.measurements.probe is not None:
+        short_run_notice(run, step, max_steps)
+    return line
 
 
 def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
@@ -34,13 +57,20 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
     if run.untied:
         if run.untie_step is not None and run.untie_step < step:
             return f"untie: {start}trains untied (untied at step {run.untie_step:,}, {run.untie_reason})"
+        if step and run.untie_reason == "deadline":  # a tied phase resumed past its deadline (settings changed)
+            passed = f"step {run.deadline.step:,}, untie_at={run.deadline.untie_at!r}"
+            return (
+                f"untie: {start}the checkpoint's run was tied and its deadline ({passed}) has passed, so it unties "
+                "now; the head starts as a copy of the embedding"
+            )
         if run.arrived_untied:
             return f"untie: {start}trains untied from step 0; the model arrived untied: its head is its own matrix"
         split = split_by_peft(run.model) if run.model is not None else None
         if split is not None:
             return f"untie: {start}trains untied from step 0: {split}"
         asked = " (untie_at=0)" if run.config.was_set("untie_at") and run.config.untie_at == 0 else ""
-        return f"untie: {start}trains untied from step {step:,}{asked}; {_HEADS[run.head_init()]}{why}"
+        head = _HEADS[run.decision.head_init if run.decision is not None else "copy"]
+        return f"untie: {start}trains untied from step {step:,}{asked}; {head}{why}"
     deadline = ""
     if run.deadline.step is not None:
         at = run.deadline.untie_at
@@ -53,30 +83,8 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
         when = f"unties {deadline}"
     else:
         when = "stays tied (untie_at=None, untie_when=None)"
-    emulated = " (emulated tying)" if run.emulation is not None else ""
+    emulated = " (emulated tying)" if run.structure is not None and run.structure.emulation is not None else ""
     return f"untie: {start}trains tied{emulated}; {when}; the head starts as a copy of the embedding{why}"
-
-
-def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str | None:
-    """A setting the plan `choice` made for `config` does not use, in words (None where every setting counts):
-    `from_scratch` decides only the default's plan and how a head untied before the first step starts, and
-    `head_init="model"` only a head untied before the first step."""
-    untie_at = 0 if choice.untied_from_start else config.untie_at
-    if untie_at == 0:
-        return None
-    later = f"this run unties later ({choice.reason}), and a head untied after step 0 starts as a copy of the embedding"
-    if config.head_init == "model":
-        return (
-            f"{owner}: head_init='model' draws a head untied before the first step; {later}. Pass from_scratch=True "
-            "if the model is built fresh (it then trains untied from step 0, its head drawn), or leave head_init unset."
-        )
-    if config.from_scratch is not None and choice.policy == "off":
-        return (
-            f"{owner}: from_scratch={config.from_scratch!r} changes nothing here: the schedule is set (policy 'off'), "
-            f"so {later}. Leave the schedule unset for the default's plan, or pass untie_at=0 with from_scratch=True "
-            "to train untied from step 0 with a drawn head."
-        )
-    return None
 
 
 def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None:

@@ -140,6 +140,11 @@ class UntieWhen:
                 )
 
     @property
+    def reads_pairs(self) -> bool:
+        """Its signal is a per-pair one (`pair_signal`): it needs measured pairs."""
+        return pair_signal(self.signal) is not None
+
+    @property
     def direction(self) -> str:
         return SIGNAL_DIRECTIONS.get(self.signal, "above")
 

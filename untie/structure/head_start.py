@@ -203,6 +203,12 @@ class FirstBatchCheck:
                 "the first batch's labels could not be aligned with the head's inputs, so the model's function was "
                 "not read: the head starts as a copy",
             )
+        elif torch.equal(output_weight(self.model), input_weight(self.model)):
+            verdict = HeadVerdict(
+                "copy",
+                "the head equals the embedding at the first batch (weights loaded after the run was attached replaced "
+                "the draw), so it keeps them",
+            )
         else:
             bias = getattr(module, "bias", None)
             verdict = judge(*found, output_weight(self.model), input_weight(self.model), bias)

@@ -11,10 +11,9 @@ Which one it needs depends on three things only: what the model is now (`ModelFa
 (`RunSettings`) and, on resume, what the checkpoint says about the run that wrote it (`SavedFacts`). This module turns
 them into a `StructurePlan`: the target structure, the reason an untied target is untied, a warning to give, or a
 refusal that names the fix. It is pure (plain values in, a plain value out, no torch), so every case is a row of
-`tests/test_plan.py`; `untie.core.run.UntieRun.apply_plan` carries the plan out on the model (and the optimizer, once it
-exists). Every adapter asks it: the run's start (`UntieRun.prepare`), a Trainer resume before anything loads
-(`UntieRun.match_saved`), `Untier.load_state_dict` / `accelerator.load_state` (with the optimizer built), and
-`untie.prepare_for_resume`.
+`tests/test_plan.py`. The run's decision asks it (`untie.structure.decision.decide`: at a start, and for a checkpoint
+about to load), as does `untie.prepare_for_resume`; `untie.core.model_structure.ModelStructure.execute` carries the plan
+out on the model (and the optimizer, once it exists).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ Structure = Literal["tied", "emulated", "untied"]
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the model is, read off it (`untie.core.run.model_facts`)."""
+    """What the model is, read off it (`untie.structure.facts.model_facts`)."""
 
     structure: Structure
     marked_untied: bool = False
@@ -212,7 +211,12 @@ def _plan_live_checkpoint(model: ModelFacts, settings: RunSettings, saved: Saved
     if model.structure == "untied" and model.optimizer_built:
         if settings.untied_by_default and not model.distributed:
             # The default plan was made before the checkpoint was known: the checkpoint's run decides (Trainer's way).
-            return StructurePlan("tied", tie_init="input", drop_head=True)
+            dropped = (
+                f"{settings.adapter}: {saved.where} was saved in its tied phase, so this run continues it tied: the "
+                f"head the default drew at {settings.adapter}() for a fresh start (never trained) is dropped, with its "
+                "place in the optimizer, before the first step. Pass from_scratch=False when resuming to skip the draw."
+            )
+            return StructurePlan("tied", tie_init="input", drop_head=True, warning=dropped)
         if settings.untied_by_default:
             return StructurePlan(
                 None,

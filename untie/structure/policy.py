@@ -69,6 +69,7 @@ __all__ = [
     "PolicyName",
     "WeightsEvidence",
     "built_fresh",
+    "choose",
     "choose_plan",
     "embedding_share",
     "weights_evidence",
@@ -329,6 +330,64 @@ def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: t
     )
 
 
+@dataclass(frozen=True)
+class PolicyReading:
+    """What a policy reads off the model (`read_for_policy`), for `choose` to decide from: read once, at attach."""
+
+    share: float
+    """The input embedding's share of the parameters (`embedding_share`)."""
+    parameters: int
+    freshness: Freshness | None
+    """Whether it counts as built fresh (`built_fresh`); None where it arrived untied (nothing to vouch for)."""
+
+
+def read_for_policy(
+    policy: str,
+    model: nn.Module,
+    *,
+    tied: bool,
+    peft: bool,
+    from_scratch: bool | None = None,
+    embedding: torch.Tensor | None = None,
+) -> PolicyReading | None:
+    """What `choose` needs to know about `model` under `policy` (None where it reads nothing: policy "off", PEFT). The
+    freshness read is a collective in a distributed run (`rank_0s_verdict`): every rank calls it, as attach does.
+    `embedding`: the input embedding's values, where `model` holds none (`weights_evidence`)."""
+    if policy == "off" or peft:
+        return None
+    share, total = embedding_share(model)
+    return PolicyReading(share, total, built_fresh(model, from_scratch, embedding) if tied else None)
+
+
+def choose(
+    policy: str, *, tied: bool, peft: bool, reading: PolicyReading | None, threshold: float | None = None
+) -> PolicyChoice:
+    """The plan for a run under `policy` (`POLICIES`) of a model that arrives `tied` (or wrapped by PEFT), from what
+    `read_for_policy` read. Pure.
+
+    Untied from the start, a model built fresh gets a head drawn by its own initialiser: on the decision map's
+    development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one. A model holding
+    trained weights is never untied from the start by a policy, and a head untied from it starts as a copy.
+    `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`)."""
+    if policy == "off":
+        return PolicyChoice(policy, "as set", "policy='off' runs the schedule as set")
+    if peft or reading is None:
+        return PolicyChoice(policy, "as set", "a PEFT model trains its adapters; the embedding's tying is its base's")
+    share, total, fresh = reading.share, reading.parameters, reading.freshness
+    if not tied or fresh is None:
+        return PolicyChoice(
+            policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
+        )
+    if not fresh.fresh:
+        return PolicyChoice(policy, "as set", fresh.why, share, total, warning=fresh.warning)
+    limit = UNTIED_FROM_START_SHARE if threshold is None else threshold
+    if policy == "auto" and share < limit:
+        reason = f"{fresh.why}; under {limit:.0%} of the parameters in the embedding, policy 'auto' runs the schedule"
+        return PolicyChoice(policy, "as set", reason, share, total, warning=fresh.warning)
+    reason = f"{fresh.why}; from scratch, a tied phase cost more than it saved on the decision map"
+    return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
+
+
 def choose_plan(
     policy: str,
     model: nn.Module,
@@ -339,29 +398,7 @@ def choose_plan(
     threshold: float | None = None,
     embedding: torch.Tensor | None = None,
 ) -> PolicyChoice:
-    """The plan for a run of `model` (`tied`: it arrives tied; `peft`: wrapped by PEFT) under `policy` (`POLICIES`),
-    with `from_scratch` as `UntieConfig.from_scratch` (`built_fresh`).
-
-    Untied from the start, a model built fresh gets a head drawn by its own initialiser: on the decision map's
-    development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one. A model holding
-    trained weights is never untied from the start by a policy, and a head untied from it starts as a copy.
-    `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`).
-    `embedding`: the input embedding's values, where `model` holds none (`weights_evidence`)."""
-    if policy == "off":
-        return PolicyChoice(policy, "as set", "policy='off' runs the schedule as set")
-    if peft:
-        return PolicyChoice(policy, "as set", "a PEFT model trains its adapters; the embedding's tying is its base's")
-    share, total = embedding_share(model)
-    if not tied:
-        return PolicyChoice(
-            policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
-        )
-    fresh = built_fresh(model, from_scratch, embedding)
-    if not fresh.fresh:
-        return PolicyChoice(policy, "as set", fresh.why, share, total, warning=fresh.warning)
-    limit = UNTIED_FROM_START_SHARE if threshold is None else threshold
-    if policy == "auto" and share < limit:
-        reason = f"{fresh.why}; under {limit:.0%} of the parameters in the embedding, policy 'auto' runs the schedule"
-        return PolicyChoice(policy, "as set", reason, share, total, warning=fresh.warning)
-    reason = f"{fresh.why}; from scratch, a tied phase cost more than it saved on the decision map"
-    return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
+    """`choose` on what `read_for_policy` reads off `model` now (`untie inspect`, and tests): the run reads once, at
+    attach, and decides with `untie.structure.decision.decide`."""
+    reading = read_for_policy(policy, model, tied=tied, peft=peft, from_scratch=from_scratch, embedding=embedding)
+    return choose(policy, tied=tied, peft=peft, reading=reading, threshold=threshold)

@@ -1,0 +1,59 @@
+"""What a run reads off its model for its decision (`untie.structure.decision.decide`): `read_facts` at attach (the
+one read of the weights: the policy's freshness evidence, a collective in a distributed run), `model_facts` again
+when a plan changed the model's structure (cheap)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from untie.config import UntieConfig
+from untie.distributed import is_sharded, is_split, world_size
+from untie.structure.decision import Facts
+from untie.structure.peft_support import is_peft_model
+from untie.structure.plan import ModelFacts, Structure
+from untie.structure.policy import read_for_policy
+from untie.structure.surgery import input_weight, is_tied, output_weight, untie_recorded, was_untied
+
+
+def structure_of(model: nn.Module, emulating: bool = False) -> Structure:
+    """The model's structure (`untie.structure.plan`): "emulated" while a run keeps its separate head equal
+    (`emulating`)."""
+    if emulating:
+        return "emulated"
+    return "tied" if is_tied(model) else "untied"
+
+
+def model_facts(model: nn.Module, *, emulating: bool = False, optimizer_built: bool = False) -> ModelFacts:
+    """What `untie.structure.plan.plan_structure` needs to know about `model` now."""
+    peft = is_peft_model(model)
+    structure = structure_of(model, emulating)
+    return ModelFacts(
+        structure=structure,
+        marked_untied=was_untied(model),
+        peft=peft,
+        config_says_untied=peft and untie_recorded(model),
+        optimizer_built=optimizer_built,
+        distributed=world_size() > 1,
+        sharded=not peft and structure == "tied" and is_sharded(input_weight(model)),
+    )
+
+
+def read_facts(
+    model: nn.Module,
+    config: UntieConfig,
+    *,
+    engine: str | None,
+    optimizer_built: bool = False,
+    pairs: bool = False,
+    no_pairs_because: str | None = None,
+) -> Facts:
+    """Everything the decision needs to know about `model` at attach, read once (every rank calls it: the
+    freshness evidence takes rank 0's verdict). `engine`: the training engine (`untie.distributed.training_engine`);
+    `pairs`: the run measures pairs (`no_pairs_because`: why not)."""
+    facts = model_facts(model, optimizer_built=optimizer_built)
+    tied = is_tied(model) and not was_untied(model)
+    policy, _ = config.chosen_policy()
+    reading = read_for_policy(policy, model, tied=tied, peft=facts.peft, from_scratch=config.from_scratch)
+    # FSDP2 and DeepSpeed shard a head drawn before sharding: the first forward cannot replace it in place.
+    replaceable = engine is None and not facts.peft and not is_split(output_weight(model))
+    return Facts(facts, tied, reading, pairs, no_pairs_because, replaceable)
