@@ -625,3 +625,22 @@ def test_a_second_train_call_resuming_a_checkpoint_of_the_first_equals_it(tmp_pa
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert (callback.untie_step, callback.untie_reason) == (6, "deadline")
     assert _losses(trainer)[-4:] == pytest.approx(first[4:], abs=1e-5)
+
+
+def test_an_optimizer_passed_to_trainer_is_kept_through_later_resumed_calls(tmp_path):
+    """A later `train()` call resuming a checkpoint has Trainer build its optimizer again only where Trainer built it:
+    one passed to `Trainer(optimizers=...)` is kept, also by the callback Trainer re-creates from a checkpoint."""
+    model = tiny_model("llama")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = training_args(
+        tmp_path, max_steps=8, save_strategy="steps", save_steps=4, restore_callback_states_from_checkpoint=True
+    )
+    trainer = tf.Trainer(
+        model=model, args=args, train_dataset=ToyLMDataset(), optimizers=(optimizer, scheduler),
+        callbacks=[untie.UntieCallback(untie_at=2, untie_when=None)],
+    )  # fmt: skip
+    trainer.train()
+    for _ in range(2):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+        assert getattr(trainer.optimizer, "optimizer", trainer.optimizer) is optimizer

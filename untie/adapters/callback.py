@@ -71,7 +71,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         """The run logic and state (`untie.core.run.UntieRun`)."""
         self._global_step = 0
         self._trainer_registry = Registry("UntieCallback: the Trainer")
-        self._trainer_builds_optimizer = True
+        self.trainer_builds_optimizer = True
         """Trainer builds the optimizer (none was passed to it): a later call resuming a checkpoint may rebuild it."""
         """The Trainer's `train` entry (`trainer_glue.wrap_train`): for the Trainer's life, not one run's."""
 
@@ -105,7 +105,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
             )
         glue.move_first(self)
         trainer = glue.find_trainer(self)
-        self._trainer_builds_optimizer = trainer is None or trainer.optimizer is None
+        self.trainer_builds_optimizer = trainer is None or trainer.optimizer is None
         # With the Trainer found, train() is entered first (train_call): the plan settles once the checkpoint is known.
         settle_later = trainer is not None and trainer.model_init is None
         self.run.attach(model, engine=training_engine(args), tokenizer=processing_class, settle_later=settle_later)
@@ -122,13 +122,13 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         if trainer.model_init is not None or later_call:
             self.run.close()  # the model is built next (model_init), or this is a later call: attach anew
         saved = None
-        if folder is not None and later_call and self._trainer_builds_optimizer:
-            # Trainer keeps the previous call's optimizer, built for the structure that call left (an untied head);
-            # the checkpoint's run may be tied: Trainer builds it again for the structure resumed, and loads its state.
-            trainer.optimizer = trainer.lr_scheduler = None
         if folder is not None:
             model = self.run.model or trainer.model  # PEFT adapters hold no embedding to look up
             saved = read_saved_run(folder, None if model is None or is_peft_model(model) else model)
+        if saved is not None and later_call and self.trainer_builds_optimizer:
+            # Trainer keeps the previous call's optimizer, built for the structure that call left (an untied head);
+            # the checkpoint's run may be tied: Trainer builds it again for the structure resumed, and loads its state.
+            trainer.optimizer = trainer.lr_scheduler = None
         if self.run.phase == "unsettled":
             self.run.settle(saved)  # the plan, now that the checkpoint (if any) is known
         if saved is not None:
@@ -202,6 +202,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         if entry is None or entry.active is None or entry.active is self:
             return
         self.run.adopt(entry.active.run)
+        self.trainer_builds_optimizer = entry.active.trainer_builds_optimizer
         glue.move_first(self)  # Trainer appended the new instance after the logging integrations
 
 

@@ -153,7 +153,7 @@ class Untier(RunViews):
     def start(self, optimizer: torch.optim.Optimizer) -> None:
         """Begin a fresh run with `optimizer` (after `accelerator.prepare`, or DDP / fully_shard). Resuming, load the
         checkpoint after this call (`accelerator.load_state`, or `load_state_dict` first in a plain loop): the resumed
-        run then starts in place of the fresh one (`UntieRun.start` may run again until the first step ends).
+        run then starts in place of the fresh one (`UntieRun.start` may run again until the first step begins).
 
         `start` arms the first step's measurement (it must be in place before the first forward) but neither changes
         the model's structure (attaching did, at `Untier()`) nor says anything: what the run has to say is said at its

@@ -61,6 +61,7 @@ class ModelStructure:
         self.untie_reason: str | None = None
         """Why a plan untied the model before training ("start", "checkpoint")."""
         self._grad_sync_installed = False
+        self._waiting: list = []  # `before_first_forward`'s hooks, taken off by an untie that came first
 
     def facts(self, optimizer=None) -> ModelFacts:
         """What the model is now (`untie.structure.facts.model_facts`)."""
@@ -141,6 +142,7 @@ class ModelStructure:
 
         handle = self.model.get_input_embeddings().register_forward_pre_hook(once)  # type: ignore[operator]
         self.registry.hook(f"{what}, before the first forward", handle)
+        self._waiting.append(handle)
 
     def drop_check(self) -> None:
         """No first-batch check any more (a resumed head is its checkpoint's, or the run resumes tied)."""
@@ -150,6 +152,9 @@ class ModelStructure:
 
     def untie(self, optimizer, optimizer_state: OptimizerStateInit) -> None:
         """Untie now, between optimizer steps, the head's optimizer state as `optimizer_state` says."""
+        for handle in self._waiting:  # an untie waiting for a forward that never came (inputs_embeds) is this one
+            handle.remove()
+        self._waiting = []
         if self.emulation is not None:  # the head has existed (and been wrapped) from the start: stop keeping it equal
             self.emulation.release(optimizer, optimizer_state=optimizer_state)
             self.emulation = None

@@ -371,8 +371,10 @@ def choose(
     `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`)."""
     if policy == "off":
         return PolicyChoice(policy, "as set", "policy='off' runs the schedule as set")
-    if peft or reading is None:
+    if peft:
         return PolicyChoice(policy, "as set", "a PEFT model trains its adapters; the embedding's tying is its base's")
+    if reading is None:  # attached under settings that read nothing (a run adopted under the checkpoint's settings)
+        return PolicyChoice(policy, "as set", "the model's weights were not read when the run was attached")
     share, total, fresh = reading.share, reading.parameters, reading.freshness
     if not tied or fresh is None:
         return PolicyChoice(
