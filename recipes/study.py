@@ -20,6 +20,7 @@ independent held-out evaluation and refused without ``--held_out``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -35,11 +36,20 @@ from untie_recipes.common import parse
 from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, TokenizedCorpus, default_cache_dir, load_corpus
 from untie_recipes.tasks.study import training
 from untie_recipes.tasks.study.corpus_files import export_corpus, load_exported
+from untie_recipes.tasks.study.finetune import (
+    FINETUNE_ARMS,
+    FINETUNE_CELL,
+    FINETUNE_STEPS,
+    load_finetune_records,
+    run_finetune,
+)
 from untie_recipes.tasks.study.protocol import CELLS, CPU_CELLS, DEVELOPMENT_SEEDS, DEVICE_CELLS, check_seeds
-from untie_recipes.tasks.study.provenance import check_pin, corpus_pin, machine_facts
+from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, machine_facts
 from untie_recipes.tasks.study.report import load_records, write_report
-from untie_recipes.tasks.study.runs import StudyContext, cell_plan, run_seed
+from untie_recipes.tasks.study.runs import StudyContext, cell_plan, run_seed, train_run
 from untie_recipes.tasks.study.sweep import run_sweep
+from untie_recipes.tasks.study.target import fetch_target_documents, target_corpus
+from untie_recipes.tasks.study.training import RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "data" / "study"
@@ -48,10 +58,10 @@ DATA = REPO / "docs" / "data" / "study"
 PRESETS = {
     "cpu": {"cells": list(CPU_CELLS), "vocab_size": 8192, "batch_size": 8, "device": "cpu", "time_limit": 0.0,
             "output_dir": "runs/study", "records_dir": str(DATA / "records"), "corpus_pin": str(DATA / "corpus.json"),
-            "allow_repeats": False},
+            "allow_repeats": False, "finetune": True},
     "device": {"cells": list(DEVICE_CELLS), "vocab_size": 32768, "batch_size": 32, "device": "cuda",
                "time_limit": 450.0, "output_dir": "runs/study-device", "records_dir": str(DATA / "device" / "records"),
-               "corpus_pin": str(DATA / "corpus-vocab32768.json"), "allow_repeats": True},
+               "corpus_pin": str(DATA / "corpus-vocab32768.json"), "allow_repeats": True, "finetune": False},
 }  # fmt: skip
 
 
@@ -77,6 +87,9 @@ class StudyArguments:
     records_dir: str | None = field(default=None, metadata={"help": "finished records are copied here; '' off"})
     corpus_pin: str | None = field(default=None, metadata={"help": "the committed corpus pin (written once)"})
     repin: bool = field(default=False, metadata={"help": "accept a corpus whose blocks differ from the pin"})
+    finetune: bool | None = field(default=None, metadata={"help": f"fine-tune cell {FINETUNE_CELL}'s tied checkpoints"})
+    finetune_pin: str = field(default=str(DATA / "finetune-target.json"),
+                              metadata={"help": "the committed pin of the fine-tuning's target"})  # fmt: skip
     cache_dir: str | None = field(default=None, metadata={"help": "corpus cache (default $UNTIE_CACHE or ~/.cache)"})
     corpus_dir: str | None = field(default=None, metadata={"help": "an exported corpus folder (no cache, no fetch)"})
     export_corpus: str | None = field(default=None, metadata={"help": "write the corpus to this folder and exit"})
@@ -112,8 +125,9 @@ def check_same_settings(output_dir: Path, args: StudyArguments, digest: str) -> 
     path.write_text(json.dumps(wanted, indent=2) + "\n")
 
 
-def run_study(ctx: StudyContext, args: StudyArguments) -> None:
-    """Each cell: its LR sweep, then every arm of each seed; one progress line for the whole job."""
+def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus | None = None) -> None:
+    """Each cell: its LR sweep, then every arm of each seed, then (cell A, with a `target`) each seed's fine-tuning;
+    one progress line for the whole job."""
     plans = {cell: cell_plan(cell, ctx.vocab, args.batch_size) for cell in args.cells}
     for cell, plan in plans.items():
         if plan["budget_steps"] * args.batch_size > len(ctx.corpus.train) and not args.allow_repeats:
@@ -122,6 +136,8 @@ def run_study(ctx: StudyContext, args: StudyArguments) -> None:
                 f"{len(ctx.corpus.train)} training blocks: an arm would see tokens twice (--allow_repeats allows it)."
             )
     total = sum(p["sweep_steps"] + p["steps_per_seed"] * len(args.seeds) for p in plans.values())
+    if target is not None and FINETUNE_CELL in plans:
+        total += FINETUNE_STEPS * len(FINETUNE_ARMS) * len(args.seeds)
     bar = tqdm(total=total, desc="Study", unit="step", disable=args.disable_tqdm, dynamic_ncols=True, mininterval=10)
 
     def progress(steps: int, loss: float) -> None:
@@ -142,9 +158,27 @@ def run_study(ctx: StudyContext, args: StudyArguments) -> None:
             lrs = {arm: summary.best for arm, summary in sweep.items()}
             for seed in args.seeds:
                 bar.set_description(f"Study {cell} seed {seed}")
-                run_seed(ctx, cell, seed, lrs, budget, progress)
+                records = run_seed(ctx, cell, seed, lrs, budget, progress)
+                if target is not None and cell == FINETUNE_CELL:
+                    bar.set_description(f"Study {cell} seed {seed} fine-tuning")
+                    tied = RunSpec(cell, "tied", ctx.setup(cell, seed, lrs["tied"]), budget)
+                    retrain = functools.partial(train_run, ctx, tied, progress)
+                    run_finetune(ctx, target, seed, tied, records["tied"], retrain, progress)
     finally:
         bar.close()
+
+
+def load_target(args: StudyArguments, corpus: TokenizedCorpus) -> TokenizedCorpus | None:
+    """The fine-tuning's target, cut with the corpus's tokenizer and checked against its pin; None where the job does
+    not fine-tune (`--finetune false`, or no cell A)."""
+    if not args.finetune or FINETUNE_CELL not in args.cells:
+        return None
+    documents, facts = fetch_target_documents(Path(args.cache_dir) if args.cache_dir else default_cache_dir())
+    target = target_corpus(documents, corpus.tokenizer)
+    pin = {**facts, "train_blocks": len(target.train), "validation_blocks": len(target.validation),
+           "blocks_sha256": blocks_digest(target)}  # fmt: skip
+    check_pin(pin, Path(args.finetune_pin), args.repin)
+    return target
 
 
 def load(args: StudyArguments) -> tuple[TokenizedCorpus, dict]:
@@ -173,13 +207,16 @@ def import_records(records_dir: Path | None, folder: Path) -> None:
     if records_dir is None or not records_dir.is_dir():
         return
     folder.mkdir(parents=True, exist_ok=True)
-    for path in records_dir.glob("*.json"):
-        if not (folder / path.name).exists():
-            shutil.copyfile(path, folder / path.name)
+    for path in records_dir.rglob("*.json"):
+        copy = folder / path.relative_to(records_dir)
+        if not copy.exists():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, copy)
 
 
 def report(output_dir: Path) -> dict:
-    results = write_report(output_dir, load_records(output_dir / "records"))
+    records = output_dir / "records"
+    results = write_report(output_dir, load_records(records), load_finetune_records(records / "finetune"))
     print((output_dir / "results.md").read_text())
     return results
 
@@ -203,6 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
         return plans
     check_pin(pin, Path(args.corpus_pin), args.repin)
     check_same_settings(output_dir, args, pin["blocks_sha256"])
+    target = load_target(args, corpus)
     records_dir = Path(args.records_dir) if args.records_dir else None
     import_records(records_dir, output_dir / "records")
     device = torch.device(args.device)
@@ -211,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
                        curve_blocks=args.curve_blocks, resume_every=args.resume_every, records_dir=records_dir,
                        device=device, stop_at=stop_at)  # fmt: skip
     try:
-        run_study(ctx, args)
+        run_study(ctx, args, target)
     except training.OutOfTime:
         logging.info("study: stopped at the time limit (%s s); the same command continues.", args.time_limit)
     return report(output_dir)

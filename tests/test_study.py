@@ -17,7 +17,7 @@ import torch
 import untie
 from untie_recipes.tasks.decision_map import corpus as corpus_module
 from untie_recipes.tasks.decision_map.training import data_order, evaluate, train_steps
-from untie_recipes.tasks.study import protocol, report, runs, stats, sweep, training
+from untie_recipes.tasks.study import finetune, protocol, report, runs, stats, sweep, training, verdict
 from untie_recipes.tasks.study.model import build_model
 from untie_recipes.tasks.study.training import CurveRecorder, RunSpec, StudyRecord
 
@@ -175,12 +175,19 @@ def recipe(small_corpus, monkeypatch):
     monkeypatch.setitem(sys.modules, "study_recipe", module)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "load_corpus", lambda sources, cache_dir, vocab_size: small_corpus)
+    monkeypatch.setattr(module, "fetch_target_documents", lambda cache_dir: (TARGET_DOCS, {"package": "test.deb"}))
     return module
+
+
+#: The fine-tuning's target in the tests: other words than the corpus's (a shifted domain), one "fortune" per line.
+TARGET_WORDS = ("fortune", "cookie", "wise", "the", "a", "luck", "day", "smile")
+TARGET_DOCS = [" ".join(TARGET_WORDS[(i * 7 + j * 3) % len(TARGET_WORDS)] for j in range(40)) + "." for i in range(200)]
 
 
 def _args(tmp_path: Path, *extra: str) -> list[str]:
     return ["--output_dir", str(tmp_path / "out"), "--records_dir", str(tmp_path / "committed"),
-            "--corpus_pin", str(tmp_path / "pin.json"), "--batch_size", "4", "--warmup", "2", "--curve_points", "4",
+            "--corpus_pin", str(tmp_path / "pin.json"), "--finetune_pin", str(tmp_path / "target-pin.json"),
+            "--batch_size", "4", "--warmup", "2", "--curve_points", "4",
             "--curve_blocks", "8", "--disable_tqdm", *extra]  # fmt: skip
 
 
@@ -198,11 +205,15 @@ def test_the_recipe_runs_sweep_then_arms_records_and_reuses_them(recipe, tmp_pat
     table = group["cells"]["A"]
     assert table["seeds"] == [1] and set(table["arms"]) == set(TINY.arms)
     assert set(table["sweep"]) == {"tied", "untied"}
-    names = sorted(p.name for p in (tmp_path / "committed").glob("*.json"))
-    assert names == sorted(p.name for p in (tmp_path / "out" / "records").glob("*.json"))
+    assert group["finetune"]["seeds"] == [1] and set(group["finetune"]["arms"]) == set(finetune.FINETUNE_ARMS)
+    names = sorted(str(p.relative_to(tmp_path / "committed")) for p in (tmp_path / "committed").rglob("*.json"))
+    assert names == sorted(str(p.relative_to(tmp_path / "out" / "records"))
+                           for p in (tmp_path / "out" / "records").rglob("*.json"))  # fmt: skip
+    assert len([n for n in names if n.startswith("finetune/")]) == len(finetune.FINETUNE_ARMS)
     assert len([n for n in names if "-sweep-" in n]) >= 6
     assert json.loads((tmp_path / "pin.json").read_text())["blocks_sha256"] == group["corpus_digest"]
     monkeypatch.setattr(runs, "train_run", lambda *a, **k: pytest.fail("a finished run ran again"))
+    monkeypatch.setattr(finetune, "finetune_run", lambda *a, **k: pytest.fail("a finished fine-tuning ran again"))
     again = recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
     assert json.dumps(again, sort_keys=True) == json.dumps(results, sort_keys=True)
 
@@ -311,3 +322,72 @@ def test_the_device_tier_stops_at_its_time_limit_and_the_next_call_continues_to_
     tied = whole["D64x2t4-s1-tied.json"]
     assert tied["epochs"] > 1 and tied["setup"]["batch_size"] == 16  # a budget past the corpus reads it again
     assert small_corpus.train.shape == corpus_files.load_exported(exported)[0].train.shape
+
+
+def test_fine_tuning_starts_from_the_checked_tied_checkpoint_and_each_arm_unties_where_it_says(
+    recipe, tmp_path, tiny_cell
+):
+    """Each fine-tuning arm starts from the tied run's final weights (its loss before is the tied record's final
+    loss), trains on the target (its loss there falls) and unties where its arm says: never, before the first step,
+    at half, or where the live default `Untier` decided (by its deadline at 30% at the latest)."""
+    recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
+    tied = StudyRecord.load(tmp_path / "out" / "records" / "A-s1-tied.json")
+    records = {r.arm: r for r in finetune.load_finetune_records(tmp_path / "out" / "records" / "finetune")}
+    assert set(records) == set(finetune.FINETUNE_ARMS)
+    for record in records.values():
+        assert record.source_before == pytest.approx(tied.final_validation_loss, abs=1e-6)
+        assert record.target_loss < record.target_before - 0.5  # it learned the target
+        assert record.lr == pytest.approx(tied.lr / finetune.LR_DIVISOR) and record.steps == finetune.FINETUNE_STEPS
+    assert records["stay-tied"].untie_step is None and records["untie-now"].untie_step == 0
+    assert records["untie@1/2"].untie_step == finetune.HALF_STEP == 150
+    default = records["default"]
+    assert default.untie_step is not None and 0 <= default.untie_step <= 90 and default.untie_reason
+    assert len({r.target_loss for r in records.values()}) == len(records)  # the arms differ
+
+
+def test_a_lost_tied_checkpoint_is_trained_again_and_a_foreign_one_is_refused(recipe, tmp_path, tiny_cell):
+    """Where the final checkpoint is gone, the tied run is trained again and the fine-tuning records repeat; a
+    checkpoint whose weights are not the tied run's final ones is refused before any fine-tuning."""
+    recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--records_dir", ""))
+    folder = tmp_path / "out" / "records" / "finetune"
+    first = {p.name: p.read_text() for p in folder.glob("*.json")}
+    final = tmp_path / "out" / "checkpoints" / "A-s1-tied" / "final.pt"
+    final.unlink()
+    for path in folder.glob("*.json"):
+        path.unlink()
+    recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--records_dir", ""))
+    again = {p.name: p.read_text() for p in folder.glob("*.json")}
+
+    def without_time(text: str) -> dict:
+        return {k: v for k, v in json.loads(text).items() if k not in ("wall_seconds", "cpu_seconds")}
+
+    assert {k: without_time(v) for k, v in again.items()} == {k: without_time(v) for k, v in first.items()}
+    checkpoint = torch.load(final, weights_only=True)
+    checkpoint["model"]["model.norm.weight"] += 0.01
+    torch.save(checkpoint, final)
+    (folder / "A-ft-s1-untie-now.json").unlink()
+    with pytest.raises(RuntimeError, match="is not that run's final checkpoint"):
+        recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--records_dir", ""))
+
+
+def _finetune_table(target: dict[str, list[float]], source: dict[str, list[float]]) -> dict:
+    def row(values: dict[str, list[float]], arm: str) -> dict:
+        diffs = [a - b for a, b in zip(values[arm], values["stay-tied"], strict=True)]
+        return {"mean": sum(values[arm]) / 3, "vs_stay_tied": stats.t_interval(diffs)}
+
+    arms = {arm: {"target": row(target, arm), "source": row(source, arm)} for arm in finetune.FINETUNE_ARMS}
+    return {"seeds": [1, 2, 3], "arms": arms}
+
+
+def test_the_loaded_model_rule_takes_the_best_target_among_arms_that_forget_no_more_than_staying_tied():
+    same = [3.0, 3.1, 3.2]
+    target = {"stay-tied": [3.0, 3.1, 3.2], "untie-now": [2.5, 2.6, 2.7], "default": [2.8, 2.9, 3.0],
+              "untie@1/2": [2.9, 3.0, 3.1]}  # fmt: skip
+    source = {arm: list(same) for arm in finetune.FINETUNE_ARMS}
+    assert verdict.loaded_verdict(_finetune_table(target, source)).startswith("untie at once")
+    source["untie-now"] = [3.3, 3.41, 3.5]  # forgets more than staying tied, at 95%: left out
+    assert verdict.loaded_verdict(_finetune_table(target, source)).startswith("unchanged (the trigger")
+    source = {arm: [4.0, 4.1, 4.2] for arm in finetune.FINETUNE_ARMS}
+    source["stay-tied"] = list(same)  # every other arm forgets more: stay tied
+    assert verdict.loaded_verdict(_finetune_table(target, source)).startswith("stay tied")
+    assert verdict.loaded_verdict({"seeds": [1, 2]}).startswith("pending")

@@ -244,7 +244,9 @@ def _train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT)
 
 
-def _blocks(tokenizer, texts: list[str]) -> torch.Tensor:
+def cut_blocks(tokenizer, texts: list[str]) -> torch.Tensor:
+    """The texts tokenized, each followed by the end-of-text token, joined and cut into blocks of `BLOCK` tokens (the
+    remainder dropped)."""
     eos = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     ids: list[int] = []
     for row in tokenizer(texts, add_special_tokens=False)["input_ids"]:
@@ -259,7 +261,9 @@ def build_corpus(docs: list[str], sources: tuple[str, ...], vocab_size: int = VO
     train_docs = [d for i, d in enumerate(docs) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
     validation_docs = [d for i, d in enumerate(docs) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
     tokenizer = _train_tokenizer(train_docs, vocab_size)
-    return TokenizedCorpus(_blocks(tokenizer, train_docs), _blocks(tokenizer, validation_docs), tokenizer, sources)
+    return TokenizedCorpus(
+        cut_blocks(tokenizer, train_docs), cut_blocks(tokenizer, validation_docs), tokenizer, sources
+    )
 
 
 def _debian_provenance(cache_dir: Path) -> dict | None:

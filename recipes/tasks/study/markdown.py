@@ -73,6 +73,28 @@ def cell_lines(table: dict) -> list[str]:
     return lines
 
 
+def finetune_lines(table: dict) -> list[str]:
+    """The fine-tuning table: per arm, where it untied, the target and source losses after fine-tuning and their
+    paired differences against staying tied."""
+    if not table.get("arms"):
+        return []
+    before = table["before"]
+    lines = [f"### Fine-tuning cell A's tied checkpoints on the target (seeds {table['seeds']})", "",
+             f"{table['steps']} steps of {table['batch_size']} x 128 tokens at LR {table['lr']:g}; "
+             f"{table['core_hours']:.2f} core-hours. Before fine-tuning, per seed: target "
+             + ", ".join(_num(before[s]["target"]) for s in before) + "; source "
+             + ", ".join(_num(before[s]["source"]) for s in before) + ".", "",
+             "| arm | untie step per seed | target loss mean (sd) | vs stay-tied (95% t) | source loss mean (sd) | "
+             "vs stay-tied (95% t) |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, row in table["arms"].items():
+        steps = ", ".join("-" if s is None else str(s) for s in row["untie_steps"])
+        target, source = row["target"], row["source"]
+        lines.append(f"| {arm} | {steps} | {_num(target['mean'])} ({_num(target['sd'])}) | "
+                     f"{_interval(target['vs_stay_tied'])} | {_num(source['mean'])} ({_num(source['sd'])}) | "
+                     f"{_interval(source['vs_stay_tied'])} |")  # fmt: skip
+    return [*lines, ""]
+
+
 def markdown(results: dict) -> str:
     lines = ["# The tie-then-untie study: results", "", "Written by `python recipes/study.py --report_only`.", ""]
     for group in results["groups"]:
@@ -80,6 +102,7 @@ def markdown(results: dict) -> str:
         lines += [f"Corpus blocks SHA-256 `{group['corpus_digest'][:16]}...`; {group['runs']} run(s).", ""]
         for table in group["cells"].values():
             lines += cell_lines(table)
+        lines += finetune_lines(group.get("finetune") or {})
         verdict = group["verdict"]
         lines += ["### The rule's verdict", "", f"- fresh model: {verdict['fresh_model']} ({verdict['why']})",
                   f"- a copy at step 0: {verdict['copy_at_step_0']}", f"- loaded tied model: {verdict['loaded_model']}",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 from untie_recipes.tasks.decision_map.corpus import BLOCK
+from untie_recipes.tasks.study.finetune import FINETUNE_ARMS, FineTuneRecord
 from untie_recipes.tasks.study.markdown import markdown
 from untie_recipes.tasks.study.protocol import ARMS, CELLS
 from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_reach
@@ -107,15 +109,44 @@ def _costs(table: dict, cell: str, records: list[StudyRecord]) -> None:
     table["wall_hours"] = sum(r.wall_seconds for r in mine) / 3600
 
 
-def write_report(output_dir: Path, records: list[StudyRecord]) -> dict:
-    """`results.json` and `results.md` under `output_dir`: one table per (pool group, cell), and the verdict."""
+def finetune_table(records: Sequence[FineTuneRecord]) -> dict:
+    """The fine-tuning table from one pool group's records: per arm, the target and source losses after fine-tuning
+    (mean, sd, per seed) and their paired differences against staying tied, over the seeds that have every arm."""
+    arms = {(r.arm, r.seed): r for r in records}
+    seeds = sorted(s for s in {seed for _, seed in arms} if all((a, s) in arms for a in FINETUNE_ARMS))
+    table: dict = {"seeds": seeds, "seeds_recorded": sorted({s for _, s in arms}), "arms": {},
+                   "core_hours": sum(r.cpu_seconds for r in records) / 3600}  # fmt: skip
+    if not seeds:
+        return table
+    first = arms[("stay-tied", seeds[0])]
+    table.update(steps=first.steps, batch_size=first.batch_size, lr=first.lr,
+                 before={s: {"target": arms[("stay-tied", s)].target_before,
+                             "source": arms[("stay-tied", s)].source_before} for s in seeds})  # fmt: skip
+    for arm in FINETUNE_ARMS:
+        rows = [arms[(arm, s)] for s in seeds]
+        row: dict = {"untie_steps": [r.untie_step for r in rows], "untie_reasons": [r.untie_reason for r in rows]}
+        for loss in ("target", "source"):
+            values = [getattr(r, f"{loss}_loss") for r in rows]
+            tied = [getattr(arms[("stay-tied", s)], f"{loss}_loss") for s in seeds]
+            row[loss] = {"per_seed": values, "mean": statistics.fmean(values),
+                         "sd": statistics.stdev(values) if len(values) > 1 else None,
+                         "vs_stay_tied": t_interval([v - t for v, t in zip(values, tied, strict=True)])}  # fmt: skip
+        table["arms"][arm] = row
+    return table
+
+
+def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequence[FineTuneRecord] = ()) -> dict:
+    """`results.json` and `results.md` under `output_dir`: one table per (pool group, cell), the fine-tuning table of
+    the group, and the verdict."""
     groups = []
+    tuned = pool_groups(finetune)
     for key, group in sorted(pool_groups(records).items(), key=lambda kv: str(kv[0])):
         cells = {c: cell_table(c, group) for c in CELLS if any(r.cell == c for r in group)}
+        table = finetune_table(tuned.get(key, []))
         machine = group[0].machine
         groups.append({"corpus_digest": key[0], "cpu": machine.get("cpu"), "kernel_path": machine.get("kernel_path"),
                        "device": machine.get("device"), "torch": machine.get("torch"), "runs": len(group),
-                       "cells": cells, "verdict": verdict(cells)})  # fmt: skip
+                       "cells": cells, "finetune": table, "verdict": verdict(cells, table)})  # fmt: skip
     results = {"groups": groups}
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")

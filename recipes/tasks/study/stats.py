@@ -6,9 +6,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 from untie_recipes.tasks.study.provenance import POOL_FIELDS
 from untie_recipes.tasks.study.training import StudyRecord
+
+if TYPE_CHECKING:
+    from untie_recipes.tasks.study.finetune import FineTuneRecord
+
+#: A run's record: a pretraining run's or a fine-tuning run's (both say where they ran and on which corpus).
+Record = TypeVar("Record", "StudyRecord", "FineTuneRecord")
 
 #: Two-sided 95% quantiles of Student's t (0.975), by degrees of freedom (scipy.stats.t.ppf(0.975, df), 3 decimals).
 T_975 = {
@@ -55,14 +62,14 @@ def tokens_to_reach(steps: list[int], losses: list[float], target: float, tokens
     return None
 
 
-def pool_key(record: StudyRecord) -> tuple:
+def pool_key(record: StudyRecord | FineTuneRecord) -> tuple:
     """What must be equal for records to be compared: the corpus blocks' digest and `POOL_FIELDS` of the machine."""
     return (record.corpus_digest, *(record.machine.get(name) for name in POOL_FIELDS[1:]))
 
 
-def pool_groups(records: Iterable[StudyRecord]) -> dict[tuple, list[StudyRecord]]:
+def pool_groups(records: Iterable[Record]) -> dict[tuple, list[Record]]:
     """Records split by `pool_key`: each group is compared within itself only."""
-    groups: dict[tuple, list[StudyRecord]] = {}
+    groups: dict[tuple, list[Record]] = {}
     for record in records:
         groups.setdefault(pool_key(record), []).append(record)
     return groups

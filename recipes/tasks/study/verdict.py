@@ -1,6 +1,6 @@
 """The rule of docs/recipes/study.md ("The rule"), written before any development arm ran, applied to the cells'
-tables: what the default does for a fresh model, and whether a copy at step 0 is an acceptable fallback. The
-loaded-model half reads the fine-tuning table, which this recipe does not make: it stays pending here."""
+tables: what the default does for a fresh model, whether a copy at step 0 is an acceptable fallback, and (from the
+fine-tuning table) what it does for a loaded tied model."""
 
 from __future__ import annotations
 
@@ -18,13 +18,39 @@ def tied_phase_fraction(arm: str) -> float:
     return 1.0 if fraction is None else fraction
 
 
-def verdict(cells: dict[str, dict]) -> dict:
-    """The fresh-model default and the copy fallback from the tables of cells A and B; "pending" until both have
-    `SEEDS_NEEDED` complete seeds."""
+#: What each fine-tuning arm means as the default for a loaded tied model.
+LOADED_DEFAULTS = {
+    "stay-tied": "stay tied",
+    "untie-now": "untie at once, the head a copy",
+    "default": "unchanged (the trigger, or the deadline at 30%)",
+    "untie@1/2": "untie at half the run",
+}
+
+
+def loaded_verdict(table: dict) -> str:
+    """The loaded-model half of the rule: the arm with the lowest mean target loss among those whose source loss is not
+    significantly worse than staying tied (its paired interval against stay-tied does not lie above 0); "pending"
+    until the table has `SEEDS_NEEDED` complete seeds."""
+    seeds = (table or {}).get("seeds", [])
+    if len(seeds) < SEEDS_NEEDED:
+        return f"pending: the fine-tuning table has {len(seeds)} of {SEEDS_NEEDED} complete seeds"
+    arms = table["arms"]
+    allowed = [a for a in arms if a == "stay-tied" or not above_zero(arms[a]["source"]["vs_stay_tied"])]
+    best = min(allowed, key=lambda a: (arms[a]["target"]["mean"], a != "stay-tied"))
+    refused = sorted(set(arms) - set(allowed))
+    why = f"the lowest mean target loss ({arms[best]['target']['mean']:.4f})"
+    why += f" among the arms that forget no more than staying tied (left out: {', '.join(refused)})" if refused else ""
+    return f"{LOADED_DEFAULTS[best]} ({best}: {why})"
+
+
+def verdict(cells: dict[str, dict], finetune: dict | None = None) -> dict:
+    """The fresh-model default and the copy fallback from the tables of cells A and B ("pending" until both have
+    `SEEDS_NEEDED` complete seeds), and the loaded-model default from the fine-tuning table."""
+    loaded = loaded_verdict(finetune or {})
     missing = [c for c in RULE_CELLS if len((cells.get(c) or {}).get("seeds", [])) < SEEDS_NEEDED]
     if missing:
         return {"fresh_model": "pending", "why": f"cells {missing} lack {SEEDS_NEEDED} complete seeds",
-                "copy_at_step_0": "pending", "loaded_model": "pending: the fine-tuning table is not built"}  # fmt: skip
+                "copy_at_step_0": "pending", "loaded_model": loaded}  # fmt: skip
     qualifying = []
     for arm in CELLS["A"].arms:
         if not ARMS[arm].tied_phase:
@@ -44,5 +70,4 @@ def verdict(cells: dict[str, dict]) -> dict:
         fallback = "costly: a misread of 'fresh' must not fall back to a copy silently; draw only on positive evidence"
     else:
         fallback = "acceptable fallback (its interval against the drawn head does not lie above 0 in cell A)"
-    return {"fresh_model": fresh, "why": why, "copy_at_step_0": fallback,
-            "loaded_model": "pending: the fine-tuning table is not built"}  # fmt: skip
+    return {"fresh_model": fresh, "why": why, "copy_at_step_0": fallback, "loaded_model": loaded}

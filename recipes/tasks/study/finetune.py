@@ -1,0 +1,191 @@
+"""Fine-tuning from the study's own checkpoints (issue 68, item 2; the protocol: docs/recipes/study.md,
+"Fine-tuning"): cell A's tied arm's final checkpoint of each development seed, fine-tuned on a shifted domain
+(`untie_recipes.tasks.study.target`) for `FINETUNE_STEPS` steps at a third of the tied rate, in four arms: stay tied,
+untie at once (a copy), the live default `untie.Untier`, untie at half. Each arm's record keeps the target loss and
+the source loss (the pretraining validation split: what was forgotten) before and after."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from untie import Untier, untie_embeddings
+from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
+from untie_recipes.tasks.decision_map.training import TrainingSetup, evaluate, train_steps
+from untie_recipes.tasks.study.model import build_model
+from untie_recipes.tasks.study.protocol import untie_step
+from untie_recipes.tasks.study.provenance import blocks_digest
+from untie_recipes.tasks.study.training import Progress, RunSpec, StudyRecord, build_optimizer, study_order
+
+logger = logging.getLogger(__name__)
+
+#: The cell whose tied checkpoints are fine-tuned.
+FINETUNE_CELL = "A"
+FINETUNE_STEPS = 300
+FINETUNE_WARMUP = 30
+#: The fine-tuning rate is the tied arm's divided by this.
+LR_DIVISOR = 3.0
+FINETUNE_ARMS = ("stay-tied", "untie-now", "default", "untie@1/2")
+#: The step `untie@1/2` unties at (the library's rounding of 0.5 of the steps).
+HALF_STEP = untie_step(0.5, FINETUNE_STEPS)
+#: How far the loaded checkpoint's source loss may be from its tied record's final validation loss.
+CHECKPOINT_TOLERANCE = 1e-6
+
+
+@dataclass
+class FineTuneRecord:
+    """One fine-tuning run: its arm and seed, where it started from, and its losses before and after."""
+
+    name: str
+    cell: str
+    arm: str
+    seed: int
+    lr: float
+    steps: int
+    batch_size: int
+    untie_step: int | None
+    untie_reason: str | None
+    pretrained_run: str
+    target_before: float
+    source_before: float
+    target_loss: float
+    """On every validation block of the target, after fine-tuning."""
+    source_loss: float
+    """On every validation block of the pretraining corpus, after fine-tuning."""
+    train_loss_tail: float
+    wall_seconds: float
+    cpu_seconds: float
+    machine: dict
+    corpus_digest: str
+    target_digest: str
+    epochs: float
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        partial.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> FineTuneRecord:
+        return cls(**json.loads(path.read_text()))
+
+
+def finetune_name(seed: int, arm: str) -> str:
+    return f"{FINETUNE_CELL}-ft-s{seed}-{arm.replace('/', 'of')}"
+
+
+def load_finetune_records(folder: Path) -> list[FineTuneRecord]:
+    return [FineTuneRecord.load(path) for path in sorted(folder.glob("*.json"))]
+
+
+class _AfterStep:
+    """`after_step` for `train_steps`: the arm's hooks, the progress line and the training loss's tail."""
+
+    def __init__(self, progress: Progress, hooks: list[Callable[[int], object]]) -> None:
+        self.progress, self.hooks = progress, hooks
+        self.recent: list[float] = []
+
+    def __call__(self, step: int, loss: float) -> None:
+        for hook in self.hooks:
+            hook(step)
+        self.recent = [*self.recent[-49:], loss]
+        self.progress(1, loss)
+
+
+def pretrained_state(ctx, tied: RunSpec, record: StudyRecord, retrain) -> dict[str, torch.Tensor]:
+    """The weights of the tied run's final checkpoint, checked: the model they make must give the tied record's final
+    validation loss. Where the checkpoint is gone, `retrain()` trains the tied run again (it saves the checkpoint)."""
+    path = ctx.checkpoint_path(tied, "final")
+    if not path.exists():
+        logger.warning("study: %s is gone; training %s again for the fine-tuning.", path, tied.name)
+        retrain()
+    state = torch.load(path, map_location=ctx.device, weights_only=True)["model"]
+    model = _model(ctx, tied.setup.seed, state)
+    loss = evaluate(model, ctx.corpus.validation)
+    if abs(loss - record.final_validation_loss) > CHECKPOINT_TOLERANCE:
+        raise RuntimeError(
+            f"{path} gives a validation loss of {loss:.6f}, its record {tied.name} {record.final_validation_loss:.6f}: "
+            f"it is not that run's final checkpoint. Delete {path.parent} and the record, then run the study again."
+        )
+    return state
+
+
+def _model(ctx, seed: int, state: dict[str, torch.Tensor]):
+    shape_setup = ctx.setup(FINETUNE_CELL, seed, 0.0)
+    eos = ctx.corpus.tokenizer.eos_token_id or 0
+    model = build_model(shape_setup.width, shape_setup.layers, seed, ctx.vocab, BLOCK, None, eos)
+    model.load_state_dict(state)
+    return model.to(ctx.device)
+
+
+def finetune_run(ctx, target: TokenizedCorpus, seed: int, arm: str, state: dict, lr: float, pretrained: str,
+                 progress: Progress) -> FineTuneRecord:  # fmt: skip
+    """One arm of one seed: the loaded tied model fine-tuned on the target for `FINETUNE_STEPS` steps."""
+    model = _model(ctx, seed, state)
+    target_before, source_before = evaluate(model, target.validation), evaluate(model, ctx.corpus.validation)
+    setup = TrainingSetup(width=ctx.setup(FINETUNE_CELL, seed, lr).width, layers=model.config.num_hidden_layers,
+                          heads=model.config.num_attention_heads, seed=seed, batch_size=ctx.batch_size,
+                          learning_rate=lr / LR_DIVISOR, warmup=FINETUNE_WARMUP)  # fmt: skip
+    untier = Untier(model, max_steps=FINETUNE_STEPS, tokenizer=ctx.corpus.tokenizer) if arm == "default" else None
+    optimizer, scheduler = build_optimizer(model, setup, FINETUNE_STEPS)
+    hooks: list[Callable[[int], object]] = []
+    if arm == "untie-now":
+        untie_embeddings(model, optimizer)
+    elif arm == "untie@1/2":
+        hooks.append(lambda step: untie_embeddings(model, optimizer) if step == HALF_STEP else None)
+    elif untier is not None:
+        untier.start(optimizer)
+        hooks.append(lambda step: untier.step())
+    elif arm != "stay-tied":
+        raise ValueError(f"fine-tuning arm {arm!r}: choose among {FINETUNE_ARMS}.")
+    after = _AfterStep(progress, hooks)
+    order = study_order(len(target.train), seed, FINETUNE_STEPS * ctx.batch_size)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    train_steps(model, optimizer, scheduler, setup, target.train, order, 0, FINETUNE_STEPS, after)
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    untied_at, reason = (HALF_STEP, "fixed") if arm == "untie@1/2" else (0, "fixed") if arm == "untie-now" else (
+        None, None)  # fmt: skip
+    if untier is not None:
+        untied_at, reason = untier.untie_step, untier.untie_reason
+        untier.close()
+    return FineTuneRecord(
+        name=finetune_name(seed, arm), cell=FINETUNE_CELL, arm=arm, seed=seed, lr=setup.learning_rate,
+        steps=FINETUNE_STEPS, batch_size=ctx.batch_size, untie_step=untied_at, untie_reason=reason,
+        pretrained_run=pretrained, target_before=target_before, source_before=source_before,
+        target_loss=evaluate(model, target.validation), source_loss=evaluate(model, ctx.corpus.validation),
+        train_loss_tail=sum(after.recent) / max(1, len(after.recent)), wall_seconds=round(seconds, 1),
+        cpu_seconds=round(cpu_seconds, 1), machine=dict(ctx.machine), corpus_digest=ctx.corpus_digest,
+        target_digest=blocks_digest(target), epochs=FINETUNE_STEPS * ctx.batch_size / len(target.train),
+    )  # fmt: skip
+
+
+def run_finetune(ctx, target: TokenizedCorpus, seed: int, tied: RunSpec, record: StudyRecord, retrain,
+                 progress: Progress) -> list[FineTuneRecord]:  # fmt: skip
+    """Every fine-tuning arm of one seed, each recorded under ``<output_dir>/records/finetune`` (and copied to the
+    committed folder) and skipped by a rerun."""
+    folder = ctx.output_dir / "records" / "finetune"
+    out, state = [], None
+    for arm in FINETUNE_ARMS:
+        path = folder / f"{finetune_name(seed, arm)}.json"
+        if path.exists():
+            out.append(FineTuneRecord.load(path))
+            progress(FINETUNE_STEPS, float("nan"))
+            continue
+        if state is None:
+            state = pretrained_state(ctx, tied, record, retrain)
+        done = finetune_run(ctx, target, seed, arm, state, record.lr, tied.name, progress)
+        logger.info("study: %s done (target %.4f, source %.4f)", done.name, done.target_loss, done.source_loss)
+        done.save(path)
+        if ctx.records_dir is not None:
+            (ctx.records_dir / "finetune").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, ctx.records_dir / "finetune" / path.name)
+        out.append(done)
+    return out
