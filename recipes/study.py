@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     stop_at = training.CLOCK() + args.time_limit if args.time_limit else None
     output_dir = Path(args.output_dir)
     if args.report_only:
+        import_records(Path(args.records_dir) if args.records_dir else None, output_dir / "records")
         return report(output_dir)
     corpus, pin = load(args)
     if args.export_corpus:

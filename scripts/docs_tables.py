@@ -496,6 +496,18 @@ TABLES: dict[str, Table] = {
         output=None,
         cost="timing",
     ),
+    # The study's answer on one screen, read from its committed records (seconds): a commit that adds a record
+    # regenerates these two tables (`--write when-it-pays when-it-pays-verdict`), and CI checks that it did.
+    **{
+        name: Table(
+            page="docs/recipes/when-it-pays.md",
+            commands=(("python", "recipes/study.py", "--report_only", "--output_dir", "{out}"),),
+            output="summary.md",
+            extract=nth_table(index),
+            cost="cheap",
+        )
+        for index, name in enumerate(("when-it-pays", "when-it-pays-verdict"))
+    },
 }
 
 

@@ -18,12 +18,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.testing import step_llama_config, step_task, train_on_step_task
-
-
-def loss_on(model: torch.nn.Module, batch: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float(model(input_ids=batch, labels=batch).loss)
+from untie.testing import first_step_at_lr_zero, loss_on, step_llama_config, step_task, train_on_step_task
 
 
 def first_step_with_trainer(model: torch.nn.Module, load=None) -> tuple[float, str]:
@@ -48,15 +43,9 @@ def first_step_with_trainer(model: torch.nn.Module, load=None) -> tuple[float, s
 
 def first_step_with_untier(model: torch.nn.Module) -> tuple[float, str]:
     """One custom-loop step at lr 0 with `Untier()`: the first step's loss and the line."""
-    batch = step_task(rows=16, seed=1)
     untier = untie.Untier(model, max_steps=10)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    untier.start(optimizer)
-    loss = model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    optimizer.step()
-    untier.step()
-    return float(loss.detach()), untier.plan or ""
+    loss = first_step_at_lr_zero(untier, model, step_task(rows=16, seed=1))
+    return loss, untier.plan or ""
 
 
 def main() -> None:

@@ -15,7 +15,15 @@ from untie import UntieCallback, Untier
 from untie.structure.head_start import FLOOR, judge
 from untie.structure.policy import weights_evidence
 from untie.structure.surgery import input_weight, is_tied, output_weight
-from untie.testing import STEP_VOCAB, step_llama_config, step_task, tiny_model, train_on_step_task
+from untie.testing import (
+    STEP_VOCAB,
+    first_step_at_lr_zero,
+    loss_on,
+    step_llama_config,
+    step_task,
+    tiny_model,
+    train_on_step_task,
+)
 
 VOCAB = STEP_VOCAB
 llama_config = step_llama_config
@@ -25,11 +33,6 @@ def trained_llama(steps: int, lr: float, freeze_embedding: bool = False) -> tf.L
     """A tied Llama trained `steps` AdamW steps on the step task (seed 0; `untie.testing.train_on_step_task`)."""
     torch.manual_seed(0)
     return train_on_step_task(tf.LlamaForCausalLM(llama_config()), steps, lr, freeze_embedding)
-
-
-def loss_on(model: torch.nn.Module, batch: torch.Tensor) -> float:
-    with torch.no_grad():
-        return float(model(input_ids=batch, labels=batch).loss)
 
 
 # -- the verdict itself ------------------------------------------------------------------------------------------------
@@ -87,14 +90,8 @@ def test_a_fresh_model_keeps_its_drawn_head():
 
 
 def _first_forward_with_untier_started(untier: Untier, model, batch) -> tuple[Untier, float]:
-    """One step at lr 0 of a `model` the `untier` attached: the first forward's loss, and the untier."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
-    untier.start(optimizer)
-    loss = model(input_ids=batch, labels=batch).loss
-    loss.backward()
-    optimizer.step()
-    untier.step()
-    return untier, float(loss.detach())
+    """One step at lr 0 of a `model` the `untier` attached: the untier, and the first forward's loss."""
+    return untier, first_step_at_lr_zero(untier, model, batch)
 
 
 def _trainer(model, folder, steps: int = 1, lr: float = 0.0) -> tf.Trainer:

@@ -391,3 +391,34 @@ def test_the_loaded_model_rule_takes_the_best_target_among_arms_that_forget_no_m
     source["stay-tied"] = list(same)  # every other arm forgets more: stay tied
     assert verdict.loaded_verdict(_finetune_table(target, source)).startswith("stay tied")
     assert verdict.loaded_verdict({"seeds": [1, 2]}).startswith("pending")
+
+
+def test_the_summary_gives_each_choice_against_untied_in_pretraining_and_against_staying_tied_in_fine_tuning(
+    tmp_path,
+):
+    """The one-screen page's table: per choice, the paired difference (with its interval from 2 seeds on), the
+    reference arms named, a cell without records pending, and fine-tuning's rows from its own records."""
+    records = []
+    for seed, shift in ((1, 0.0), (2, 0.02)):
+        for offset, arm in enumerate(protocol.CELLS["A"].arms):
+            records.append(dataclasses.replace(_record(seed, arm, 4.0 + offset * 0.1 + shift), arm=arm,
+                                               name=f"A-s{seed}-{arm}"))  # fmt: skip
+    tuned = [
+        finetune.FineTuneRecord(
+            name=f"ft-{seed}-{arm}", cell="A", arm=arm, seed=seed, lr=1e-3, steps=300, batch_size=8, untie_step=None,
+            untie_reason=None, pretrained_run="A-s1-tied", target_before=6.0, source_before=4.0,
+            target_loss=5.0 - index * 0.01 * seed, source_loss=4.1, train_loss_tail=5.0, wall_seconds=1.0,
+            cpu_seconds=1.0, machine=records[0].machine, corpus_digest="d1", target_digest="t", epochs=0.4,
+        )
+        for seed in (1, 2) for index, arm in enumerate(finetune.FINETUNE_ARMS)
+    ]  # fmt: skip
+    report.write_report(tmp_path, records, tuned)
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in
+            (tmp_path / "summary.md").read_text().splitlines() if line.startswith("| ")}  # fmt: skip
+    assert rows["stay tied"][0] == "-0.100 [-0.100, -0.100]" and rows["stay tied"][1] == "pending"
+    assert rows["untie at once, head drawn"][:2] == ["reference", "reference"]
+    assert rows["untie at once, head a copy"][0].startswith("+0.100 [") and rows["untie at once, head a copy"][1] == "-"
+    assert rows["stay tied"][2:] == ["reference", "reference |"]
+    assert rows["untie at once, head a copy"][2].startswith("-0.015 [")  # untie-now: -0.01 then -0.02
+    assert rows["the default `UntieConfig()` on a loaded tied model"][2].startswith("-0.030 [")
+    assert "pending" in rows["a model trained from scratch"][0]  # cell B has no seeds: the rule waits

@@ -198,6 +198,25 @@ def train_on_step_task(model: nn.Module, steps: int, lr: float, freeze_embedding
     return model
 
 
+def loss_on(model: nn.Module, batch: torch.Tensor) -> float:
+    """The model's loss on `batch` (labels = inputs), without gradients."""
+    with torch.no_grad():
+        return float(model(input_ids=batch, labels=batch).loss)
+
+
+def first_step_at_lr_zero(untier: Any, model: nn.Module, batch: torch.Tensor) -> float:
+    """One custom-loop step at learning rate 0 of a `model` that `untier` (an `untie.Untier`) attached: start it, one
+    forward and backward on `batch`, the optimizer's step and the untier's. Returns the first forward's loss, the
+    loss of the head the run trains its first step on (the step changes no weight)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    untier.start(optimizer)
+    loss = model(input_ids=batch, labels=batch).loss
+    loss.backward()
+    optimizer.step()
+    untier.step()
+    return float(loss.detach())
+
+
 class ToyLMDataset(torch.utils.data.Dataset):
     """Random token sequences with labels = input_ids (every architecture above accepts this batch)."""
 

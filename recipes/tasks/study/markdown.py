@@ -1,6 +1,9 @@
-"""The study's results as Markdown (`results.md`): one section per pool group and cell, then the verdict."""
+"""The study's results as Markdown: `results.md` (one section per pool group and cell, the fine-tuning table, then the
+verdict) and `summary.md` (the answer on one screen)."""
 
 from __future__ import annotations
+
+from untie_recipes.tasks.study.protocol import CELLS, DEVELOPMENT_SEEDS
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -107,4 +110,60 @@ def markdown(results: dict) -> str:
         lines += ["### The rule's verdict", "", f"- fresh model: {verdict['fresh_model']} ({verdict['why']})",
                   f"- a copy at step 0: {verdict['copy_at_step_0']}", f"- loaded tied model: {verdict['loaded_model']}",
                   ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _difference(interval: dict | None, reference: bool) -> str:
+    """A summary cell: the mean paired difference, its 95% interval (2 seeds or more) or its one seed."""
+    if reference:
+        return "reference"
+    if not interval or interval.get("mean") is None:
+        return "pending"
+    if interval.get("low") is None:
+        return f"{interval['mean']:+.3f} (1 seed)"
+    return f"{interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
+
+
+def summary_markdown(summaries: list[dict], groups: list[dict]) -> str:
+    """`summary.md`: per pool group, each choice's paired difference in each pretraining cell and in fine-tuning,
+    then the rule's answers."""
+    lines = ["# The tie-then-untie study: the answer on one screen", "",
+             "Written by `python recipes/study.py --report_only`.", ""]  # fmt: skip
+    needed = len(DEVELOPMENT_SEEDS)
+    for summary, group in zip(summaries, groups, strict=True):
+        columns = summary["columns"]
+        cells = [c for c in columns if not c.startswith("finetune-")]
+        lines += [f"## {group['cpu']}, kernels {group['kernel_path']}, {group['device']}, torch {group['torch']}", ""]
+        done = [f"cell {c} {len(columns[c]['seeds'])} of {needed}" for c in cells]
+        done.append(f"fine-tuning {len(columns['finetune-target']['seeds'])} of {needed}")
+        lines += [f"Complete seeds: {', '.join(done)}. The rule reads {needed} of each; until then these are records "
+                  "and decide nothing.", ""]  # fmt: skip
+        header = ["choice"]
+        for cell in cells:
+            shape = CELLS[cell]
+            header.append(f"cell {cell} ({shape.width} x {shape.layers}, {shape.tokens_per_parameter:g} tokens per "
+                          "parameter): loss vs untied")  # fmt: skip
+        header += ["fine-tuning: target loss vs stay tied", "fine-tuning: source loss vs stay tied"]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for choice, pretraining, finetuning in summary["rows"]:
+            row = [choice]
+            for cell in cells:
+                arms = CELLS[cell].arms
+                if pretraining is None or pretraining not in arms:
+                    row.append("-")
+                else:
+                    differences = columns[cell]["differences"]
+                    row.append(_difference(differences.get(pretraining), pretraining == "untied"))
+            for loss in ("target", "source"):
+                if finetuning is None:
+                    row.append("-")
+                else:
+                    differences = columns[f"finetune-{loss}"]["differences"]
+                    row.append(_difference(differences.get(finetuning), finetuning == "stay-tied"))
+            lines.append("| " + " | ".join(row) + " |")
+        verdict = summary["verdict"]
+        lines += ["", "| question | the rule's answer |", "|---|---|",
+                  f"| a model trained from scratch | {verdict['fresh_model']} ({verdict['why']}) |",
+                  f"| a copy at step 0 (a fresh model misread as trained) | {verdict['copy_at_step_0']} |",
+                  f"| a loaded tied model (fine-tuning) | {verdict['loaded_model']} |", ""]  # fmt: skip
     return "\n".join(lines)

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.study.finetune import FINETUNE_ARMS, FineTuneRecord
-from untie_recipes.tasks.study.markdown import markdown
+from untie_recipes.tasks.study.markdown import markdown, summary_markdown
 from untie_recipes.tasks.study.protocol import ARMS, CELLS
 from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_reach
 from untie_recipes.tasks.study.sweep import PLAIN, summarize
 from untie_recipes.tasks.study.training import StudyRecord
-from untie_recipes.tasks.study.verdict import verdict
+from untie_recipes.tasks.study.verdict import RULE_CELLS, verdict
 
 #: The branches at a fixed fraction with the optimizer state copied: "the best fixed fraction" is among these.
 FIXED = tuple(name for name, arm in ARMS.items() if arm.fraction is not None and arm.optimizer_state == "copy")
@@ -151,4 +151,40 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (output_dir / "results.md").write_text(markdown(results))
+    (output_dir / "summary.md").write_text(summary_markdown([summary(g) for g in groups], groups))
     return results
+
+
+#: The one-screen summary's rows: (choice, the pretraining arm, the fine-tuning arm); None: not an arm there.
+SUMMARY_ROWS = (
+    ("stay tied", "tied", "stay-tied"),
+    ("untie at once, head drawn", "untied", None),
+    ("untie at once, head a copy", "copy0", "untie-now"),
+    ("a tied phase to 1/3", "untie@1/3", None),
+    ("a tied phase to 1/2", None, "untie@1/2"),
+    ("a tied phase to 2/3", "untie@2/3", None),
+    ("a tied phase to 2/3, the head's optimizer state fresh", "untie@2/3-fresh", None),
+    ("a tied phase to 0.8 (the cooldown's start)", "untie@0.8", None),
+    ("a tied phase to 0.95", "untie@0.95", None),
+    ("the default `UntieConfig()` on a loaded tied model", None, "default"),
+)
+
+
+def summary(group: dict) -> dict:
+    """One pool group's answer on one screen: per choice, its paired difference in final validation loss against
+    untied-from-step-0 (drawn head) in each pretraining cell, and against staying tied in fine-tuning (target and
+    source loss), over the seeds recorded so far, with how many seeds that is of the rule's."""
+    columns: dict[str, dict] = {}
+    cells = dict(group["cells"])
+    if set(cells) & set(RULE_CELLS):  # the cells the rule reads are shown, run or not
+        cells = {c: cells.get(c, {}) for c in sorted(set(cells) | set(RULE_CELLS))}
+    for cell, table in cells.items():
+        columns[cell] = {"seeds": table.get("seeds", []), "differences": {}}
+        for arm in CELLS[cell].arms:
+            if arm in table.get("arms", {}):
+                columns[cell]["differences"][arm] = table["arms"][arm]["vs_untied"]
+    finetune = group.get("finetune") or {}
+    for loss in ("target", "source"):
+        columns[f"finetune-{loss}"] = {"seeds": finetune.get("seeds", []), "differences": {
+            arm: row[loss]["vs_stay_tied"] for arm, row in finetune.get("arms", {}).items()}}  # fmt: skip
+    return {"columns": columns, "rows": [list(row) for row in SUMMARY_ROWS], "verdict": group["verdict"]}
