@@ -422,3 +422,14 @@ def test_the_summary_gives_each_choice_against_untied_in_pretraining_and_against
     assert rows["untie at once, head a copy"][2].startswith("-0.015 [")  # untie-now: -0.01 then -0.02
     assert rows["the default `UntieConfig()` on a loaded tied model"][2].startswith("-0.030 [")
     assert "pending" in rows["a model trained from scratch"][0]  # cell B has no seeds: the rule waits
+
+
+def test_a_cell_whose_sweep_has_begun_is_reported_beside_a_cell_whose_sweep_is_done(tmp_path):
+    """Cell B's first sweep record beside cell A's whole sweep: each cell's sweep reads its own records only."""
+    records = [dataclasses.replace(_record(1, arm, 4.0 + lr), kind="sweep", lr=lr * 1e-3, name=f"A-{arm}-{lr}")
+               for arm in ("tied", "untied") for lr in (1.5, 3.0, 6.0)]  # fmt: skip
+    records.append(dataclasses.replace(_record(1, "tied", 4.4), cell="B", kind="sweep", lr=1e-3, name="B-tied"))
+    results = report.write_report(tmp_path, records)
+    cells = results["groups"][0]["cells"]
+    assert set(cells["A"]["sweep"]) == {"tied", "untied"} and set(cells["B"]["sweep"]) == {"tied"}
+    assert cells["B"]["sweep"]["tied"]["note"] == "in progress: 2 of the first 3 values to run"

@@ -71,7 +71,11 @@ def cell_table(cell: str, records: list[StudyRecord]) -> dict:
     """One cell's table from one pool group's records."""
     arms = {(r.arm, r.seed): r for r in records if r.cell == cell and r.kind == "arm"}
     seeds = complete_seeds(cell, arms)
-    sweep = {a: summarize(cell, a, records) for a in PLAIN if any(r.kind == "sweep" and r.arm == a for r in records)}
+    sweep = {
+        a: summarize(cell, a, records)
+        for a in PLAIN
+        if any(r.kind == "sweep" and r.arm == a and r.cell == cell for r in records)
+    }
     table: dict = {"cell": cell, "seeds": seeds, "seeds_recorded": sorted({s for _, s in arms}),
                    "sweep": {a: {"losses": {f"{lr:g}": v for lr, v in sorted(s.losses.items())}, "best": s.best,
                                  "note": s.note()} for a, s in sweep.items()}, "arms": {}}  # fmt: skip
