@@ -46,10 +46,9 @@ from untie_recipes.tasks.study.finetune import (
 from untie_recipes.tasks.study.protocol import CELLS, CPU_CELLS, DEVELOPMENT_SEEDS, DEVICE_CELLS, check_seeds
 from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, machine_facts
 from untie_recipes.tasks.study.report import load_records, write_report
-from untie_recipes.tasks.study.runs import StudyContext, cell_plan, run_seed, train_run
+from untie_recipes.tasks.study.runs import StudyContext, cell_plan, retrain_tied, run_seed, seed_specs
 from untie_recipes.tasks.study.sweep import run_sweep
 from untie_recipes.tasks.study.target import fetch_target_documents, target_corpus
-from untie_recipes.tasks.study.training import RunSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "docs" / "data" / "study"
@@ -86,7 +85,7 @@ class StudyArguments:
     output_dir: str | None = field(default=None, metadata={"help": "records, checkpoints, results"})
     records_dir: str | None = field(default=None, metadata={"help": "finished records are copied here; '' off"})
     corpus_pin: str | None = field(default=None, metadata={"help": "the committed corpus pin (written once)"})
-    repin: bool = field(default=False, metadata={"help": "accept a corpus whose blocks differ from the pin"})
+    repin: bool = field(default=False, metadata={"help": "accept a corpus or fine-tuning target unlike its pin"})
     finetune: bool | None = field(default=None, metadata={"help": f"fine-tune cell {FINETUNE_CELL}'s tied checkpoints"})
     finetune_pin: str = field(default=str(DATA / "finetune-target.json"),
                               metadata={"help": "the committed pin of the fine-tuning's target"})  # fmt: skip
@@ -161,8 +160,8 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
                 records = run_seed(ctx, cell, seed, lrs, budget, progress)
                 if target is not None and cell == FINETUNE_CELL:
                     bar.set_description(f"Study {cell} seed {seed} fine-tuning")
-                    tied = RunSpec(cell, "tied", ctx.setup(cell, seed, lrs["tied"]), budget)
-                    retrain = functools.partial(train_run, ctx, tied, progress)
+                    tied = next(s for s in seed_specs(ctx, cell, seed, lrs, budget) if s.arm == "tied")
+                    retrain = functools.partial(retrain_tied, ctx, tied, progress)
                     run_finetune(ctx, target, seed, tied, records["tied"], retrain, progress)
     finally:
         bar.close()

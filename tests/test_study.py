@@ -216,6 +216,10 @@ def test_the_recipe_runs_sweep_then_arms_records_and_reuses_them(recipe, tmp_pat
     monkeypatch.setattr(finetune, "finetune_run", lambda *a, **k: pytest.fail("a finished fine-tuning ran again"))
     again = recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
     assert json.dumps(again, sort_keys=True) == json.dumps(results, sort_keys=True)
+    changed = tmp_path / "out" / "records" / "finetune" / "A-ft-s1-default.json"
+    changed.write_text(changed.read_text().replace('"steps": 300', '"steps": 200'))
+    with pytest.raises(pytest.fail.Exception, match="a finished fine-tuning ran again"):  # other settings: run again
+        recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
 
 
 def _record(seed: int, arm: str, final: float, cpu: str = "CPU X", digest: str = "d1") -> StudyRecord:
@@ -416,7 +420,7 @@ def test_the_summary_gives_each_choice_against_untied_in_pretraining_and_against
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in
             (tmp_path / "summary.md").read_text().splitlines() if line.startswith("| ")}  # fmt: skip
     assert rows["stay tied"][0] == "-0.100 [-0.100, -0.100]" and rows["stay tied"][1] == "pending"
-    assert rows["untie at once, head drawn"][:2] == ["reference", "reference"]
+    assert rows["untie at once, head drawn"][:2] == ["reference", "pending"]  # cell B has no seeds yet
     assert rows["untie at once, head a copy"][0].startswith("+0.100 [") and rows["untie at once, head a copy"][1] == "-"
     assert rows["stay tied"][2:] == ["reference", "reference |"]
     assert rows["untie at once, head a copy"][2].startswith("-0.015 [")  # untie-now: -0.01 then -0.02

@@ -4,7 +4,7 @@ of the library's measurements."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers as tf
@@ -19,6 +19,9 @@ from untie.signals.metrics import (
     pair_gap_sums_from_log_probs,
     role_signals_on_rows,
 )
+
+if TYPE_CHECKING:
+    from untie.adapters.untier import Untier
 
 VOCAB = 48
 HIDDEN = 16
@@ -204,7 +207,7 @@ def loss_on(model: nn.Module, batch: torch.Tensor) -> float:
         return float(model(input_ids=batch, labels=batch).loss)
 
 
-def first_step_at_lr_zero(untier: Any, model: nn.Module, batch: torch.Tensor) -> float:
+def first_step_at_lr_zero(untier: Untier, model: nn.Module, batch: torch.Tensor) -> float:
     """One custom-loop step at learning rate 0 of a `model` that `untier` (an `untie.Untier`) attached: start it, one
     forward and backward on `batch`, the optimizer's step and the untier's. Returns the first forward's loss, the
     loss of the head the run trains its first step on (the step changes no weight)."""

@@ -6,6 +6,7 @@ the source loss (the pretraining validation split: what was forgotten) before an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -18,10 +19,11 @@ import torch
 
 from untie import Untier, untie_embeddings
 from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
-from untie_recipes.tasks.decision_map.training import TrainingSetup, evaluate, train_steps
+from untie_recipes.tasks.decision_map.training import evaluate, train_steps
 from untie_recipes.tasks.study.model import build_model
 from untie_recipes.tasks.study.protocol import untie_step
 from untie_recipes.tasks.study.provenance import blocks_digest
+from untie_recipes.tasks.study.runs import StudyContext
 from untie_recipes.tasks.study.training import Progress, RunSpec, StudyRecord, build_optimizer, study_order
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class FineTuneRecord:
     epochs: float
 
     def save(self, path: Path) -> None:
+        """Written to a partial file and renamed: a killed save leaves no half record."""
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -77,12 +80,18 @@ class FineTuneRecord:
     def load(cls, path: Path) -> FineTuneRecord:
         return cls(**json.loads(path.read_text()))
 
+    def matches(self, expected: dict) -> bool:
+        """Whether the record was made with these settings (learning rate, steps, batch, checkpoint, corpus, target)."""
+        return all(getattr(self, name) == value for name, value in expected.items())
+
 
 def finetune_name(seed: int, arm: str) -> str:
+    """The record's name: the cell, the seed and the arm (a "/" written "of")."""
     return f"{FINETUNE_CELL}-ft-s{seed}-{arm.replace('/', 'of')}"
 
 
 def load_finetune_records(folder: Path) -> list[FineTuneRecord]:
+    """Every fine-tuning record in `folder` (none where it does not exist)."""
     return [FineTuneRecord.load(path) for path in sorted(folder.glob("*.json"))]
 
 
@@ -100,7 +109,8 @@ class _AfterStep:
         self.progress(1, loss)
 
 
-def pretrained_state(ctx, tied: RunSpec, record: StudyRecord, retrain) -> dict[str, torch.Tensor]:
+def pretrained_state(ctx: StudyContext, tied: RunSpec, record: StudyRecord,
+                     retrain: Callable[[], object]) -> dict[str, torch.Tensor]:  # fmt: skip
     """The weights of the tied run's final checkpoint, checked: the model they make must give the tied record's final
     validation loss. Where the checkpoint is gone, `retrain()` trains the tied run again (it saves the checkpoint)."""
     path = ctx.checkpoint_path(tied, "final")
@@ -111,14 +121,22 @@ def pretrained_state(ctx, tied: RunSpec, record: StudyRecord, retrain) -> dict[s
     model = _model(ctx, tied.setup.seed, state)
     loss = evaluate(model, ctx.corpus.validation)
     if abs(loss - record.final_validation_loss) > CHECKPOINT_TOLERANCE:
+        committed = ctx.records_dir / ctx.record_path(tied).name if ctx.records_dir else None
         raise RuntimeError(
-            f"{path} gives a validation loss of {loss:.6f}, its record {tied.name} {record.final_validation_loss:.6f}: "
-            f"it is not that run's final checkpoint. Delete {path.parent} and the record, then run the study again."
+            f"{path} gives a validation loss of {loss:.6f}, its record {tied.name} {record.final_validation_loss:.6f} "
+            f"(made on {record.machine.get('cpu')}, kernels {record.machine.get('kernel_path')}; here: "
+            f"{ctx.machine.get('cpu')}, kernels {ctx.machine.get('kernel_path')}): it is not that run's final "
+            f"checkpoint. Another CPU kind trains other weights: fine-tune on the record's kind, or start a study of "
+            f"this machine's own (another --output_dir, --records_dir ''). Otherwise delete {path.parent}, "
+            f"{ctx.record_path(tied)}"
+            + (f" and its committed copy {committed}" if committed else "")
+            + ", then run the study again."
         )
     return state
 
 
-def _model(ctx, seed: int, state: dict[str, torch.Tensor]):
+def _model(ctx: StudyContext, seed: int, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The cell's tied model of the seed, with the checkpoint's weights."""
     shape_setup = ctx.setup(FINETUNE_CELL, seed, 0.0)
     eos = ctx.corpus.tokenizer.eos_token_id or 0
     model = build_model(shape_setup.width, shape_setup.layers, seed, ctx.vocab, BLOCK, None, eos)
@@ -126,14 +144,13 @@ def _model(ctx, seed: int, state: dict[str, torch.Tensor]):
     return model.to(ctx.device)
 
 
-def finetune_run(ctx, target: TokenizedCorpus, seed: int, arm: str, state: dict, lr: float, pretrained: str,
-                 progress: Progress) -> FineTuneRecord:  # fmt: skip
-    """One arm of one seed: the loaded tied model fine-tuned on the target for `FINETUNE_STEPS` steps."""
+def finetune_run(ctx: StudyContext, target: TokenizedCorpus, seed: int, arm: str, state: dict, lr: float,
+                 pretrained: str, progress: Progress) -> FineTuneRecord:  # fmt: skip
+    """One arm of one seed: the loaded tied model fine-tuned on the target for `FINETUNE_STEPS` steps, at the
+    pretraining rate `lr` divided by `LR_DIVISOR`."""
     model = _model(ctx, seed, state)
     target_before, source_before = evaluate(model, target.validation), evaluate(model, ctx.corpus.validation)
-    setup = TrainingSetup(width=ctx.setup(FINETUNE_CELL, seed, lr).width, layers=model.config.num_hidden_layers,
-                          heads=model.config.num_attention_heads, seed=seed, batch_size=ctx.batch_size,
-                          learning_rate=lr / LR_DIVISOR, warmup=FINETUNE_WARMUP)  # fmt: skip
+    setup = dataclasses.replace(ctx.setup(FINETUNE_CELL, seed, lr / LR_DIVISOR), warmup=FINETUNE_WARMUP)
     untier = Untier(model, max_steps=FINETUNE_STEPS, tokenizer=ctx.corpus.tokenizer) if arm == "default" else None
     optimizer, scheduler = build_optimizer(model, setup, FINETUNE_STEPS)
     hooks: list[Callable[[int], object]] = []
@@ -151,8 +168,7 @@ def finetune_run(ctx, target: TokenizedCorpus, seed: int, arm: str, state: dict,
     started, cpu_started = time.perf_counter(), time.process_time()
     train_steps(model, optimizer, scheduler, setup, target.train, order, 0, FINETUNE_STEPS, after)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-    untied_at, reason = (HALF_STEP, "fixed") if arm == "untie@1/2" else (0, "fixed") if arm == "untie-now" else (
-        None, None)  # fmt: skip
+    untied_at, reason = {"untie-now": (0, "fixed"), "untie@1/2": (HALF_STEP, "fixed")}.get(arm, (None, None))
     if untier is not None:
         untied_at, reason = untier.untie_step, untier.untie_reason
         untier.close()
@@ -167,18 +183,26 @@ def finetune_run(ctx, target: TokenizedCorpus, seed: int, arm: str, state: dict,
     )  # fmt: skip
 
 
-def run_finetune(ctx, target: TokenizedCorpus, seed: int, tied: RunSpec, record: StudyRecord, retrain,
-                 progress: Progress) -> list[FineTuneRecord]:  # fmt: skip
+def run_finetune(ctx: StudyContext, target: TokenizedCorpus, seed: int, tied: RunSpec, record: StudyRecord,
+                 retrain: Callable[[], object], progress: Progress) -> list[FineTuneRecord]:  # fmt: skip
     """Every fine-tuning arm of one seed, each recorded under ``<output_dir>/records/finetune`` (and copied to the
-    committed folder) and skipped by a rerun."""
+    committed folder) and skipped by a rerun when its record was made with the same settings, checkpoint, corpus and
+    target (else run again, with a warning)."""
     folder = ctx.output_dir / "records" / "finetune"
-    out, state = [], None
+    expected = {"lr": record.lr / LR_DIVISOR, "steps": FINETUNE_STEPS, "batch_size": ctx.batch_size,
+                "pretrained_run": tied.name, "corpus_digest": ctx.corpus_digest,
+                "target_digest": blocks_digest(target)}  # fmt: skip
+    out: list[FineTuneRecord] = []
+    state = None
     for arm in FINETUNE_ARMS:
         path = folder / f"{finetune_name(seed, arm)}.json"
         if path.exists():
-            out.append(FineTuneRecord.load(path))
-            progress(FINETUNE_STEPS, float("nan"))
-            continue
+            found = FineTuneRecord.load(path)
+            if found.matches(expected):
+                out.append(found)
+                progress(FINETUNE_STEPS, float("nan"))
+                continue
+            logger.warning("study: %s was made with other settings, corpus or target; running it again.", path)
         if state is None:
             state = pretrained_state(ctx, tied, record, retrain)
         done = finetune_run(ctx, target, seed, arm, state, record.lr, tied.name, progress)

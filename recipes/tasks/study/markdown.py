@@ -3,6 +3,8 @@ verdict) and `summary.md` (the answer on one screen)."""
 
 from __future__ import annotations
 
+from untie_recipes.tasks.decision_map.corpus import BLOCK
+from untie_recipes.tasks.study.finetune import FINETUNE_CELL
 from untie_recipes.tasks.study.protocol import CELLS, DEVELOPMENT_SEEDS
 
 
@@ -77,24 +79,25 @@ def cell_lines(table: dict) -> list[str]:
 
 
 def finetune_lines(table: dict) -> list[str]:
-    """The fine-tuning table: per arm, where it untied, the target and source losses after fine-tuning and their
-    paired differences against staying tied."""
+    """The fine-tuning table: per arm, where it untied, the target and source losses after fine-tuning (mean, sd and
+    per seed) and their paired differences against staying tied."""
     if not table.get("arms"):
         return []
-    before = table["before"]
-    lines = [f"### Fine-tuning cell A's tied checkpoints on the target (seeds {table['seeds']})", "",
-             f"{table['steps']} steps of {table['batch_size']} x 128 tokens at LR {table['lr']:g}; "
-             f"{table['core_hours']:.2f} core-hours. Before fine-tuning, per seed: target "
-             + ", ".join(_num(before[s]["target"]) for s in before) + "; source "
-             + ", ".join(_num(before[s]["source"]) for s in before) + ".", "",
+    before = "; ".join(f"seed {seed}: target {_num(b['target'])}, source {_num(b['source'])}"
+                       for seed, b in table["before"].items())  # fmt: skip
+    lines = [f"### Fine-tuning cell {FINETUNE_CELL}'s tied checkpoints on the target (seeds {table['seeds']})", "",
+             f"{table['steps']} steps of {table['batch_size']} x {BLOCK} tokens at LR {table['lr']:g}; "
+             f"{table['core_hours']:.2f} core-hours. Before fine-tuning: {before}.", "",
              "| arm | untie step per seed | target loss mean (sd) | vs stay-tied (95% t) | source loss mean (sd) | "
-             "vs stay-tied (95% t) |", "|---|---|---|---|---|---|"]  # fmt: skip
+             "vs stay-tied (95% t) | per seed: target / source |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for arm, row in table["arms"].items():
         steps = ", ".join("-" if s is None else str(s) for s in row["untie_steps"])
         target, source = row["target"], row["source"]
+        per_seed = "; ".join(f"{seed}: {_num(t)} / {_num(s)}" for seed, t, s in
+                             zip(table["seeds"], target["per_seed"], source["per_seed"], strict=True))  # fmt: skip
         lines.append(f"| {arm} | {steps} | {_num(target['mean'])} ({_num(target['sd'])}) | "
                      f"{_interval(target['vs_stay_tied'])} | {_num(source['mean'])} ({_num(source['sd'])}) | "
-                     f"{_interval(source['vs_stay_tied'])} |")  # fmt: skip
+                     f"{_interval(source['vs_stay_tied'])} | {per_seed} |")  # fmt: skip
     return [*lines, ""]
 
 
@@ -124,6 +127,11 @@ def _difference(interval: dict | None, reference: bool) -> str:
     return f"{interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"
 
 
+def _seeds(column: dict) -> str:
+    """The complete seeds of a summary column, or "none yet"."""
+    return ", ".join(str(s) for s in column["seeds"]) or "none yet"
+
+
 def summary_markdown(summaries: list[dict], groups: list[dict]) -> str:
     """`summary.md`: per pool group, each choice's paired difference in each pretraining cell and in fine-tuning,
     then the rule's answers."""
@@ -142,8 +150,9 @@ def summary_markdown(summaries: list[dict], groups: list[dict]) -> str:
         for cell in cells:
             shape = CELLS[cell]
             header.append(f"cell {cell} ({shape.width} x {shape.layers}, {shape.tokens_per_parameter:g} tokens per "
-                          "parameter): loss vs untied")  # fmt: skip
-        header += ["fine-tuning: target loss vs stay tied", "fine-tuning: source loss vs stay tied"]
+                          f"parameter; seeds {_seeds(columns[cell])}): loss vs untied")  # fmt: skip
+        tuned = _seeds(columns["finetune-target"])
+        header += [f"fine-tuning (seeds {tuned}): target loss vs stay tied", "fine-tuning: source loss vs stay tied"]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for choice, pretraining, finetuning in summary["rows"]:
             row = [choice]
@@ -153,13 +162,15 @@ def summary_markdown(summaries: list[dict], groups: list[dict]) -> str:
                     row.append("-")
                 else:
                     differences = columns[cell]["differences"]
-                    row.append(_difference(differences.get(pretraining), pretraining == "untied"))
+                    reference = pretraining == "untied" and bool(columns[cell]["seeds"])
+                    row.append(_difference(differences.get(pretraining), reference))
             for loss in ("target", "source"):
                 if finetuning is None:
                     row.append("-")
                 else:
-                    differences = columns[f"finetune-{loss}"]["differences"]
-                    row.append(_difference(differences.get(finetuning), finetuning == "stay-tied"))
+                    column = columns[f"finetune-{loss}"]
+                    reference = finetuning == "stay-tied" and bool(column["seeds"])
+                    row.append(_difference(column["differences"].get(finetuning), reference))
             lines.append("| " + " | ".join(row) + " |")
         verdict = summary["verdict"]
         lines += ["", "| question | the rule's answer |", "|---|---|",

@@ -7,6 +7,7 @@ fixed fraction, per seed; then the rule of docs/recipes/study.md applied to them
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_r
 from untie_recipes.tasks.study.sweep import PLAIN, summarize
 from untie_recipes.tasks.study.training import StudyRecord
 from untie_recipes.tasks.study.verdict import RULE_CELLS, verdict
+
+logger = logging.getLogger(__name__)
 
 #: The branches at a fixed fraction with the optimizer state copied: "the best fixed fraction" is among these.
 FIXED = tuple(name for name, arm in ARMS.items() if arm.fraction is not None and arm.optimizer_state == "copy")
@@ -144,7 +147,12 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
     the group, and the verdict."""
     groups = []
     tuned = pool_groups(finetune)
-    for key, group in sorted(pool_groups(records).items(), key=lambda kv: str(kv[0])):
+    pooled = pool_groups(records)
+    for key in sorted(set(tuned) - set(pooled), key=str):
+        logger.warning("study: %d fine-tuning record(s) of %s match no pretraining records: not reported.",
+                       len(tuned[key]), key)  # fmt: skip
+    # The largest group first: the one-screen summary's tables (docs/recipes/when-it-pays.md) are its.
+    for key, group in sorted(pooled.items(), key=lambda kv: (-len(kv[1]), str(kv[0]))):
         cells = {c: cell_table(c, group) for c in CELLS if any(r.cell == c for r in group)}
         table = finetune_table(tuned.get(key, []))
         machine = group[0].machine
@@ -156,6 +164,12 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (output_dir / "results.md").write_text(markdown(results))
     (output_dir / "summary.md").write_text(summary_markdown([summary(g) for g in groups], groups))
+    if len(groups) > 1:
+        logger.warning(
+            "study: the records form %d pool groups (other corpus builds or machines); the summary's first "
+            "tables are the largest group's, the others follow under their own headings.",
+            len(groups),
+        )
     return results
 
 
@@ -177,7 +191,7 @@ SUMMARY_ROWS = (
 def summary(group: dict) -> dict:
     """One pool group's answer on one screen: per choice, its paired difference in final validation loss against
     untied-from-step-0 (drawn head) in each pretraining cell, and against staying tied in fine-tuning (target and
-    source loss), over the seeds recorded so far, with how many seeds that is of the rule's."""
+    source loss), over the complete seeds (those with every arm) of each; the columns name them."""
     columns: dict[str, dict] = {}
     cells = dict(group["cells"])
     if set(cells) & set(RULE_CELLS):  # the cells the rule reads are shown, run or not

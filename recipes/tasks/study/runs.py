@@ -232,11 +232,28 @@ def run_or_reuse(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: Stu
     return record
 
 
+def seed_specs(ctx: StudyContext, cell: str, seed: int, lrs: dict[str, float], budget: int) -> list[RunSpec]:
+    """Every arm's run of (cell, seed), the tied run first: each at its swept rate (`Arm.plain`)."""
+    return [RunSpec(cell, arm, ctx.setup(cell, seed, lrs[ARMS[arm].plain]), budget) for arm in CELLS[cell].arms]
+
+
+def retrain_tied(ctx: StudyContext, spec: RunSpec, progress: Progress) -> None:
+    """Train a recorded tied run again for its final checkpoint (the fine-tuning's start, lost with a machine),
+    leaving its record as it is; its resume and branch checkpoints are deleted after it, and its CPU time logged."""
+    started = time.process_time()
+    train_run(ctx, spec, progress)
+    ctx.checkpoint_path(spec, "resume").unlink(missing_ok=True)
+    for path in ctx.checkpoint_path(spec, "step").parent.glob("step*.pt"):
+        path.unlink()
+    logger.info("study: %s trained again for its final checkpoint in %.0f CPU s", spec.name,
+                time.process_time() - started)  # fmt: skip
+
+
 def run_seed(ctx: StudyContext, cell: str, seed: int, lrs: dict[str, float], budget: int, progress: Progress):
     """Every arm of (cell, seed): tied, the arms untied from step 0, the branches; returns their records. The tied
     run is run again when a branch still to run has lost its checkpoint; the branch checkpoints are deleted once
     every branch is recorded (the final one is kept)."""
-    specs = [RunSpec(cell, arm, ctx.setup(cell, seed, lrs[ARMS[arm].plain]), budget) for arm in CELLS[cell].arms]
+    specs = seed_specs(ctx, cell, seed, lrs, budget)
     tied_spec = next(s for s in specs if s.arm == "tied")
     lost = [s for s in specs if s.branch_step is not None and finished(ctx, s) is None
             and not ctx.checkpoint_path(tied_spec, f"step{s.branch_step}").exists()]  # fmt: skip
