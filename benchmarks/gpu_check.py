@@ -117,16 +117,22 @@ def _script(name: str, *arguments: str) -> dict | list:
         return json.loads(Path(out, "results.json").read_text())
 
 
+def measuring_flags(vocab: int, hidden: int, dtype: str, tiny: bool) -> list[str]:
+    """`benchmarks/measurement_scale.py`'s flags at one shape: 256 pairs (the tokenizer default's count) of the
+    batch's most frequent tokens, from 4 sequences of 512 (one sequence of 512 Zipf-drawn tokens holds about 340
+    distinct ones, fewer than 256 pairs need: the first lent GPU's call failed there)."""
+    steps, length, batch, pairs = ("2", "64", "1", "8") if tiny else ("4", "512", "4", "256")
+    return ["--vocabs", str(vocab), "--hidden", str(hidden), "--dtype", dtype, "--steps", steps,
+            "--sequence_length", length, "--batch_size", batch, "--pairs", pairs]  # fmt: skip
+
+
 def shape_costs(args: CheckArguments) -> list[dict]:
     """The measuring step and the untie at each shape (bf16 on a GPU; float32 on a CPU, whose bf16 matmuls are
     emulated)."""
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     rows = []
     for name, vocab, hidden in TINY_SHAPES if args.tiny else REAL_SHAPES:
-        steps = "2" if args.tiny else "4"
-        measuring = _script("measurement_scale.py", "--vocabs", str(vocab), "--hidden", str(hidden), "--dtype", dtype,
-                            "--steps", steps, "--sequence_length", "64" if args.tiny else "512",
-                            "--pairs", "8" if args.tiny else "256")  # fmt: skip
+        measuring = _script("measurement_scale.py", *measuring_flags(vocab, hidden, dtype, args.tiny))
         latency = _script("untie_latency.py", "--vocab", str(vocab), "--hidden", str(hidden), "--dtype", dtype,
                           "--repeats", "1" if args.tiny else "2")  # fmt: skip
         rows.append({"shape": name, "vocab": vocab, "hidden": hidden, "dtype": dtype, "measuring": measuring,

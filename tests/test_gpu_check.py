@@ -37,3 +37,15 @@ def test_the_device_check_runs_tiny_on_the_cpu_and_reports_every_part(gpu_check,
     assert shape["measuring"][0]["ratio"] > 0 and shape["untie"][0]["ratio"] > 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["device"] == report["device"] and "| tiny | 1,024 x 64 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("shape", range(2))
+def test_the_real_shapes_batches_hold_the_tokens_their_pairs_need(gpu_check, shape):
+    """At each real shape the measuring step's batch (Zipf-drawn, as `measurement_scale.py` draws it) holds at least
+    the 2 x pairs distinct tokens its pairs are read from (one sequence of 512 did not: the first lent GPU's call)."""
+    measuring = load_script("benchmarks", "measurement_scale")
+    _, vocab, hidden = gpu_check.REAL_SHAPES[shape]
+    flags = gpu_check.measuring_flags(vocab, hidden, "bfloat16", tiny=False)
+    value = {flags[i]: flags[i + 1] for i in range(0, len(flags), 2)}
+    ids = measuring._zipf_batch(vocab, (int(value["--batch_size"]), int(value["--sequence_length"])))
+    assert measuring._pairs(ids, int(value["--pairs"]), "batch", vocab)  # raises where too few tokens

