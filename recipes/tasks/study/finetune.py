@@ -7,12 +7,11 @@ the source loss (the pretraining validation split: what was forgotten) before an
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +23,14 @@ from untie_recipes.tasks.study.model import build_model
 from untie_recipes.tasks.study.protocol import untie_step
 from untie_recipes.tasks.study.provenance import blocks_digest
 from untie_recipes.tasks.study.runs import StudyContext
-from untie_recipes.tasks.study.training import Progress, RunSpec, StudyRecord, build_optimizer, study_order
+from untie_recipes.tasks.study.training import (
+    JsonRecord,
+    Progress,
+    RunSpec,
+    StudyRecord,
+    build_optimizer,
+    study_order,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +48,7 @@ CHECKPOINT_TOLERANCE = 1e-6
 
 
 @dataclass
-class FineTuneRecord:
+class FineTuneRecord(JsonRecord):
     """One fine-tuning run: its arm and seed, where it started from, and its losses before and after."""
 
     name: str
@@ -68,17 +74,6 @@ class FineTuneRecord:
     corpus_digest: str
     target_digest: str
     epochs: float
-
-    def save(self, path: Path) -> None:
-        """Written to a partial file and renamed: a killed save leaves no half record."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        partial.replace(path)
-
-    @classmethod
-    def load(cls, path: Path) -> FineTuneRecord:
-        return cls(**json.loads(path.read_text()))
 
     def matches(self, expected: dict) -> bool:
         """Whether the record was made with these settings (learning rate, steps, batch, checkpoint, corpus, target)."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -154,8 +155,26 @@ class CurveRecorder(Recorder):
             self.watch.load_state_dict(measured["watch"])
 
 
+class JsonRecord:
+    """A dataclass record kept as one JSON file: saved whole or not at all, loaded back field by field."""
+
+    def save(self, path: Path) -> None:
+        """Written to a partial file and renamed: a killed save leaves no half record."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(asdict(self), indent=1) + "\n")  # type: ignore[call-overload]
+        partial.replace(path)
+
+    @classmethod
+    def load(cls: type[RecordType], path: Path) -> RecordType:
+        return cls(**json.loads(path.read_text()))
+
+
+RecordType = TypeVar("RecordType", bound=JsonRecord)
+
+
 @dataclass
-class StudyRecord:
+class StudyRecord(JsonRecord):
     """One finished run: what it trained, what it measured, where it ran and on which corpus."""
 
     name: str
@@ -192,16 +211,6 @@ class StudyRecord:
     checkpoint_digests: dict[str, str] = field(default_factory=dict)
     epochs: float = 1.0
     """Passes over the training blocks the run's budget needs (above 1: blocks are seen again, `study_order`)."""
-
-    def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        partial.write_text(json.dumps(asdict(self), indent=1) + "\n")
-        partial.replace(path)
-
-    @classmethod
-    def load(cls, path: Path) -> StudyRecord:
-        return cls(**json.loads(path.read_text()))
 
     def curve(self) -> list[tuple[int, float]]:
         return list(zip(self.curve_steps, self.curve_validation, strict=True))
