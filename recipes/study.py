@@ -5,6 +5,8 @@ seeds. The protocol and the rule that turns its tables into the default: docs/re
     python recipes/study.py --plan                  # the cells' sizes, budgets and branch steps; runs nothing
     python recipes/study.py                         # the CPU tier: cells A then B (8,192 vocabulary, one thread)
     python recipes/study.py --cells A --seeds 1     # a part of it
+    python recipes/study.py --cells B --rates tied  # the tied sweep, run and branches; beside it, on another core,
+    python recipes/study.py --cells B --rates untied  # the untied sweep and arms (the same --output_dir)
     python recipes/study.py --report_only           # results.json and results.md from the finished runs
     python recipes/study.py --preset device --export_corpus runs/corpus-vocab32768   # build and export its corpus
     python recipes/study.py --preset device --corpus_dir runs/corpus-vocab32768      # the device tier, one call
@@ -43,11 +45,11 @@ from untie_recipes.tasks.study.finetune import (
     load_finetune_records,
     run_finetune,
 )
-from untie_recipes.tasks.study.protocol import CELLS, CPU_CELLS, DEVELOPMENT_SEEDS, DEVICE_CELLS, check_seeds
+from untie_recipes.tasks.study.protocol import ARMS, CELLS, CPU_CELLS, DEVELOPMENT_SEEDS, DEVICE_CELLS, check_seeds
 from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, machine_facts
 from untie_recipes.tasks.study.report import load_records, write_report
 from untie_recipes.tasks.study.runs import StudyContext, cell_plan, retrain_tied, run_seed, seed_specs
-from untie_recipes.tasks.study.sweep import run_sweep
+from untie_recipes.tasks.study.sweep import PLAIN, run_sweep
 from untie_recipes.tasks.study.target import fetch_target_documents, target_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,6 +72,11 @@ class StudyArguments:
     cells: list[str] | None = field(default=None, metadata={"help": f"among {sorted(CELLS)}"})
     seeds: list[int] = field(default_factory=lambda: list(DEVELOPMENT_SEEDS), metadata={"help": "development seeds"})
     sweep_seed: int = field(default=DEVELOPMENT_SEEDS[0], metadata={"help": "the LR sweep's development seed"})
+    rates: list[str] = field(
+        default_factory=lambda: list(PLAIN),
+        metadata={"help": "the swept rates this process runs: their sweeps, then the arms at them (tied: the tied run, "
+                          "its branches, the fine-tuning; untied: the arms untied at step 0); one each: two processes"},
+    )  # fmt: skip
     held_out: bool = field(default=False, metadata={"help": "allow the reserved held-out seeds (their evaluation)"})
     batch_size: int | None = field(default=None, metadata={"help": f"blocks of {BLOCK} tokens per optimizer step"})
     warmup: int = field(default=100, metadata={"help": "linear warm-up steps (then constant, then the cooldown)"})
@@ -107,6 +114,8 @@ class StudyArguments:
             raise SystemExit(f"--cells {unknown}: choose among {sorted(CELLS)}.")
         for cell in self.cells:
             check_seeds(cell, (*self.seeds, self.sweep_seed), self.held_out)
+        if not self.rates or not set(self.rates) <= set(PLAIN):
+            raise SystemExit(f"--rates {self.rates}: choose one or both of {list(PLAIN)}.")
 
 
 def check_same_settings(output_dir: Path, args: StudyArguments, digest: str) -> None:
@@ -134,7 +143,12 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
                 f"cell {cell}: {plan['budget_steps']} steps of {args.batch_size} blocks need more than the corpus's "
                 f"{len(ctx.corpus.train)} training blocks: an arm would see tokens twice (--allow_repeats allows it)."
             )
-    total = sum(p["sweep_steps"] + p["steps_per_seed"] * len(args.seeds) for p in plans.values())
+    rates = tuple(rate for rate in PLAIN if rate in args.rates)
+    total = sum(p["sweep_steps"] * len(rates) // len(PLAIN) + len(args.seeds) * sum(
+                    p["budget_steps"] - p["branch_steps"].get(arm, 0) for arm in p["arms"] if ARMS[arm].plain in rates)
+                for p in plans.values())  # fmt: skip
+    if "tied" not in rates:
+        target = None  # the fine-tuning starts from the tied run's checkpoint: the tied process runs it
     if target is not None and FINETUNE_CELL in plans:
         total += FINETUNE_STEPS * len(FINETUNE_ARMS) * len(args.seeds)
     bar = tqdm(total=total, desc="Study", unit="step", disable=args.disable_tqdm, dynamic_ncols=True, mininterval=10)
@@ -151,7 +165,7 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
         for cell in args.cells:
             budget = plans[cell]["budget_steps"]
             bar.set_description(f"Study {cell} sweep")
-            sweep = run_sweep(ctx, cell, args.sweep_seed, budget, progress, args.max_extensions, extend)
+            sweep = run_sweep(ctx, cell, args.sweep_seed, budget, progress, args.max_extensions, extend, rates)
             for arm, summary in sweep.items():
                 logging.info("study: cell %s, %s: LR %g (%s)", cell, arm, summary.best, summary.note())
             lrs = {arm: summary.best for arm, summary in sweep.items()}

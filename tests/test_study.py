@@ -223,6 +223,32 @@ def test_the_recipe_runs_sweep_then_arms_records_and_reuses_them(recipe, tmp_pat
         recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
 
 
+def _records_without_time(folder: Path) -> dict[str, dict]:
+    return {str(p.relative_to(folder)): {k: v for k, v in json.loads(p.read_text()).items()
+                                         if k not in ("wall_seconds", "cpu_seconds")}
+            for p in folder.rglob("*.json")}  # fmt: skip
+
+
+def test_two_processes_given_one_rate_each_write_the_records_one_process_writes(recipe, tmp_path, tiny_cell):
+    """`--rates untied` runs the untied sweep and the arms untied at step 0 only; `--rates tied` the rest (the tied
+    sweep, run, branches and fine-tuning), in the same folder: together, what one process with both writes."""
+    split, whole = tmp_path / "split", tmp_path / "whole"
+    recipe.main(_args(split, "--cells", "A", "--seeds", "1", "--rates", "untied"))
+    untied_only = _records_without_time(split / "out" / "records")
+    arms = {name for name in untied_only if "-sweep-" not in name}
+    sweeps = {name for name in untied_only if "-sweep-" in name}
+    assert arms == {"A-s1-untied.json", "A-s1-copy0.json"}  # the arms untied at step 0, nothing of the tied side
+    assert {f"A-sweep-untied-lr{lr:g}-s1.json" for lr in TINY.sweep_values()} <= sweeps
+    assert all(name.startswith("A-sweep-untied-") for name in sweeps)  # (a best at an edge adds a value)
+    recipe.main(_args(split, "--cells", "A", "--seeds", "1", "--rates", "tied"))
+    recipe.main(_args(whole, "--cells", "A", "--seeds", "1"))
+    together = _records_without_time(split / "out" / "records")
+    assert any(name.startswith("finetune/") for name in together)
+    assert together == _records_without_time(whole / "out" / "records")
+    with pytest.raises(SystemExit, match="--rates"):
+        recipe.main(_args(split, "--rates", "both"))
+
+
 def _record(seed: int, arm: str, final: float, cpu: str = "CPU X", digest: str = "d1") -> StudyRecord:
     return StudyRecord(
         name=f"A-s{seed}-{arm}", cell="A", arm=arm, kind="arm", seed=seed, lr=1e-3, budget_steps=100,

@@ -233,8 +233,10 @@ def run_or_reuse(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: Stu
 
 
 def seed_specs(ctx: StudyContext, cell: str, seed: int, lrs: dict[str, float], budget: int) -> list[RunSpec]:
-    """Every arm's run of (cell, seed), the tied run first: each at its swept rate (`Arm.plain`)."""
-    return [RunSpec(cell, arm, ctx.setup(cell, seed, lrs[ARMS[arm].plain]), budget) for arm in CELLS[cell].arms]
+    """The runs of (cell, seed) whose swept rate `lrs` holds (`Arm.plain`: "tied" for the tied run and its branches,
+    "untied" for the arms untied from step 0), the tied run first, each at that rate."""
+    return [RunSpec(cell, arm, ctx.setup(cell, seed, lrs[ARMS[arm].plain]), budget)
+            for arm in CELLS[cell].arms if ARMS[arm].plain in lrs]  # fmt: skip
 
 
 def retrain_tied(ctx: StudyContext, spec: RunSpec, progress: Progress) -> None:
@@ -250,10 +252,13 @@ def retrain_tied(ctx: StudyContext, spec: RunSpec, progress: Progress) -> None:
 
 
 def run_seed(ctx: StudyContext, cell: str, seed: int, lrs: dict[str, float], budget: int, progress: Progress):
-    """Every arm of (cell, seed): tied, the arms untied from step 0, the branches; returns their records. The tied
-    run is run again when a branch still to run has lost its checkpoint; the branch checkpoints are deleted once
-    every branch is recorded (the final one is kept)."""
+    """Every arm of (cell, seed) whose swept rate `lrs` holds: tied, the arms untied from step 0, the branches;
+    returns their records. Given only the untied rate, only the arms untied from step 0 run (another process runs
+    the tied run and its branches). The tied run is run again when a branch still to run has lost its checkpoint;
+    the branch checkpoints are deleted once every branch is recorded (the final one is kept)."""
     specs = seed_specs(ctx, cell, seed, lrs, budget)
+    if "tied" not in lrs:
+        return {spec.arm: run_or_reuse(ctx, spec, progress) for spec in specs}
     tied_spec = next(s for s in specs if s.arm == "tied")
     lost = [s for s in specs if s.branch_step is not None and finished(ctx, s) is None
             and not ctx.checkpoint_path(tied_spec, f"step{s.branch_step}").exists()]  # fmt: skip

@@ -53,11 +53,12 @@ def sweep_spec(ctx: StudyContext, cell: str, arm: str, lr: float, seed: int, bud
 
 
 def run_sweep(ctx: StudyContext, cell: str, seed: int, budget: int, progress: Progress, max_extensions: int = 1,
-              on_extend=None) -> dict[str, SweepSummary]:  # fmt: skip
-    """Run (or reuse) the cell's sweep; returns each plain arm's summary. `on_extend(steps)`: called before an
-    extension runs, with its steps (the progress line's total grows)."""
+              on_extend=None, arms: tuple[str, ...] = PLAIN) -> dict[str, SweepSummary]:  # fmt: skip
+    """Run (or reuse) the sweep of each plain arm in `arms` (both by default: a process given one splits the cell with
+    another); returns their summaries. `on_extend(steps)`: called before an extension runs, with its steps (the
+    progress line's total grows)."""
     out = {}
-    for arm in PLAIN:
+    for arm in arms:
         records = [run_or_reuse(ctx, sweep_spec(ctx, cell, arm, lr, seed, budget), progress)
                    for lr in CELLS[cell].sweep_values()]  # fmt: skip
         for _ in range(max_extensions):
