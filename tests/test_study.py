@@ -372,7 +372,8 @@ def test_fine_tuning_starts_from_the_checked_tied_checkpoint_and_each_arm_unties
     assert records["stay-tied"].untie_step is None and records["untie-now"].untie_step == 0
     assert records["untie@1/2"].untie_step == finetune.HALF_STEP == 150
     default = records["default"]
-    assert default.untie_step is not None and 0 <= default.untie_step <= 90 and default.untie_reason
+    assert default.untie_step is not None and 0 < default.untie_step <= 90  # tied first: the registered default
+    assert default.untie_reason in ("trigger", "deadline")
     assert len({r.target_loss for r in records.values()}) == len(records)  # the arms differ
 
 
