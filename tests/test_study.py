@@ -425,6 +425,30 @@ def test_the_loaded_model_rule_takes_the_best_target_among_arms_that_forget_no_m
     assert verdict.loaded_verdict({"seeds": [1, 2]}).startswith("pending")
 
 
+def _cell_table(cell: str, seeds: int, below: tuple[str, ...] = ()) -> dict:
+    """A cell's table: every tied-phase arm (and the copy at step 0) above untied, save `below`."""
+    arms = {}
+    for arm in protocol.CELLS[cell].arms:
+        shift = -0.1 if arm in below else 0.1
+        arms[arm] = {"vs_untied": stats.t_interval([shift + 0.01 * i for i in range(seeds)])}
+    return {"seeds": list(range(1, seeds + 1)), "arms": arms}
+
+
+def test_the_fresh_model_rule_answers_as_soon_as_the_complete_cells_allow():
+    """Rule 1 needs an interval below 0 in both cells: once complete cells leave no arm that could qualify, the
+    answer is untied from step 0 whatever the cell in progress shows; the copy question reads cell A alone."""
+    decided = verdict.verdict({"A": _cell_table("A", 3), "B": _cell_table("B", 1)})
+    assert decided["fresh_model"].startswith("untied from step 0") and "decided by cell A" in decided["why"]
+    assert decided["copy_at_step_0"].startswith("costly")  # copy0 above the drawn head in cell A
+    only_a = verdict.verdict({"A": _cell_table("A", 3, below=("untie@2/3-fresh",)), "B": _cell_table("B", 0)})
+    assert only_a["fresh_model"].startswith("untied from step 0")  # an arm cell B leaves out cannot qualify
+    open_ = verdict.verdict({"A": _cell_table("A", 3, below=("untie@1/3", "copy0")), "B": _cell_table("B", 2)})
+    assert open_["fresh_model"] == "pending" and open_["copy_at_step_0"].startswith("acceptable")
+    both = verdict.verdict({c: _cell_table(c, 3, below=("untie@1/3", "untie@2/3")) for c in ("A", "B")})
+    assert both["fresh_model"] == "a tied phase to 0.333 of the run (untie@1/3)"
+    assert verdict.verdict({"A": _cell_table("A", 2), "B": {}})["copy_at_step_0"] == "pending"
+
+
 def test_the_summary_gives_each_choice_against_untied_in_pretraining_and_against_staying_tied_in_fine_tuning(
     tmp_path,
 ):

@@ -43,31 +43,57 @@ def loaded_verdict(table: dict) -> str:
     return f"{LOADED_DEFAULTS[best]} ({best}: {why})"
 
 
+def _complete(cells: dict[str, dict], cell: str) -> bool:
+    return len((cells.get(cell) or {}).get("seeds", [])) >= SEEDS_NEEDED
+
+
+def _copy_verdict(cells: dict[str, dict]) -> str:
+    """Rule 3: reads cell A's copy at step 0 against the drawn head, once cell A is complete."""
+    if not _complete(cells, "A"):
+        return "pending"
+    copy = cells["A"]["arms"].get("copy0", {}).get("vs_untied", {})
+    if above_zero(copy):
+        return "costly: a misread of 'fresh' must not fall back to a copy silently; draw only on positive evidence"
+    return "acceptable fallback (its interval against the drawn head does not lie above 0 in cell A)"
+
+
+def _still_possible(cells: dict[str, dict], arm: str) -> bool:
+    """Whether rule 1 can still pick `arm`: every complete cell has it with an interval below 0, and every cell still
+    in progress has it among its arms (an arm that a cell leaves out can never qualify)."""
+    for cell in RULE_CELLS:
+        if arm not in CELLS[cell].arms:
+            return False
+        if _complete(cells, cell) and not (arm in cells[cell]["arms"]
+                                           and below_zero(cells[cell]["arms"][arm]["vs_untied"])):  # fmt: skip
+            return False
+    return True
+
+
 def verdict(cells: dict[str, dict], finetune: dict | None = None) -> dict:
-    """The fresh-model default and the copy fallback from the tables of cells A and B ("pending" until both have
-    `SEEDS_NEEDED` complete seeds), and the loaded-model default from the fine-tuning table."""
+    """The fresh-model default and the copy fallback from the tables of cells A and B, and the loaded-model default
+    from the fine-tuning table. Each answer is given as soon as the cells it reads allow: the copy fallback reads cell
+    A alone; the fresh-model default is decided early when the complete cells already leave no tied-phase arm that
+    rule 1 could pick (an incomplete cell cannot bring one back); otherwise it is "pending" until both cells have
+    `SEEDS_NEEDED` complete seeds."""
     loaded = loaded_verdict(finetune or {})
-    missing = [c for c in RULE_CELLS if len((cells.get(c) or {}).get("seeds", [])) < SEEDS_NEEDED]
-    if missing:
+    copy = _copy_verdict(cells)
+    missing = [c for c in RULE_CELLS if not _complete(cells, c)]
+    candidates = [arm for arm in CELLS["A"].arms if ARMS[arm].tied_phase and _still_possible(cells, arm)]
+    if missing and candidates:
         return {"fresh_model": "pending", "why": f"cells {missing} lack {SEEDS_NEEDED} complete seeds",
-                "copy_at_step_0": "pending", "loaded_model": loaded}  # fmt: skip
-    qualifying = []
-    for arm in CELLS["A"].arms:
-        if not ARMS[arm].tied_phase:
-            continue
-        if all(arm in cells[c]["arms"] and below_zero(cells[c]["arms"][arm]["vs_untied"]) for c in RULE_CELLS):
-            qualifying.append(arm)
-    if qualifying:
-        arm = min(qualifying, key=lambda a: (tied_phase_fraction(a), cells["A"]["arms"][a]["vs_untied"]["mean"]))
+                "copy_at_step_0": copy, "loaded_model": loaded}  # fmt: skip
+    if candidates:
+        arm = min(candidates, key=lambda a: (tied_phase_fraction(a), cells["A"]["arms"][a]["vs_untied"]["mean"]))
         fraction = tied_phase_fraction(arm)
         fresh = "stay tied" if fraction == 1.0 else f"a tied phase to {fraction:.3g} of the run ({arm})"
         why = f"{arm}'s interval against untied lies below 0 in cells {', '.join(RULE_CELLS)}"
     else:
         fresh = "untied from step 0, head drawn (unchanged)"
         why = "no tied-phase arm's interval against untied lies below 0 in both cells"
-    copy = cells["A"]["arms"].get("copy0", {}).get("vs_untied", {})
-    if above_zero(copy):
-        fallback = "costly: a misread of 'fresh' must not fall back to a copy silently; draw only on positive evidence"
-    else:
-        fallback = "acceptable fallback (its interval against the drawn head does not lie above 0 in cell A)"
-    return {"fresh_model": fresh, "why": why, "copy_at_step_0": fallback, "loaded_model": loaded}
+        if missing:
+            done = [c for c in RULE_CELLS if c not in missing]
+            why = (
+                f"decided by cell {', '.join(done)}: no tied-phase arm's interval against untied lies below 0 "
+                f"there, so none can in both cells; cell {', '.join(missing)}, still in progress, cannot change it"
+            )
+    return {"fresh_model": fresh, "why": why, "copy_at_step_0": copy, "loaded_model": loaded}
