@@ -21,6 +21,7 @@ independent held-out evaluation and refused without ``--held_out``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -134,8 +135,8 @@ def check_same_settings(output_dir: Path, args: StudyArguments, digest: str) -> 
 
 
 def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus | None = None) -> None:
-    """Each cell: its LR sweep, then every arm of each seed, then (cell A, with a `target`) each seed's fine-tuning;
-    one progress line for the whole job."""
+    """Each cell: its LR sweep, then every arm of each seed, then (cell A, with a `target`) each seed's fine-tuning,
+    for the swept rates of `--rates` (both by default); one progress line for the whole job."""
     plans = {cell: cell_plan(cell, ctx.vocab, args.batch_size) for cell in args.cells}
     for cell, plan in plans.items():
         if plan["budget_steps"] * args.batch_size > len(ctx.corpus.train) and not args.allow_repeats:
@@ -183,8 +184,8 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
 
 def load_target(args: StudyArguments, corpus: TokenizedCorpus) -> TokenizedCorpus | None:
     """The fine-tuning's target, cut with the corpus's tokenizer and checked against its pin; None where the job does
-    not fine-tune (`--finetune false`, or no cell A)."""
-    if not args.finetune or FINETUNE_CELL not in args.cells:
+    not fine-tune (`--finetune false`, no cell A, or only the untied rate: the tied process fine-tunes)."""
+    if not args.finetune or FINETUNE_CELL not in args.cells or "tied" not in args.rates:
         return None
     documents, facts = fetch_target_documents(Path(args.cache_dir) if args.cache_dir else default_cache_dir())
     target = target_corpus(documents, corpus.tokenizer)
@@ -213,6 +214,29 @@ def on_device(corpus: TokenizedCorpus, device: torch.device) -> TokenizedCorpus:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     return dataclasses.replace(corpus, train=corpus.train.to(device), validation=corpus.validation.to(device))
+
+
+@contextlib.contextmanager
+def rate_locks(output_dir: Path, rates: list[str]):
+    """Hold one lock per swept rate in `output_dir` while the study runs: a second process given a rate already
+    running there (the same command twice, or both rates beside `--rates untied`) is refused before it trains the
+    same runs. The kernel releases the locks when the process ends, however it ends (Unix; elsewhere no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no advisory locks; run one process per folder
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for rate in sorted(set(rates)):
+            handle = stack.enter_context(open(output_dir / f"running-{rate}.lock", "w"))
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SystemExit(
+                    f"{output_dir}: another process runs the {rate} rate's runs there; give this one the other rate "
+                    f"(--rates), another --output_dir, or wait for it."
+                ) from None
+        yield
 
 
 def import_records(records_dir: Path | None, folder: Path) -> None:
@@ -263,7 +287,8 @@ def main(argv: list[str] | None = None) -> dict:
                        curve_blocks=args.curve_blocks, resume_every=args.resume_every, records_dir=records_dir,
                        device=device, stop_at=stop_at)  # fmt: skip
     try:
-        run_study(ctx, args, target)
+        with rate_locks(output_dir, args.rates):
+            run_study(ctx, args, target)
     except training.OutOfTime:
         logging.info("study: stopped at the time limit (%s s); the same command continues.", args.time_limit)
     return report(output_dir)

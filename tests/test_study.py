@@ -242,11 +242,27 @@ def test_two_processes_given_one_rate_each_write_the_records_one_process_writes(
     assert all(name.startswith("A-sweep-untied-") for name in sweeps)  # (a best at an edge adds a value)
     recipe.main(_args(split, "--cells", "A", "--seeds", "1", "--rates", "tied"))
     recipe.main(_args(whole, "--cells", "A", "--seeds", "1"))
+    tied_only = tmp_path / "tied-only"
+    recipe.main(_args(tied_only, "--cells", "A", "--seeds", "1", "--rates", "tied"))
+    names = set(_records_without_time(tied_only / "out" / "records"))
+    assert not any("untied" in name or "copy0" in name for name in names)  # nothing of the untied side
+    assert {"A-s1-tied.json", "A-s1-untie@1of3.json"} <= names and any(n.startswith("finetune/") for n in names)
     together = _records_without_time(split / "out" / "records")
     assert any(name.startswith("finetune/") for name in together)
     assert together == _records_without_time(whole / "out" / "records")
     with pytest.raises(SystemExit, match="--rates"):
         recipe.main(_args(split, "--rates", "both"))
+
+
+def test_a_second_process_given_a_rate_that_runs_in_the_folder_is_refused(recipe, tmp_path):
+    with recipe.rate_locks(tmp_path, ["tied"]):
+        with recipe.rate_locks(tmp_path, ["untied"]):  # the other rate, beside it: allowed
+            pass
+        with pytest.raises(SystemExit, match="another process runs the tied rate's runs there"):
+            with recipe.rate_locks(tmp_path, ["tied", "untied"]):
+                pass
+    with recipe.rate_locks(tmp_path, ["tied", "untied"]):  # released when the first one ends
+        pass
 
 
 def _record(seed: int, arm: str, final: float, cpu: str = "CPU X", digest: str = "d1") -> StudyRecord:
@@ -287,6 +303,8 @@ def test_the_paired_t_interval_matches_a_hand_computed_example():
     assert (interval["low"], interval["high"]) == pytest.approx((0.44603, 4.55397), abs=1e-5)
     assert stats.above_zero(interval)
     assert stats.t_interval([0.5])["low"] is None
+    diverged = stats.t_interval([0.1, math.nan, 0.2])
+    assert math.isnan(diverged["mean"]) and diverged["low"] is None and not stats.below_zero(diverged)
 
 
 def test_tokens_to_reach_a_loss_interpolate_the_curve():
@@ -442,6 +460,13 @@ def test_the_fresh_model_rule_answers_as_soon_as_the_complete_cells_allow():
     assert decided["copy_at_step_0"].startswith("costly")  # copy0 above the drawn head in cell A
     only_a = verdict.verdict({"A": _cell_table("A", 3, below=("untie@2/3-fresh",)), "B": _cell_table("B", 0)})
     assert only_a["fresh_model"].startswith("untied from step 0")  # an arm cell B leaves out cannot qualify
+    assert "no tied-phase arm that both cells run" in only_a["why"]
+    diverged = _cell_table("A", 3)
+    diverged["arms"]["untie@1/3"]["vs_untied"] = stats.t_interval([math.nan] * 3)
+    del diverged["arms"]["copy0"]
+    waiting = verdict.verdict({"A": diverged, "B": _cell_table("B", 1)})
+    assert waiting["fresh_model"] == "pending" and waiting["copy_at_step_0"].startswith("pending")  # decides nothing
+    assert verdict.verdict({"A": diverged, "B": _cell_table("B", 3)})["fresh_model"].startswith("untied from step 0")
     open_ = verdict.verdict({"A": _cell_table("A", 3, below=("untie@1/3", "copy0")), "B": _cell_table("B", 2)})
     assert open_["fresh_model"] == "pending" and open_["copy_at_step_0"].startswith("acceptable")
     both = verdict.verdict({c: _cell_table(c, 3, below=("untie@1/3", "untie@2/3")) for c in ("A", "B")})

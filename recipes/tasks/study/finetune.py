@@ -147,7 +147,8 @@ def finetune_run(ctx: StudyContext, target: TokenizedCorpus, seed: int, arm: str
     target_before, source_before = evaluate(model, target.validation), evaluate(model, ctx.corpus.validation)
     setup = dataclasses.replace(ctx.setup(FINETUNE_CELL, seed, lr / LR_DIVISOR), warmup=FINETUNE_WARMUP)
     # The registered default for a loaded tied model (the trigger, or the deadline at 30%), pinned by policy="off" so
-    # that the arm keeps its meaning whatever the library's default becomes (the same run: tests/test_study.py).
+    # that the arm keeps its meaning whatever the library's default becomes (the same run for trained weights: seed
+    # 1's arm, run again pinned, repeated its record exactly; docs/recipes/study.md, "Fine-tuning").
     untier = (Untier(model, max_steps=FINETUNE_STEPS, tokenizer=ctx.corpus.tokenizer, policy="off")
               if arm == "default" else None)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, setup, FINETUNE_STEPS)

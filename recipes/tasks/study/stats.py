@@ -26,10 +26,12 @@ T_975 = {
 
 def t_interval(differences: list[float]) -> dict:
     """Mean, sd, n and the 95% t-interval (t with n - 1 degrees of freedom) of paired differences; the interval is
-    None with fewer than 2 values."""
+    None with fewer than 2 values, or where a value is not finite (a diverged run; the mean is then NaN)."""
     n = len(differences)
     if n == 0:
         return {"mean": None, "sd": None, "n": 0, "low": None, "high": None}
+    if not all(math.isfinite(d) for d in differences):  # a diverged run: no mean or interval to read
+        return {"mean": math.nan, "sd": None, "n": n, "low": None, "high": None}
     mean = statistics.fmean(differences)
     if n < 2:
         return {"mean": mean, "sd": None, "n": 1, "low": None, "high": None}

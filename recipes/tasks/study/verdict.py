@@ -4,6 +4,8 @@ fine-tuning table) what it does for a loaded tied model."""
 
 from __future__ import annotations
 
+import math
+
 from untie_recipes.tasks.study.protocol import ARMS, CELLS, DEVELOPMENT_SEEDS
 from untie_recipes.tasks.study.stats import above_zero, below_zero
 
@@ -47,11 +49,19 @@ def _complete(cells: dict[str, dict], cell: str) -> bool:
     return len((cells.get(cell) or {}).get("seeds", [])) >= SEEDS_NEEDED
 
 
+def _finite(interval: dict) -> bool:
+    """Whether a paired difference was measured: a finite mean and interval (not missing, not a diverged run)."""
+    values = [interval.get(key) for key in ("mean", "low", "high")]
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
 def _copy_verdict(cells: dict[str, dict]) -> str:
     """Rule 3: reads cell A's copy at step 0 against the drawn head, once cell A is complete."""
     if not _complete(cells, "A"):
         return "pending"
     copy = cells["A"]["arms"].get("copy0", {}).get("vs_untied", {})
+    if not _finite(copy):
+        return "pending (cell A has no finite difference for the copy at step 0)"
     if above_zero(copy):
         return "costly: a misread of 'fresh' must not fall back to a copy silently; draw only on positive evidence"
     return "acceptable fallback (its interval against the drawn head does not lie above 0 in cell A)"
@@ -63,9 +73,11 @@ def _still_possible(cells: dict[str, dict], arm: str) -> bool:
     for cell in RULE_CELLS:
         if arm not in CELLS[cell].arms:
             return False
-        if _complete(cells, cell) and not (arm in cells[cell]["arms"]
-                                           and below_zero(cells[cell]["arms"][arm]["vs_untied"])):  # fmt: skip
-            return False
+        if not _complete(cells, cell):
+            continue
+        interval = cells[cell]["arms"].get(arm, {}).get("vs_untied", {})
+        if _finite(interval) and not below_zero(interval):
+            return False  # (a missing or diverged difference decides nothing early)
     return True
 
 
@@ -79,11 +91,12 @@ def verdict(cells: dict[str, dict], finetune: dict | None = None) -> dict:
     copy = _copy_verdict(cells)
     missing = [c for c in RULE_CELLS if not _complete(cells, c)]
     candidates = [arm for arm in CELLS["A"].arms if ARMS[arm].tied_phase and _still_possible(cells, arm)]
-    if missing and candidates:
+    if missing and candidates:  # (with both cells complete, a candidate left by a missing difference does not qualify)
         return {"fresh_model": "pending", "why": f"cells {missing} lack {SEEDS_NEEDED} complete seeds",
                 "copy_at_step_0": copy, "loaded_model": loaded}  # fmt: skip
-    if candidates:
-        arm = min(candidates, key=lambda a: (tied_phase_fraction(a), cells["A"]["arms"][a]["vs_untied"]["mean"]))
+    qualifying = [arm for arm in candidates if all(below_zero(cells[c]["arms"][arm]["vs_untied"]) for c in RULE_CELLS)]
+    if qualifying:
+        arm = min(qualifying, key=lambda a: (tied_phase_fraction(a), cells["A"]["arms"][a]["vs_untied"]["mean"]))
         fraction = tied_phase_fraction(arm)
         fresh = "stay tied" if fraction == 1.0 else f"a tied phase to {fraction:.3g} of the run ({arm})"
         why = f"{arm}'s interval against untied lies below 0 in cells {', '.join(RULE_CELLS)}"
@@ -93,7 +106,8 @@ def verdict(cells: dict[str, dict], finetune: dict | None = None) -> dict:
         if missing:
             done = [c for c in RULE_CELLS if c not in missing]
             why = (
-                f"decided by cell {', '.join(done)}: no tied-phase arm's interval against untied lies below 0 "
-                f"there, so none can in both cells; cell {', '.join(missing)}, still in progress, cannot change it"
+                f"decided by cell {', '.join(done)}: no tied-phase arm that both cells run has its interval against "
+                f"untied below 0 there, so none can in both cells; cell {', '.join(missing)}, still in progress, "
+                "cannot change it"
             )
     return {"fresh_model": fresh, "why": why, "copy_at_step_0": copy, "loaded_model": loaded}
