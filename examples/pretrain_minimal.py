@@ -1,5 +1,5 @@
 """Pre-train with the defaults, in a dozen lines: the model is built fresh (its embedding matches a fresh draw of its
-initialiser), so `UntieCallback()` trains it untied from the first step, its head drawn (policy "fresh-untied"; a log
+initialiser), so `UntieCallback()` trains it untied from the first step, its head drawn (policy "untie-at-start"; a log
 line at train begin says so, and why). `UntieCallback(untie_at=0.3)` (the schedule, set) would train it tied and untie
 when the divergence trigger fires, at 30% of the run at the latest.
 

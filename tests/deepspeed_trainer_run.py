@@ -8,7 +8,8 @@ Usage: ``torchrun --nproc_per_node 2 deepspeed_trainer_run.py OUT STAGE``. Runs,
 * ``resume-8`` / ``resume-4``: a fresh Trainer resumed from that run's checkpoint after / before the untie;
 * ``trigger``: `UntieCallback(untie_when=RULE)` with no deadline, measuring every 2 steps: the role signals of the
   tied phase (captured in autograd under DeepSpeed) feed the divergence trigger;
-* ``default``: the defaults for trained weights (`UntieCallback(metrics_every=2, from_scratch=False)`: the tied
+* ``default``: the former defaults for trained weights (`UntieCallback(metrics_every=2, from_scratch=False,
+  policy="fresh-untied")`: the tied
   phase) with Trainer's tokenizer: the default trigger reads its pairs and measures, the deadline unties;
 * ``fresh``: `UntieCallback()` itself on a model built fresh: the default policy trains it untied from the first step;
 * ZeRO-3 only, ``nogather`` and ``nogather-resume-8`` / ``-4``: the ``untie`` run and its resumes without
@@ -174,7 +175,7 @@ def main() -> None:
         _, results[f"resume-{step}"] = train(
             out, stage, f"resume-{step}", callback, os.path.join(folder, f"checkpoint-{step}"), save=False
         )
-    default = untie.UntieCallback(metrics_every=2, from_scratch=False)
+    default = untie.UntieCallback(metrics_every=2, from_scratch=False, policy="fresh-untied")  # the former default
     _, results["default"] = train(out, stage, "default", default, save=False, tokenizer=tiny_tokenizer())
     _, results["fresh"] = train(out, stage, "fresh", untie.UntieCallback(), save=False)
     if stage == 3:  # ZeRO-3's default: checkpoints without model.safetensors, DeepSpeed's folder only

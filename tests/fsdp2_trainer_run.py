@@ -12,10 +12,11 @@ parameters), its optimizer, gradient clipping and DCP / full-state-dict checkpoi
 * ``full``: the same with full state-dict checkpoints, then `save_model`; ``full-resume-8`` resumes from it;
 * ``trigger``: `UntieCallback(untie_when=...)` with no deadline: the role signals measured in the emulated tied
   phase feed the divergence trigger. The ``tied`` run records the same signals with a live `RoleGradientProbe`;
-* ``default``: `UntieCallback()`'s defaults for trained weights (`from_scratch=False`; metrics every 2 steps): the
-  default trigger measures under FSDP2 too;
+* ``default``: the former defaults for trained weights (`policy="fresh-untied"`, `from_scratch=False`; metrics every
+  2 steps): tied, the default trigger measuring under FSDP2 too, the deadline at 30%;
 * ``loaded`` / ``ram-efficient``: `UntieCallback()` deciding from the weights, trained ones on every rank / on rank 0
-  only under accelerate's `cpu_ram_efficient_loading` (the other rank holds a fresh draw until prepare broadcasts).
+  only under accelerate's `cpu_ram_efficient_loading` (the other rank holds a fresh draw until prepare broadcasts):
+  untied before the first step, the head a copy.
 
 Each run saves, per rank: losses and gradient norms per step, the full matrices after the untie step and at the end.
 """
@@ -202,8 +203,10 @@ def main(out_dir: str) -> None:
     rule = untie.UntieWhen(signal="cosine", threshold=2.0, smoothing=0.0, warmup=0, patience=2)  # fires at step 4
     trigger = untie.UntieCallback(untie_at=None, untie_when=rule, metrics_every=2, pairs=PAIRS)
     _run(out_dir, "trigger", "SHARDED_STATE_DICT", trigger)
-    # The defaults under FSDP2: the pair-free trigger measures at step 2 (O(|T| d) per rank); the 30% deadline, step 3.
-    _run(out_dir, "default", "SHARDED_STATE_DICT", untie.UntieCallback(metrics_every=2, from_scratch=False))
+    # The former defaults for trained weights (policy "fresh-untied") under FSDP2: the pair-free trigger measures at
+    # step 2 (O(|T| d) per rank); the 30% deadline, step 3.
+    former = untie.UntieCallback(metrics_every=2, from_scratch=False, policy="fresh-untied")
+    _run(out_dir, "default", "SHARDED_STATE_DICT", former)
     # The defaults deciding from the weights: trained ones on every rank, and (accelerate's cpu_ram_efficient_loading)
     # on rank 0 only, the other rank holding a fresh draw until prepare broadcasts rank 0's into the shards.
     _run(out_dir, "loaded", "SHARDED_STATE_DICT", untie.UntieCallback(), weights=_trained)

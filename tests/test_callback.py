@@ -110,7 +110,7 @@ def test_class_passed_without_arguments_trains_a_fresh_model_untied_and_off_runs
     )
     trainer.train()
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
-    assert (cb.untie_step, cb.untie_reason) == (0, "start") and cb.policy_choice.policy == "fresh-untied"
+    assert (cb.untie_step, cb.untie_reason) == (0, "start") and cb.policy_choice.policy == "untie-at-start"
     model = tiny_model("gpt2")
     cb = untie.UntieCallback(policy="off")  # the tied-phase schedule at its defaults
     _train(model, make_args(max_steps=20), [cb])
@@ -123,7 +123,8 @@ def test_default_trigger_unties_before_the_deadline_when_it_fires(make_args, mon
     # Half of the two roles' updates cancel at every measurement: the default rule (warm-up 5% = step 2, patience 5)
     # fires at step 6, before the default deadline at 30% of 40 steps (12).
     monkeypatch.setattr(untie.core.measuring, "role_signals_on_rows", lambda *a, **k: {"cancellation": 0.9})
-    callback = untie.UntieCallback(metrics_every=1, from_scratch=False)  # the default plan for trained weights
+    # the former default plan for trained weights (policy "fresh-untied"): tied, the trigger, the deadline at 30%
+    callback = untie.UntieCallback(metrics_every=1, from_scratch=False, policy="fresh-untied")
     _train(tiny_model("gpt2"), make_args(max_steps=40), [callback])
     assert (callback.untie_step, callback.untie_reason, callback.divergence.fired_step) == (6, "trigger", 6)
 

@@ -82,3 +82,16 @@ def test_ranks_that_read_their_weights_differently_take_rank_0s_plan(tmp_path):
     assert "at the first batch" in rank0["policy_reason"] and "at the first batch" in rank1["policy_reason"]
     for name, value in rank0["params"].items():
         assert torch.equal(value, rank1["params"][name]), name
+
+
+def test_a_loaded_model_given_a_ddp_optimizer_first_unties_at_start_and_ranks_agree(tmp_path):
+    """`Untier(ddp_model, optimizer)` on a trained tied model: the default's untie at step 0 happens at the start of
+    training (the wrapper and the optimizer exist), the copied head joins the optimizer, and the ranks stay equal."""
+    torchrun(os.path.join(os.path.dirname(__file__), "ddp_built_optimizer_run.py"), tmp_path)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for run in (rank0, rank1):
+        assert run["untie"] == (0, "start") and run["head_init"] == "copy" and run["in_optimizer"]
+    params = rank0["params"]
+    assert not torch.equal(params["lm_head.weight"], params["model.embed_tokens.weight"])  # trained apart
+    for name, value in params.items():
+        assert torch.equal(value, rank1["params"][name]), name

@@ -37,9 +37,12 @@ def test_a_tied_checkpoint_continues_its_tied_phase_with_a_copied_head_and_says_
 
 
 def test_a_model_that_counts_as_trained_is_never_drawn_over():
-    decision = decide(TRAINED, DEFAULT)
-    assert (decision.choice.plan, decision.untie_at, decision.head_init) == ("as set", 0.3, "copy")
-    assert decision.start.target == "tied" and not decision.judge_first_batch
+    decision = decide(TRAINED, DEFAULT)  # the default: untied at once, the head a copy
+    assert (decision.choice.plan, decision.untie_at, decision.head_init) == ("untied from the start", 0, "copy")
+    assert decision.start.target == "untied" and not decision.judge_first_batch and decision.rule is None
+    former = decide(TRAINED, Settings(UntieConfig(policy="fresh-untied"), "UntieCallback"))  # tied first, a copy
+    assert (former.choice.plan, former.untie_at, former.head_init) == ("as set", 0.3, "copy")
+    assert former.start.target == "tied" and not former.judge_first_batch
 
 
 def test_the_first_batchs_verdict_is_a_fact_the_decision_follows():
@@ -63,10 +66,10 @@ def test_your_word_draws_as_asked_and_a_setting_the_plan_does_not_use_is_named()
     scratch = decide(TRAINED, Settings(UntieConfig(from_scratch=True), "Untier"))
     assert scratch.head_init == "model" and not scratch.judge_first_batch  # from_scratch=True: drawn as asked
     unused = decide(TRAINED, Settings(UntieConfig(head_init="model"), "Untier"))
-    assert (
-        unused.head_init == "model"
-        and "head_init='model' draws a head untied before the first step" in (unused.warnings[0][0])
-    )
+    assert unused.head_init == "model"  # the default unties it at once: drawn as asked, over trained weights, said
+    assert "head_init='model' draws the head over a model that counts as trained" in unused.warnings[0][0]
+    former = decide(TRAINED, Settings(UntieConfig(head_init="model", policy="fresh-untied"), "Untier"))
+    assert "head_init='model' draws a head untied before the first step" in former.warnings[0][0]
     off = decide(FRESH, Settings(UntieConfig(untie_at=10, from_scratch=False), "Untier"))
     assert "from_scratch=False changes nothing here" in off.warnings[0][0]
     tie_init = decide(TRAINED, Settings(UntieConfig(tie_init="mean"), "Untier"))

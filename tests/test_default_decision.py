@@ -15,7 +15,7 @@ from script_modules import load_script
 
 import untie
 from untie.structure import policy
-from untie.testing import ToyLMDataset, tiny_model
+from untie.testing import ToyLMDataset, step_llama_config, step_task, tiny_model, train_on_step_task
 
 CASES = load_script("scripts", "default_cases")  # the task and the trained states the script prints cases with
 _StepTask, _config, _trained_state, _loss = CASES.StepTask, CASES.small_config, CASES.trained_state, CASES.task_loss
@@ -37,8 +37,9 @@ def test_weights_loaded_by_hand_keep_their_trained_output_role_under_the_default
     callback = untie.UntieCallback()
     args = make_args(max_steps=10, learning_rate=1e-6, per_device_train_batch_size=64)
     tf.Trainer(model=model, args=args, train_dataset=_StepTask(zipf), callbacks=[callback]).train()
-    assert callback.policy_choice.plan == "as set" and "counts as trained" in callback.policy_choice.reason
-    assert callback.untie_step == 3 and torch.equal(model.lm_head.weight, model.transformer.wte.weight) is False
+    choice = callback.policy_choice
+    assert choice.untied_from_start and choice.head_init == "copy" and "counts as trained" in choice.reason
+    assert callback.untie_step == 0 and model.lm_head.weight is not model.transformer.wte.weight
     assert _loss(model, zipf) == pytest.approx(before, abs=0.01)  # the untie copied: nothing was drawn over it
 
 
@@ -52,8 +53,9 @@ def test_a_model_built_from_a_saved_config_counts_as_built_fresh_and_a_warning_n
     assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "model"
     untier.close()
     model = tf.AutoModelForCausalLM.from_config(config)
-    untier = untie.Untier(model, from_scratch=False, max_steps=4)  # the setting that settles it
-    assert untier.policy_choice.plan == "as set" and untie.is_tied(model)
+    untier = untie.Untier(model, from_scratch=False, max_steps=4)  # the setting that settles it: a copy
+    assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "copy"
+    assert torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)
     untier.close()
 
 
@@ -108,3 +110,92 @@ def test_the_line_at_train_begin_says_the_untie_step_in_the_runs_own_numbers(mak
         "because the schedule is set (untie_at=0.3, untie_when=None): it runs as set"
     )
     assert callback.run.plan == said[0] and callback.untie_step == 3
+
+
+def _loaded_llama() -> tf.PreTrainedModel:
+    torch.manual_seed(0)
+    return train_on_step_task(tf.LlamaForCausalLM(step_llama_config()), 50, 1e-2)
+
+
+def _in_optimizer(optimizer: torch.optim.Optimizer, parameter: torch.Tensor) -> bool:
+    return any(p is parameter for group in optimizer.param_groups for p in group["params"])
+
+
+def test_an_optimizer_built_first_gets_the_head_the_default_unties_at_once():
+    """`Untier(model, optimizer)`: the optimizer was built for the tied model; the default unties a loaded model at
+    once, and the copied head joins that optimizer and trains on its own."""
+    model = _loaded_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    untier = untie.Untier(model, optimizer, max_steps=4)
+    head, embedding = model.lm_head.weight, model.get_input_embeddings().weight
+    assert head is not embedding and torch.equal(head, embedding) and _in_optimizer(optimizer, head)
+    at_attach = head.detach().clone()
+    batch = step_task()[:16]
+    for _ in range(2):
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        untier.step()
+    assert (untier.untie_step, untier.untie_reason) == (0, "start") and not torch.equal(head, at_attach)
+    untier.close()
+
+
+@pytest.mark.parametrize("trained", [True, False], ids=["loaded", "fresh"])
+def test_trainer_given_its_optimizer_trains_the_head_the_default_unties(make_args, trained):
+    """`Trainer(optimizers=(optimizer, None))`: the head untied before the first step (a copy of a loaded model's
+    embedding, or a fresh model's draw) joins the optimizer the user built, so it trains."""
+    if trained:
+        model = _loaded_llama()
+    else:
+        torch.manual_seed(0)
+        model = tf.LlamaForCausalLM(step_llama_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    callback = untie.UntieCallback()
+    trainer = tf.Trainer(
+        model=model,
+        args=make_args(max_steps=3, per_device_train_batch_size=8),
+        train_dataset=[{"input_ids": row, "labels": row} for row in step_task()],
+        callbacks=[callback],
+        optimizers=(optimizer, None),
+    )
+    trainer.train()
+    head, embedding = model.lm_head.weight, model.get_input_embeddings().weight
+    assert callback.untie_step == 0 and callback.run.decision.head_init == ("copy" if trained else "model")
+    assert head is not embedding and _in_optimizer(optimizer, head) and len(optimizer.state[head]) > 0  # it stepped
+    assert not torch.equal(head, embedding)
+
+
+def test_a_policy_set_with_a_tied_phase_asked_for_names_the_schedule_it_ignores():
+    config = untie.UntieConfig(policy="untie-at-start", untie_at=0.5)
+    with pytest.warns(UserWarning, match=r"untie_at=0.5 changes nothing here: policy='untie-at-start' trains this"):
+        untier = untie.Untier(_loaded_llama(), config=config, max_steps=4)
+    assert untier.policy_choice.untied_from_start
+    untier.close()
+
+
+def test_trainer_given_its_optimizer_resumes_an_untied_checkpoint_with_the_head_in_it(make_args, tmp_path):
+    """A checkpoint saved after the untie, resumed by a Trainer given its own optimizer (the head joins that optimizer
+    before its state loads), with a tied phase set (the model then arrives tied at the resume) and with the default."""
+    rows = [{"input_ids": row, "labels": row} for row in step_task()]
+    for name, settings in (("set", {"untie_at": 2, "untie_when": None}), ("default", {})):
+        out = str(tmp_path / name)
+        args = make_args(
+            output_dir=out, max_steps=4, save_strategy="steps", save_steps=4, per_device_train_batch_size=8
+        )
+        model = _loaded_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        callbacks = [untie.UntieCallback(**settings)]
+        tf.Trainer(
+            model=model, args=args, train_dataset=rows, callbacks=callbacks, optimizers=(optimizer, None)
+        ).train()
+        resumed = _loaded_llama()
+        optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
+        args = make_args(output_dir=out, max_steps=6, save_strategy="no", per_device_train_batch_size=8)
+        callback = untie.UntieCallback(**settings)
+        trainer = tf.Trainer(
+            model=resumed, args=args, train_dataset=rows, callbacks=[callback], optimizers=(optimizer, None)
+        )
+        trainer.train(resume_from_checkpoint=f"{out}/checkpoint-4")
+        head = resumed.lm_head.weight
+        assert head is not resumed.get_input_embeddings().weight and _in_optimizer(optimizer, head), name
+        assert len(optimizer.state[head]) > 0, name

@@ -191,10 +191,15 @@ def test_from_scratch_under_a_set_schedule_is_named_as_unused():
         Untier(tf.LlamaForCausalLM(llama_config()), max_steps=10, from_scratch=True, untie_at=5)
 
 
-def test_head_init_model_on_a_trained_model_is_named_as_unused():
+def test_head_init_model_on_a_trained_model_is_named_as_unused_or_drawn_over_as_said():
     with pytest.warns(UserWarning, match=r"head_init='model' draws a head untied before the first step; this run"):
-        untier = Untier(trained_llama(200, 3e-3), max_steps=10, head_init="model")
+        untier = Untier(trained_llama(200, 3e-3), max_steps=10, head_init="model", policy="fresh-untied")
     assert untier.policy_choice.plan == "as set"
+    untier.close()
+    trained = trained_llama(200, 3e-3)
+    with pytest.warns(UserWarning, match=r"head_init='model' draws the head over a model that counts as trained"):
+        untier = Untier(trained, max_steps=10, head_init="model")  # the default unties at once: drawn, as asked
+    assert untier.policy_choice.untied_from_start and not torch.equal(output_weight(trained), input_weight(trained))
 
 
 def test_tie_init_ties_a_checkpoint_this_library_untied(tmp_path):

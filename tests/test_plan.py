@@ -16,10 +16,12 @@ TIE_FROM_INPUT = RunSettings("UntieCallback", tie_init="input")
 EMULATING_TIE = RunSettings("UntieCallback", tying_mode="emulated", tie_init="mean")
 ASKED_LIVE = RunSettings("UntieCallback", asked_mode="live")
 LOOP = RunSettings("Untier", untie_at=4)
+AT_ZERO = RunSettings("Untier", untie_at=0)
 
 TIED, UNTIED, EMULATED = ModelFacts("tied"), ModelFacts("untied"), ModelFacts("emulated")
 MARKED = ModelFacts("untied", marked_untied=True)
 TIED_BUILT, UNTIED_BUILT = ModelFacts("tied", optimizer_built=True), ModelFacts("untied", optimizer_built=True)
+TIED_WRAPPED = ModelFacts("tied", optimizer_built=True, distributed=True)
 
 UNTIED_CKPT = SavedFacts("checkpoint-9", untied=True)
 LIVE_CKPT = SavedFacts("checkpoint-9", untied=False, head_stored=False)
@@ -49,7 +51,19 @@ CASES = [
         r"emulated tying.*Create the Untier before the optimizer",
         True,
     ),
-    ("optimizer built before untie_at=0", TIED_BUILT, RunSettings("Untier", untie_at=0), None, None, None, "0", True),
+    # an optimizer built for the tied model: the head joins it now, or (under a wrapper) at the start of training
+    ("optimizer built before untie_at=0: the head joins it", TIED_BUILT, AT_ZERO, None, "untied", "start", None, False),
+    ("optimizer and wrapper built, a copy at step 0: at start", TIED_WRAPPED, AT_ZERO, None, None, None, None, False),
+    (
+        "optimizer and wrapper built, a drawn head at step 0",
+        TIED_WRAPPED,
+        RunSettings("Untier", untie_at=0, draws_head=True),
+        None,
+        None,
+        None,
+        r"a head of its own drawn by the model's initialiser.*or pass head_init='copy'",
+        True,
+    ),
     # -- a resume --------------------------------------------------------------------------------------------------
     ("untied checkpoint into a tied model", TIED, CALLBACK, UNTIED_CKPT, "untied", "checkpoint", None, False),
     ("untied checkpoint into an emulating run", EMULATED, EMULATING, UNTIED_CKPT, "untied", "checkpoint", None, False),

@@ -99,7 +99,7 @@ def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_c
     assert len(said) == 1 and said[0].startswith(
         "untie: trains untied from step 0; the head is drawn by the model's initialiser (head_init), because the "
         "model is built fresh (its embedding matches a fresh draw of its own initialiser); from scratch, a tied phase "
-        "cost more than it saved on the decision map (the default policy, 'fresh-untied'); at the first batch, the "
+        "cost more than it saved on the decision map (the default policy, 'untie-at-start'); at the first batch, the "
         "model predicts no better with its tied head than with a drawn one ("
     )  # the figures of the first batch's check follow (untie.structure.head_start)
     assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(model)
@@ -141,11 +141,11 @@ def test_inspect_says_the_share_and_what_the_default_does_with_the_checkpoint(tm
     share, total = policy.embedding_share(model)
     report = inspection.describe(tmp_path / "tied")
     assert report["policy"]["embedding_share"] == pytest.approx(share) and report["policy"]["parameters"] == total
-    assert report["policy"]["default"].startswith("trains tied, unties when the divergence trigger fires")
+    assert report["policy"]["default"].startswith("trains untied from step 0, its head starting as a copy")
     assert report["policy"]["because"].startswith("the model counts as trained")
     text = inspection.format_report(report)
     assert f"embedding share:   {share:.0%} of {total:,} parameters" in text and "auto" not in text
-    assert "UntieCallback():   trains tied, unties when the divergence trigger fires" in text
+    assert "UntieCallback():   trains untied from step 0, its head starting as a copy of the embedding" in text
     tiny_model("gpt2").save_pretrained(tmp_path / "drawn")  # saved as built: nothing trained to keep
     assert inspection.describe(tmp_path / "drawn")["policy"]["default"].startswith("trains untied from step 0, its")
     untie.untie_embeddings(model)
@@ -193,8 +193,9 @@ def test_the_default_draws_the_head_of_a_model_built_fresh_and_never_over_loaded
     _trained_by_hand(30).save_pretrained(tmp_path / "tied")
     loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
     untier = untie.Untier(loaded, max_steps=4)
-    assert untier.policy_choice.plan == "as set" and untier.policy_choice.head_init == "copy"
-    assert untie.is_tied(loaded)  # tied first; the untie copies: its output role was trained, nothing is dropped
+    assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "copy"
+    assert not untie.is_tied(loaded)  # untied at once, a copy: its output role was trained, nothing is dropped
+    assert torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight)
     untier.close()
     kept = tiny_model("gpt2")
     untie.Untier(kept, untie_at=0, untie_when=None, head_init="copy", max_steps=4).close()  # the user's word wins
@@ -265,8 +266,9 @@ def test_weights_loaded_by_hand_count_as_trained_so_no_policy_draws_a_head_over_
     untier.close()
     by_hand = tiny_model("gpt2")
     by_hand.load_state_dict(_trained_by_hand().state_dict())
-    untier = untie.Untier(by_hand, max_steps=4)  # the defaults
-    assert untier.policy_choice.plan == "as set" and untier.run.decision.head_init == "copy" and untie.is_tied(by_hand)
+    untier = untie.Untier(by_hand, max_steps=4)  # the defaults: untied at once, the head a copy
+    assert untier.policy_choice.untied_from_start and untier.run.decision.head_init == "copy"
+    assert torch.equal(by_hand.lm_head.weight, by_hand.transformer.wte.weight) and not untie.is_tied(by_hand)
     untier.close()
 
 
@@ -289,9 +291,9 @@ _SCHEDULE_ASKED = {"untie_at": 0.3, "untie_when": "divergence"}  # the defaults'
 _NOT_THE_PLAN = {"metrics_every": 10, "pairs": [(1, 2)], "optimizer_state": "fresh", "tying_mode": "emulated"}
 
 
-def test_the_default_policy_is_fresh_untied_unless_the_schedule_is_set_whatever_its_value():
+def test_the_default_policy_is_untie_at_start_unless_the_schedule_is_set_whatever_its_value():
     assert set(_SCHEDULE_ASKED) == set(untie.config.SCHEDULE_SETTINGS)
-    assert untie.UntieConfig().chosen_policy() == ("fresh-untied", "the default policy, 'fresh-untied'")
+    assert untie.UntieConfig().chosen_policy() == ("untie-at-start", "the default policy, 'untie-at-start'")
     for name, value in _SCHEDULE_ASKED.items():
         chosen, why = untie.UntieConfig(**{name: value}).chosen_policy()
         assert chosen == "off" and name in why, name
@@ -300,9 +302,9 @@ def test_the_default_policy_is_fresh_untied_unless_the_schedule_is_set_whatever_
         assert parsed.chosen_policy()[0] == "off", name  # on a command line
         assert untie.UntieConfig.from_json(json.dumps({name: value})).chosen_policy()[0] == "off", name  # JSON
     for name, value in _NOT_THE_PLAN.items():  # measurement knobs, and how a tied phase runs: not whether
-        assert untie.UntieConfig(**{name: value}).chosen_policy()[0] == "fresh-untied", name
+        assert untie.UntieConfig(**{name: value}).chosen_policy()[0] == "untie-at-start", name
     assert tf.HfArgumentParser((untie.UntieConfig,)).parse_args_into_dataclasses([])[0].chosen_policy()[0] == (
-        "fresh-untied"
+        "untie-at-start"
     )
     assert untie.UntieConfig(policy="fresh-untied", untie_at=500).chosen_policy() == ("fresh-untied", "")
     assert untie.UntieConfig(policy="off").chosen_policy() == ("off", "")
@@ -311,7 +313,7 @@ def test_the_default_policy_is_fresh_untied_unless_the_schedule_is_set_whatever_
         assert again.chosen_policy() == config.chosen_policy() and again == config
 
 
-def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_tied_then_untied(make_args, tmp_path, caplog):
+def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_untied_by_a_copy(make_args, tmp_path, caplog):
     model = tiny_model("gpt2")
     trainer = tf.Trainer(model=model, args=make_args(), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback])
     (callback,) = [c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback)]
@@ -323,7 +325,25 @@ def test_the_class_alone_trains_a_fresh_model_untied_and_a_loaded_one_tied_then_
 
     _trained_by_hand(30).save_pretrained(tmp_path / "tied")
     loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
+    before = loaded.transformer.wte.weight.detach().clone()
     callback = untie.UntieCallback()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="untie"):
+        tf.Trainer(
+            model=loaded, args=make_args(max_steps=10), train_dataset=ToyLMDataset(), callbacks=[callback]
+        ).train()
+    assert callback.policy_choice.untied_from_start and callback.run.decision.head_init == "copy"
+    assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(loaded)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
+    assert len(said) == 1 and said[0].startswith(
+        "untie: trains untied from step 0; the head starts as a copy of the embedding (head_init), because the model "
+        "counts as trained"
+    ), said
+    assert not torch.equal(loaded.lm_head.weight, before)  # the copy trained as a head of its own
+
+    # the former default, policy "fresh-untied": tied, then the trigger or the deadline at 30%
+    loaded = tf.GPT2LMHeadModel.from_pretrained(tmp_path / "tied")
+    callback = untie.UntieCallback(policy="fresh-untied")
     args = make_args(max_steps=10)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="untie"):

@@ -253,7 +253,7 @@ def test_a_default_untier_resuming_a_tied_state_past_its_deadline_unties_at_the_
         resumed.load_state_dict(saved["untie"])
     said = " ".join(str(w.message) for w in said)
     assert "resumed at step 4 with changed settings (untie_at: 8 -> 0.3, " in said
-    assert "the head the default drew at Untier() for a fresh start (never trained) is dropped" in said
+    assert "the head the default made at Untier() for a fresh start (drawn or copied, never trained) is dropped" in said
     resumed_model.load_state_dict(saved["model"])
     resumed_optimizer.load_state_dict(saved["optimizer"])  # refused by torch before: 17 parameters against 16
     assert untie.is_tied(resumed_model) and resumed.run.pending_untie == 4

@@ -55,11 +55,13 @@ TyingMode = Literal["auto", "live", "emulated"]
 OptimizerStateInit = Literal["copy", "reset", "fresh"]
 TieInit = Literal["input", "output", "mean"]
 #: The untie policies (see `UntieConfig.policy`, `untie.structure.policy`); here, so that the config stays torch-free.
-POLICIES = ("off", "auto", "fresh-untied")
-PolicyName = Literal["off", "auto", "fresh-untied"]
-#: The policy an unset `UntieConfig.policy` follows where the schedule is not set (`chosen_policy`): validated on
-#: held-out cells of the decision map (docs/recipes/decision-map.md).
-DEFAULT_POLICY = "fresh-untied"
+POLICIES = ("off", "auto", "fresh-untied", "untie-at-start")
+PolicyName = Literal["off", "auto", "fresh-untied", "untie-at-start"]
+#: The policy an unset `UntieConfig.policy` follows where the schedule is not set (`chosen_policy`): the study's
+#: verdict (docs/recipes/when-it-pays.md): a model built fresh trains untied from step 0, its head drawn (validated on
+#: held-out cells of the decision map and by the study's cell A); a loaded tied model unties at once, its head a copy
+#: (the study's fine-tuning table: the lowest target loss of the arms measured).
+DEFAULT_POLICY = "untie-at-start"
 #: The schedule's settings: set either of them (whatever the value: by keyword, on a command line or in JSON) and an
 #: unset policy is "off", so the schedule asked for runs. Measurement knobs (metrics_every, pairs) and how a tied
 #: phase runs (tying_mode, optimizer_state) do not change the plan.
@@ -75,13 +77,13 @@ VERSION_KEY = "untie_version"
 class UntieConfig:
     """Every setting of a tie-then-untie run (`untie.UntieCallback`, `untie.Untier`).
 
-    The defaults decide from the model (`untie.structure.policy`): a model whose weights are an initialiser's draw
-    (pretraining from scratch) trains untied from the first step, its head drawn by the model's initialiser; a model
-    holding trained weights (loaded, by `from_pretrained` or by hand) trains tied and unties when the divergence
-    trigger fires, at 30% of the run at the latest, its head starting as a copy of the embedding: nothing trained is
-    drawn over. Setting the schedule (`untie_at` or `untie_when`, whatever the value) runs it as set. A fixed schedule
-    is ``untie_when=None`` with ``untie_at=<step or fraction>``; a tied baseline that still logs is
-    ``untie_at=None, untie_when=None``. Every field parses from a command line
+    The defaults decide from the model (`untie.structure.policy`), as the study's verdict says (docs/recipes/
+    when-it-pays.md): every model that arrives tied trains untied from the first step. A model whose weights are an
+    initialiser's draw (pretraining from scratch) gets a head drawn by the model's initialiser; a model holding trained
+    weights (loaded, by `from_pretrained` or by hand) gets a head that starts as a copy of the embedding: nothing
+    trained is drawn over. Setting the schedule (`untie_at` or `untie_when`, whatever the value) runs it as set: a
+    tied phase is ``untie_at=<step or fraction>`` (with the divergence trigger unless ``untie_when=None``); a tied
+    baseline that still logs is ``untie_at=None, untie_when=None``. Every field parses from a command line
     (``HfArgumentParser((UntieConfig, TrainingArguments))``: ``--untie_at 500 --untie_when none --pairs auto``) and
     from JSON (`from_json`, `from_json_file`).
 
@@ -115,11 +117,11 @@ class UntieConfig:
             what FSDP2 and DeepSpeed need, at the cost of one more (V, d) parameter while tied), or 'auto'
             (emulated under FSDP2 and DeepSpeed, else live).
         save_at_untie: Ask Trainer for a checkpoint at the untie step (Trainer only; `untie.Untier` ignores it).
-        head_init: How a head untied before the first step starts (untie_at=0, or the default plan for a model
-            trained from scratch): 'copy' of the input embedding (lossless: a trained tied model keeps its trained
-            output role), 'model' (drawn by the model's own initialiser, as a model built untied has it: for
-            training from scratch, where a copied head trained worse on the decision map), or 'auto' (default):
-            'model' for a model trained from scratch (see from_scratch), else 'copy'.
+        head_init: How a head untied before the first step starts (untie_at=0, or the default plan): 'copy' of
+            the input embedding (lossless: a trained tied model keeps its trained output role), 'model' (drawn by
+            the model's own initialiser, as a model built untied has it: for training from scratch, where a copied
+            head trained worse on the decision map and in the study), or 'auto' (default): 'model' for a model
+            trained from scratch (see from_scratch), else 'copy'.
         from_scratch: Whether the model's weights are an initialiser's draw that no training has touched: True
             (pretraining from scratch: the default plan trains it untied from the first step, its head drawn),
             False (trained weights: a head untied from them starts as a copy), or None (default): decided from the
@@ -128,15 +130,18 @@ class UntieConfig:
             every rank takes rank 0's verdict); weights that do not match, or that cannot be read here (an FSDP2
             shard, the meta device, quantized values, a model without an initialiser), count as trained. The
             config's name (what from_pretrained records) decides nothing.
-        policy: None (default): 'fresh-untied', unless the schedule is set (untie_at or untie_when, whatever the
-            value): then 'off', and the schedule runs as set (`chosen_policy`). 'off' runs untie_at / untie_when as
-            set. 'fresh-untied': a model trained from scratch (see from_scratch) that arrives tied trains untied
-            from the first step, its head drawn by its initialiser; a model holding trained weights runs untie_at /
-            untie_when (by default: tied, the trigger, the deadline). Validated on held-out cells (docs/recipes/
-            decision-map.md, "`fresh-untied` held out: the verdict"): on the decision map's corpus a tied phase
-            cost more than it saved at every share and budget measured. 'auto' is retired: its held-out validation
-            failed (docs/recipes/decision-map.md); it is still read, with a warning, and runs as 'fresh-untied'
-            above untie.structure.policy.UNTIED_FROM_START_SHARE (0.5) of the parameters in the embedding.
+        policy: None (default): 'untie-at-start', unless the schedule is set (untie_at or untie_when, whatever
+            the value): then 'off', and the schedule runs as set (`chosen_policy`). 'off' runs untie_at /
+            untie_when as set. 'untie-at-start': every model that arrives tied trains untied from the first step, its
+            head drawn by its initialiser where the model is built fresh (see from_scratch), a copy of the embedding
+            otherwise (the study's verdict, docs/recipes/when-it-pays.md: in fine-tuning, untying at once reached the
+            lowest target loss of the arms measured). 'fresh-untied' (the default before the study's fine-tuning
+            table): a model built fresh trains untied from the first step, its head drawn; a model holding trained
+            weights runs untie_at / untie_when (by default: tied, the trigger, the deadline). Both were validated for
+            models built fresh on held-out cells (docs/recipes/decision-map.md, "`fresh-untied` held out: the
+            verdict"). 'auto' is retired: its held-out validation failed (docs/recipes/decision-map.md); it is still
+            read, with a warning, and runs as 'fresh-untied' above untie.structure.policy.UNTIED_FROM_START_SHARE
+            (0.5) of the parameters in the embedding.
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT
@@ -162,7 +167,10 @@ class UntieConfig:
         _check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
         if self.policy is not None:
             _check_choice(
-                self.policy, POLICIES, "policy", "or None (the default: 'fresh-untied' unless you set the schedule)"
+                self.policy,
+                POLICIES,
+                "policy",
+                f"or None (the default: {DEFAULT_POLICY!r} unless you set the schedule)",
             )
         _check_choice(self.head_init, HEAD_INITS, "head_init")
         if self.tie_init is not None:
@@ -178,7 +186,7 @@ class UntieConfig:
             raise UntieValueError(
                 f"head_init='model' draws a head untied before the first step, and untie_at={self.untie_at!r} unties "
                 "later (a head drawn mid-run would drop what the tied phase trained): pass untie_at=0, or "
-                "a policy ('auto', 'fresh-untied'), or leave head_init at 'auto'."
+                "a policy ('untie-at-start', 'fresh-untied'), or leave head_init at 'auto'."
             )
         rule = self.rule(with_pairs=self.pairs != [])  # refuses an unknown name or a bad rule now
         if rule is not None and self.metrics_every == 0:
@@ -211,7 +219,7 @@ class UntieConfig:
         return not isinstance(getattr(self, name), Unset)
 
     def chosen_policy(self) -> tuple[str, str]:
-        """The policy the run follows, and why in words: `policy` as set; unset (None), "fresh-untied", or "off" where
+        """The policy the run follows, and why in words: `policy` as set; unset (None), `DEFAULT_POLICY`, or "off" where
         the schedule (`SCHEDULE_SETTINGS`) was set, whatever its value: a schedule asked for runs as set."""
         if self.policy is not None:
             return self.policy, ""

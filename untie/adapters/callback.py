@@ -42,14 +42,15 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
     """Decide, once, whether the LM head trains tied to the input embedding first, and untie it when tying starts to
     hurt, or at a deadline; never draw a head over trained weights.
 
-    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig`: a model built fresh (its embedding
-    matches a fresh draw of its initialiser, or ``from_scratch=True``) trains untied from the first step, its head
-    drawn (policy "fresh-untied", validated on the decision map); every other tied model counts as trained and trains
-    tied, then unties when the divergence trigger fires, at 30% of the run at the latest, its head a copy. One log
-    line at train begin says which, in the run's numbers, and why. Setting the schedule, whatever the value
-    (`UntieCallback(untie_at=N, untie_when=None)`: untie at N), or ``policy="off"`` runs it as set. Every
-    `metrics_every` steps it measures the role signals of the shared matrix (drift between the two spaces once
-    untied), feeds them to the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next
+    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig` (policy "untie-at-start", the study's
+    verdict): every tied model trains untied from the first step; a model built fresh (its embedding matches a fresh
+    draw of its initialiser, or ``from_scratch=True``) gets a head drawn by its initialiser, every other tied model
+    counts as trained and its head starts as a copy of the embedding. One log line at train begin says which, in the
+    run's numbers, and why. Setting the schedule, whatever the value, runs it as set (`UntieCallback(untie_at=0.3)`:
+    tied, then the divergence trigger, at 30% of the run at the latest; add ``untie_when=None`` to untie at the
+    deadline only), and so does ``policy="off"``. An optimizer passed to Trainer (``optimizers=...``) gets the head
+    too. Every `metrics_every` steps it measures the role signals of the shared matrix (drift between the two spaces
+    once untied), feeds them to the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next
     log, next to `untie/tied` and `untie/untie_step`; `history` keeps every measurement. Saves its state in
     checkpoints and restores the untied structure by itself when a run resumes from a checkpoint saved after the
     untie.
@@ -108,7 +109,12 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         self.trainer_builds_optimizer = trainer is None or trainer.optimizer is None
         # With the Trainer found, train() is entered first (train_call): the plan settles once the checkpoint is known.
         settle_later = trainer is not None and trainer.model_init is None
-        self.run.attach(model, engine=training_engine(args), tokenizer=processing_class, settle_later=settle_later)
+        # An optimizer passed to Trainer (optimizers=...) was built for the model as it is: a head the run adds
+        # before the first step joins it.
+        built = None if trainer is None or self.trainer_builds_optimizer else trainer.optimizer
+        self.run.attach(
+            model, engine=training_engine(args), tokenizer=processing_class, optimizer=built, settle_later=settle_later
+        )
         if trainer is not None:
             # train() builds (model_init) and loads a resumed checkpoint before any callback event: see them first.
             glue.wrap_train(trainer, UntieCallback, self._trainer_registry)
@@ -132,7 +138,7 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         if self.run.phase == "unsettled":
             self.run.settle(saved)  # the plan, now that the checkpoint (if any) is known
         if saved is not None:
-            self.run.expect_checkpoint(saved)
+            self.run.expect_checkpoint(saved, self.run.built_optimizer)  # a head the checkpoint needs joins it
         call = Registry("UntieCallback: one train() call")
         if trainer.model_init is not None:
             attach = functools.partial(self.run.attach, **self.run.attach_args)

@@ -73,10 +73,11 @@ CUSTOM_LOOP = Adapter(
 class Untier(RunViews):
     """Train tied, then untie the LM head from the input embedding, in a custom training loop.
 
-    With the defaults (`UntieConfig`), a model built fresh (its embedding matches a fresh draw of its initialiser,
-    or ``from_scratch=True``) trains untied from the first step, its head drawn; every other tied model trains tied
-    and unties by the trigger or at 30% of `max_steps`, its head a copy. A state loaded later whose run was still tied
-    decides instead (`load_state_dict`, `accelerator.load_state`), as under Trainer.
+    With the defaults (`UntieConfig`, policy "untie-at-start"), every tied model trains untied from the first step:
+    a model built fresh (its embedding matches a fresh draw of its initialiser, or ``from_scratch=True``) with its
+    head drawn, every other one with its head a copy of the embedding. A schedule set (``untie_at=0.3``: tied, the
+    trigger, at 30% of `max_steps` at the latest) runs as set. A state loaded later whose run was still tied decides
+    instead (`load_state_dict`, `accelerator.load_state`), as under Trainer.
 
     It does what `UntieCallback` does under Trainer, from the same code (`untie.core.run.UntieRun`): the tied phase
     (live, or emulated under FSDP2 and DeepSpeed), the deadline and the divergence trigger fed by the role gradients
@@ -86,8 +87,9 @@ class Untier(RunViews):
     Args:
         model: the Hugging Face model (unwrapped, or wrapped by DDP / accelerate: it is unwrapped).
         optimizer: the model's optimizer; pass it here, or later to `start`. Passing it here needs a model whose
-            tied-phase structure is already in place (a tied model, live tying): the untie cannot add a parameter the
-            optimizer and the wrapper have already been built without.
+            tied-phase structure is already in place (a tied model, live tying). A head untied before the first step
+            joins it; under a distributed wrapper built before this call, only a copied head can (the untie then
+            happens at the start of training).
         config: the settings (`untie.UntieConfig`, e.g. parsed with `HfArgumentParser`); default `UntieConfig()`.
             `save_at_untie` is Trainer's and is ignored here.
         max_steps: the run's number of optimizer steps. Needed for a fractional `untie_at` (the default, 0.3) and

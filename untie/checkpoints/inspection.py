@@ -194,8 +194,10 @@ def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
     from untie.structure.policy import choose_plan
 
     choice = choose_plan(DEFAULT_POLICY, model, tied=tied, peft=False, embedding=embedding)
-    if choice.untied_from_start:
+    if choice.untied_from_start and choice.head_init == "model":
         plan = "trains untied from step 0, its head drawn by the model's initialiser"
+    elif choice.untied_from_start:
+        plan = "trains untied from step 0, its head starting as a copy of the embedding (nothing trained is dropped)"
     elif tied:
         plan = (
             "trains tied, unties when the divergence trigger fires, at 30% of the run at the latest; the head starts "

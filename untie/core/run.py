@@ -78,6 +78,7 @@ class UntieRun:
         self.attach_args: dict = {}
         """The engine and the tokenizer the run attached with (to attach a later model the same way)."""
         self.optimizer = None
+        self.built_optimizer = None  # built before attach (Untier(model, optimizer), Trainer(optimizers=...))
         self.registry = Registry(adapter.name)
         self.plan: str | None = None
         self.begun: tuple[int, int | None] = (0, None)
@@ -156,7 +157,7 @@ class UntieRun:
         attached = enter(self.phase, "attach", self.adapter)
         self._teardown()
         self.registry = Registry(self.adapter.name)
-        self.model, self.optimizer, self.decision = model, None, None
+        self.model, self.optimizer, self.decision, self.built_optimizer = model, None, None, optimizer
         self.attach_args = {"engine": engine, "tokenizer": tokenizer}
         mode = resolve_tying_mode(self.config.tying_mode, engine)
         self.structure = ModelStructure(model, self.owner, self.registry, engine, mode)
@@ -186,9 +187,9 @@ class UntieRun:
         step where the decision now says so. Before the optimizer exists."""
         self._enter("settle")
         self.saved = saved
-        decision = self.redecide()
+        decision = self.redecide(optimizer=self.built_optimizer)
         if decision.untied_from_start:
-            self._execute(decision.start)
+            self._execute(decision.start, self.built_optimizer)
 
     def adopt(self, other: UntieRun) -> None:
         """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings); `other` is
@@ -276,7 +277,7 @@ class UntieRun:
                 "untie (a deadline passed at the resume)", lambda: self.untie(step, "deadline")
             )
         elif self.deadline.fires(step):
-            self.untie(step, "deadline")
+            self.untie(step, "start" if step == 0 and self.untie_at == 0 else "deadline")
         elif self.config.metrics_every:
             self.measurements.watch(model, self.pairs, self.registry, emulation)
 

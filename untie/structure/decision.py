@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from untie.config import UntieConfig
+from untie.config import DEFAULT_POLICY, SCHEDULE_SETTINGS, UntieConfig
 from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, StructurePlan, plan_structure
 from untie.structure.policy import PolicyChoice, PolicyReading, choose, settle
 
@@ -117,7 +117,8 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
     if policy == "auto":
         retired = (
             f"{owner}(policy='auto'): 'auto' is retired (its held-out validation failed, "
-            "docs/recipes/decision-map.md). Leave policy unset for the default ('fresh-untied'), or pass policy='off'."
+            f"docs/recipes/decision-map.md). Leave policy unset for the default ({DEFAULT_POLICY!r}), or pass "
+            "policy='off'."
         )
         warnings.append((retired, FutureWarning))
     fresh = choose(policy, tied=facts.tied, peft=facts.model.peft, reading=facts.reading)
@@ -164,7 +165,9 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         and step == 0
     )
     by_default = fresh.untied_from_start and config.policy is None  # before a checkpoint settled it
-    run_settings = RunSettings(owner, untie_at, settings.tying_mode, config.tying_mode, config.tie_init, by_default)
+    run_settings = RunSettings(
+        owner, untie_at, settings.tying_mode, config.tying_mode, config.tie_init, by_default, head_init == "model"
+    )
     return Decision(
         choice=choice,
         untie_at=untie_at,
@@ -185,9 +188,9 @@ def _head_start(config: UntieConfig, choice: PolicyChoice) -> HeadStart:
     your word that the model is built fresh (``untie_at=0, from_scratch=True``)."""
     if config.head_init != "auto":
         return "model" if config.head_init == "model" else "copy"
-    if choice.untied_from_start:
-        return "model" if choice.head_init == "model" else "copy"
-    return "model" if config.from_scratch is True else "copy"
+    if config.from_scratch is True:
+        return "model"
+    return "model" if choice.untied_from_start and choice.head_init == "model" else "copy"
 
 
 def _rule_for_pairs(
@@ -221,6 +224,24 @@ def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str
     `from_scratch` decides only the default's plan and how a head untied before the first step starts, and
     `head_init="model"` only a head untied before the first step."""
     untie_at = 0 if choice.untied_from_start else config.untie_at
+    if choice.untied_from_start and choice.head_init == "copy" and config.head_init == "model":
+        if config.from_scratch is not True:
+            return (
+                f"{owner}: head_init='model' draws the head over a model that counts as trained ({choice.reason}): its "
+                "trained output role is dropped, as asked. Leave head_init unset to start the head as a copy, or pass "
+                "from_scratch=True if the model is built fresh."
+            )
+    if choice.untied_from_start and config.policy not in (None, "off"):
+        # A schedule that asks for a tied phase: an untie_at after step 0 (or none), or a trigger.
+        tied_phase = {"untie_at": config.untie_at != 0, "untie_when": config.untie_when is not None}
+        asked = [name for name in SCHEDULE_SETTINGS if config.was_set(name) and tied_phase[name]]
+        if asked:
+            settings = ", ".join(f"{name}={getattr(config, name)!r}" for name in asked)
+            return (
+                f"{owner}: {settings} changes nothing here: policy={config.policy!r} trains this model untied from "
+                f"the first step ({choice.reason}). Pass policy='off' to run the schedule as set, or leave the "
+                "policy unset (a schedule set then runs as set)."
+            )
     if untie_at == 0:
         return None
     later = f"this run unties later ({choice.reason}), and a head untied after step 0 starts as a copy of the embedding"

@@ -63,6 +63,10 @@ class RunSettings:
     untied_by_default: bool = False
     """The run untied the model before its first step by the default plan alone (`UntieConfig.chosen_policy`: the
     user set no schedule): a checkpoint of a run that was still tied decides instead."""
+    draws_head: bool = False
+    """A head untied before the first step is drawn by the model's initialiser; False: it starts as a copy of the
+    embedding. Under a distributed wrapper built before the run attached, only a copy can join the optimizer (an
+    untie at the start of training)."""
 
     @property
     def untie_at_zero(self) -> bool:
@@ -158,14 +162,32 @@ def _plan_start(model: ModelFacts, settings: RunSettings) -> StructurePlan:
             ),
             call_order=True,
         )
+    live_untie_at_start = settings.untie_at_zero and settings.tying_mode == "live" and plan.target == "untied"
+    if model.optimizer_built and model.structure == "tied" and live_untie_at_start:
+        # The optimizer was built for the tied model (Untier(model, optimizer), Trainer(optimizers=...)). Where
+        # nothing wraps the model, the head joins it now; else the run unties at the start of training, as a
+        # deadline at step 0, and the copied head joins it then (a drawn head cannot: the refusal below).
+        if not model.distributed:
+            return plan
+        if not settings.draws_head:
+            return StructurePlan(None)
     if model.optimizer_built and _adds_or_drops_a_parameter(model.structure, plan.target):
         return StructurePlan(
             None,
             refusal=(
-                f"{settings.adapter}: the model needed a new structure for its tied phase ({settings.tying_mode} "
-                f"tying, untie_at={settings.untie_at}), but its optimizer was already built "
-                "without it. Create the Untier before the optimizer (and before accelerator.prepare / DDP / "
-                "fully_shard), then call untier.start(optimizer)."
+                f"{settings.adapter}: the model needed a new structure before its first step ({_needed(settings)}), "
+                "but its optimizer was already built without it. "
+                + (
+                    "Let Trainer build the optimizer (leave optimizers=... out)"
+                    if settings.adapter == "UntieCallback"
+                    else "Create the Untier before the optimizer (and before accelerator.prepare / DDP / fully_shard), "
+                    "then call untier.start(optimizer)"
+                )
+                + (
+                    ", or pass head_init='copy' (a copied head can join a built optimizer)."
+                    if settings.draws_head and settings.tying_mode == "live"
+                    else "."
+                )
             ),
             call_order=True,
         )
@@ -176,6 +198,15 @@ def _plan_emulated_checkpoint(model: ModelFacts, settings: RunSettings, saved: S
     """A tied-phase checkpoint with a separate head: written with emulated tying (FSDP2's default, or asked for)."""
     if model.structure == "emulated":
         return StructurePlan("emulated")
+    if model.structure == "untied" and settings.untied_by_default:
+        return StructurePlan(
+            None,
+            refusal=(
+                f"{settings.adapter}: {saved.where} was written in the tied phase (emulated tying), but the default "
+                "plan untied this model before its first step. Create the "
+                f"{settings.adapter} with policy='off' (the checkpoint's run continues as set) to resume it."
+            ),
+        )
     if model.optimizer_built:
         return StructurePlan(
             None,
@@ -213,8 +244,9 @@ def _plan_live_checkpoint(model: ModelFacts, settings: RunSettings, saved: Saved
             # The default plan was made before the checkpoint was known: the checkpoint's run decides (Trainer's way).
             dropped = (
                 f"{settings.adapter}: {saved.where} was saved in its tied phase, so this run continues it tied: the "
-                f"head the default drew at {settings.adapter}() for a fresh start (never trained) is dropped, with its "
-                "place in the optimizer, before the first step. Pass from_scratch=False when resuming to skip the draw."
+                f"head the default made at {settings.adapter}() for a fresh start (drawn or copied, never trained) is "
+                "dropped, with its place in the optimizer, before the first step. Pass policy='off' when resuming a "
+                "tied-phase checkpoint to skip it."
             )
             return StructurePlan("tied", tie_init="input", drop_head=True, warning=dropped)
         if settings.untied_by_default:
@@ -222,9 +254,8 @@ def _plan_live_checkpoint(model: ModelFacts, settings: RunSettings, saved: Saved
                 None,
                 refusal=(
                     f"{settings.adapter}: the checkpoint was written in the tied phase, but the default plan untied "
-                    "this model before its first step, and the optimizer and the distributed wrapper now hold its "
-                    f"head. Create the {settings.adapter} with policy='off' (the checkpoint's run continues as set), "
-                    "before the optimizer and accelerator.prepare, to resume it."
+                    "this model before its first step, and a distributed run's optimizer now holds its head. Create "
+                    f"the {settings.adapter} with policy='off' (the checkpoint's run continues as set) to resume it."
                 ),
             )
         return StructurePlan(
@@ -237,6 +268,13 @@ def _plan_live_checkpoint(model: ModelFacts, settings: RunSettings, saved: Saved
         )
     # An untie_at=0 model is tied again so that the checkpoint loads; the deadline unties it at the resume step.
     return StructurePlan("tied", tie_init="input")
+
+
+def _needed(settings: RunSettings) -> str:
+    """The structure a start needs, in words (for the call-order refusal)."""
+    if settings.untie_at_zero:
+        return "a head of its own drawn by the model's initialiser" if settings.draws_head else "a head of its own"
+    return f"{settings.tying_mode} tying, untie_at={settings.untie_at}"
 
 
 def _adds_or_drops_a_parameter(current: Structure, target: Structure | None) -> bool:

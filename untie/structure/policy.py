@@ -2,24 +2,27 @@
 
 Each policy reads the model at attach, before the optimizer exists, and picks one of two plans:
 
-* **untied from the start**: the head becomes its own matrix before the first step (``untie_at=0``, no trigger),
-  drawn by the model's own initialiser. Only for a model built fresh: one whose input embedding matches a fresh
-  draw of its own initialiser (`weights_evidence`: positive evidence that no training touched it), or that the user
-  says is (`UntieConfig.from_scratch=True`);
-* **as set**: the settings' `untie_at` / `untie_when` (by default: tied, the trigger, the deadline). Every model
-  holding trained weights (loaded by `from_pretrained` or by hand, or whose weights cannot be read here) runs so,
-  and a head untied from it starts as a copy of the embedding: a policy never draws over a trained output role.
+* **untied from the start**: the head becomes its own matrix before the first step (``untie_at=0``, no trigger).
+  Drawn by the model's own initialiser only for a model built fresh: one whose input embedding matches a fresh draw
+  of its own initialiser (`weights_evidence`: positive evidence that no training touched it), or that the user says
+  is (`UntieConfig.from_scratch=True`). Every model holding trained weights (loaded by `from_pretrained` or by hand,
+  or whose weights cannot be read here) gets a head that starts as a copy of the embedding: a policy never draws
+  over a trained output role;
+* **as set**: the settings' `untie_at` / `untie_when` (by default: tied, the trigger, the deadline).
+
+`policy="untie-at-start"` is the default (an unset `UntieConfig.policy` follows it unless the schedule is set:
+`UntieConfig.chosen_policy`): every model that arrives tied trains untied from the start, drawn where built fresh,
+a copy otherwise. It is the study's verdict (docs/recipes/when-it-pays.md): from scratch, no tied phase beat untied
+training in cell A; in fine-tuning, untying at once reached the lowest target loss of the arms measured.
+`policy="fresh-untied"` (the default before that fine-tuning table) trains a model built fresh untied from the start
+and runs a model holding trained weights as set. `policy="off"` always runs the settings as set. A model that
+arrives untied, or wrapped by PEFT, runs as set too (`tie_init` decides whether it is tied first): there is no tied
+phase to skip. `policy="auto"` (retired: its held-out validation failed at 40% embedding share) trains a model built
+fresh untied from the start only where the embedding is at least `UNTIED_FROM_START_SHARE` of the parameters.
 
 The config's name (``_name_or_path``, which `from_pretrained` records, and `from_config(AutoConfig.from_pretrained(
-dir))` too) decides nothing; where it and the weights disagree, a warning names both and `from_scratch`.
-
-`policy="fresh-untied"` trains a model built fresh untied from the start whatever its share (on the map's larger
-corpus untied training was the best arm, or level with it, at every share measured). Written down before its own
-held-out validation, it passed it, and it is the default: an unset `UntieConfig.policy` follows it unless the
-schedule is set (`UntieConfig.chosen_policy`). `policy="off"` always runs the settings as set. A model that arrives
-untied, or wrapped by PEFT, runs as set too (`tie_init` decides whether it is tied first): there is no tied phase
-to skip. `policy="auto"` (retired: its held-out validation failed at 40% embedding share) trains a model built fresh
-untied from the start only where the embedding is at least `UNTIED_FROM_START_SHARE` of the parameters.
+dir))` too) decides nothing but a warning: where it and the weights disagree, a warning names both and
+`from_scratch`.
 
 The choice is said once at train begin, in the run's own numbers (`untie.core.messages.plan_line`), and kept in
 the run state (`PolicyChoice.to_dict`), so a checkpoint says what its run chose and why.
@@ -366,8 +369,9 @@ def choose(
     `read_for_policy` read. Pure.
 
     Untied from the start, a model built fresh gets a head drawn by its own initialiser: on the decision map's
-    development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one. A model holding
-    trained weights is never untied from the start by a policy, and a head untied from it starts as a copy.
+    development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one, and in the
+    study's cell A 0.008 nat worse. A model holding trained weights gets a head that starts as a copy: untied from the
+    start under "untie-at-start" (the default), as set under the other policies.
     `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`)."""
     if policy == "off":
         return PolicyChoice(policy, "as set", "policy='off' runs the schedule as set")
@@ -380,6 +384,9 @@ def choose(
         return PolicyChoice(
             policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
         )
+    if not fresh.fresh and policy == "untie-at-start":
+        reason = f"{fresh.why}; a loaded tied model unties at once, its head a copy (the study's fine-tuning table)"
+        return PolicyChoice(policy, "untied from the start", reason, share, total, "copy", fresh.warning)
     if not fresh.fresh:
         return PolicyChoice(policy, "as set", fresh.why, share, total, warning=fresh.warning)
     limit = UNTIED_FROM_START_SHARE if threshold is None else threshold

@@ -184,7 +184,7 @@ SUMMARY_ROWS = (
     ("a tied phase to 2/3, the head's optimizer state fresh", "untie@2/3-fresh", None),
     ("a tied phase to 0.8 (the cooldown's start)", "untie@0.8", None),
     ("a tied phase to 0.95", "untie@0.95", None),
-    ("the default `UntieConfig()` on a loaded tied model", None, "default"),
+    ("the former default on a loaded tied model (the trigger, or the deadline at 30%)", None, "default"),
 )
 
 

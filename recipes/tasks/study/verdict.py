@@ -24,7 +24,7 @@ def tied_phase_fraction(arm: str) -> float:
 LOADED_DEFAULTS = {
     "stay-tied": "stay tied",
     "untie-now": "untie at once, the head a copy",
-    "default": "unchanged (the trigger, or the deadline at 30%)",
+    "default": "the former default (tied, then the trigger, or the deadline at 30%)",
     "untie@1/2": "untie at half the run",
 }
 
