@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -171,6 +172,13 @@ def test_a_policy_set_with_a_tied_phase_asked_for_names_the_schedule_it_ignores(
         untier = untie.Untier(_loaded_llama(), config=config, max_steps=4)
     assert untier.policy_choice.untied_from_start
     untier.close()
+    baseline = untie.UntieConfig(policy="untie-at-start", untie_at=None, untie_when=None)  # a tied baseline, ignored
+    with pytest.warns(UserWarning, match=r"untie_at=None changes nothing here"):
+        untie.Untier(_loaded_llama(), config=baseline, max_steps=4).close()
+    exact = untie.UntieConfig(policy="untie-at-start", untie_at=0, untie_when=None)  # what the policy does: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        untie.Untier(_loaded_llama(), config=exact, max_steps=4).close()
 
 
 def test_trainer_given_its_optimizer_resumes_an_untied_checkpoint_with_the_head_in_it(make_args, tmp_path):

@@ -49,7 +49,8 @@ def _arm_lines(table: dict) -> list[str]:
 
 
 def _trigger_lines(table: dict) -> list[str]:
-    lines = ["| seed | trigger would fire at | default's untie of a loaded model | best fixed fraction (this seed) |",
+    lines = ["| seed | trigger would fire at | the former default's untie of a loaded model (now: step 0) | "
+             "best fixed fraction (this seed) |",
              "|---|---|---|---|"]  # fmt: skip
     for row in table["trigger"]:
         fired = "never" if row["would_fire_step"] is None else (
