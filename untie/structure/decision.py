@@ -224,13 +224,13 @@ def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str
     `from_scratch` decides only the default's plan and how a head untied before the first step starts, and
     `head_init="model"` only a head untied before the first step."""
     untie_at = 0 if choice.untied_from_start else config.untie_at
-    if choice.untied_from_start and choice.head_init == "copy" and config.head_init == "model":
-        if config.from_scratch is not True:
-            return (
-                f"{owner}: head_init='model' draws the head over a model that counts as trained ({choice.reason}): its "
-                "trained output role is dropped, as asked. Leave head_init unset to start the head as a copy, or pass "
-                "from_scratch=True if the model is built fresh."
-            )
+    drawn_over_trained = choice.untied_from_start and choice.head_init == "copy" and config.from_scratch is not True
+    if drawn_over_trained and config.head_init == "model":
+        return (
+            f"{owner}: head_init='model' draws the head over a model that counts as trained ({choice.reason}): its "
+            "trained output role is dropped, as asked. Leave head_init unset to start the head as a copy, or pass "
+            "from_scratch=True if the model is built fresh."
+        )
     if choice.untied_from_start and config.policy not in (None, "off"):
         # A schedule that asks for a tied phase: an untie_at after step 0 (or none), or a trigger.
         tied_phase = {"untie_at": config.untie_at != 0, "untie_when": config.untie_when is not None}
