@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from untie.errors import UntieValueError
+
 # -- transformers: tied-weights declarations ---------------------------------------------------------------------------
 # `PreTrainedModel._tied_weights_keys` (class attribute, {target: source} since transformers 5.0) declares the ties
 # that `tie_weights()` re-applies; `all_tied_weights_keys` is its expanded per-instance cache, rebuilt by
@@ -267,6 +269,46 @@ def queue_autograd_callback(callback: Callable[[], None]) -> None:
     FSDP2 finalise their gradients the same way, and there is no public equivalent). Must be called during
     backward. Checked: torch 2.13.0."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# -- torch: an LR scheduler's per-group lists --------------------------------------------------------------------------
+# torch's schedulers keep one entry per param group in these lists (`base_lrs`, `_last_lr` on every LRScheduler;
+# `lr_lambdas` on LambdaLR / MultiplicativeLR; `min_lrs` on ReduceLROnPlateau; `max_lrs`, `base_momentums`,
+# `max_momentums` on CyclicLR) and zip them with `optimizer.param_groups` strictly (torch >= 2.13), so a group added
+# after the scheduler was built needs its entries; SequentialLR and ChainedScheduler hold theirs in `_schedulers`, and
+# accelerate's AcceleratedScheduler wraps the scheduler as `.scheduler`. Checked: torch 2.13.0, accelerate 1.13-1.15,
+# transformers 5.12.1-5.24.0 (its schedulers are LambdaLR).
+SCHEDULER_GROUP_LISTS = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs", "base_momentums", "max_momentums")
+
+
+def has_lr_scheduler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a torch LR scheduler was built on `optimizer`: LRScheduler marks the `step` it wraps
+    (`_wrapped_by_lr_sched`; torch 2.x)."""
+    return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
+
+
+def extend_scheduler_groups(scheduler: Any, sources: list[int]) -> None:
+    """Give `scheduler` (built before param groups were appended to its optimizer) an entry for each new group: a copy
+    of the entry of its source group (`sources`, one index per appended group, in order). A per-group list of another
+    length, or a scheduler whose lists do not then match its optimizer's groups, is refused by name."""
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler
+    for child in getattr(inner, "_schedulers", None) or ():
+        extend_scheduler_groups(child, sources)
+    optimizer = getattr(inner, "optimizer", None)
+    groups = len(optimizer.param_groups) if optimizer is not None else None
+    before = groups - len(sources) if groups is not None else None
+    for name in SCHEDULER_GROUP_LISTS:
+        values = getattr(inner, name, None)
+        if not isinstance(values, list):
+            continue
+        if before is not None and len(values) != before:
+            raise UntieValueError(
+                f"The LR scheduler {type(inner).__name__} keeps {len(values)} entries in {name}, for {before} param "
+                "groups: it cannot be given the per-role groups. Build the scheduler after the run has split the "
+                "groups (after untier.start(optimizer), or let Trainer build it), or leave the learning-rate scales "
+                "at 1."
+            )
+        values.extend(values[source] for source in sources)
 
 
 # -- bitsandbytes: state buffers and per-parameter overrides -----------------------------------------------------------

@@ -142,6 +142,18 @@ class UntieConfig:
             verdict"). 'auto' is retired: its held-out validation failed (docs/recipes/decision-map.md); it is still
             read, with a warning, and runs as 'fresh-untied' above untie.structure.policy.UNTIED_FROM_START_SHARE
             (0.5) of the parameters in the embedding.
+        embedding_lr_scale: The input embedding's learning rate, as a multiple of the rate of the optimizer group it
+            came from (the group's rate at every step, warm-up and decay included): 1.0 (default) keeps it; 0.1 trains
+            it ten times slower (less forgetting when fine-tuning); 0 freezes it; above 1 trains it faster (the
+            untied embedding of modded-nanogpt trains at many times the head's rate). A value other than 1 gives the
+            embedding a param group of its own (`untie.structure.role_rates`). From the untie on, unless
+            lr_scales_while_tied.
+        head_lr_scale: The LM head's learning rate, as a multiple of the rate of the optimizer group it came from
+            (1.0, default, keeps it; 0 freezes it). A value other than 1 gives the head a param group of its own,
+            which it joins at the untie.
+        lr_scales_while_tied: False (default): the scales apply from the untie on, and a tied phase trains the shared
+            matrix at the group's rate. True: also during a tied phase, where the shared matrix (both roles) takes
+            embedding_lr_scale.
     """
 
     untie_at: float | None = DEFAULT_UNTIE_AT
@@ -155,6 +167,9 @@ class UntieConfig:
     head_init: HeadInit = "auto"
     from_scratch: bool | None = None
     policy: PolicyName | None = None
+    embedding_lr_scale: float = 1.0
+    head_lr_scale: float = 1.0
+    lr_scales_while_tied: bool = False
 
     def __post_init__(self) -> None:
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
@@ -175,6 +190,13 @@ class UntieConfig:
         _check_choice(self.head_init, HEAD_INITS, "head_init")
         if self.tie_init is not None:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
+        self.embedding_lr_scale = _scale(self.embedding_lr_scale, "embedding_lr_scale")
+        self.head_lr_scale = _scale(self.head_lr_scale, "head_lr_scale")
+        if not isinstance(self.lr_scales_while_tied, bool):
+            raise UntieValueError(
+                f"lr_scales_while_tied={self.lr_scales_while_tied!r}: pass True (the scales apply during a tied phase "
+                "too) or False (from the untie on)."
+            )
         if not isinstance(self.save_at_untie, bool):
             raise UntieValueError(f"save_at_untie={self.save_at_untie!r}: pass True or False.")
         if self.from_scratch is not None and not isinstance(self.from_scratch, bool):
@@ -350,6 +372,16 @@ def _whole_number(value: Any, name: str, note: str) -> int:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0:
         return int(value)
     raise UntieValueError(f"{name}={value!r} must be an int >= 0 ({note}).")
+
+
+def _scale(value: Any, name: str) -> float:
+    """A learning-rate scale: a finite number >= 0 (1 keeps the group's rate, 0 freezes the role)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+        raise UntieValueError(
+            f"{name}={value!r} must be a finite number >= 0: a multiple of the learning rate of the optimizer group "
+            "the role came from (1.0 keeps it, 0.1 is ten times slower, 0 freezes the role)."
+        )
+    return float(value)
 
 
 def _check_choice(value: Any, choices: tuple[str, ...], name: str, extra: str = "") -> None:

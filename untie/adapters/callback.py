@@ -140,6 +140,12 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         if saved is not None:
             self.run.expect_checkpoint(saved, self.run.built_optimizer)  # a head the checkpoint needs joins it
         call = Registry("UntieCallback: one train() call")
+        # The per-role learning rates' groups go in as Trainer builds the optimizer, before its scheduler and the
+        # checkpoint's optimizer state: both then see the groups the run trains with.
+        create_optimizer = self._splitting_groups(trainer, trainer.create_optimizer)
+        call.replace(
+            "Trainer.create_optimizer (per-role learning rates)", trainer, "create_optimizer", create_optimizer
+        )
         if trainer.model_init is not None:
             attach = functools.partial(self.run.attach, **self.run.attach_args)
             prepared = glue.preparing(trainer.model_init, attach)
@@ -199,6 +205,19 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         self.run.close()
 
     # -- what the events use ----------------------------------------------------------------------------------------
+    def _splitting_groups(self, trainer, create_optimizer):
+        """`trainer.create_optimizer`, followed by the run's per-role param groups in the optimizer it returns (and in
+        a scheduler passed to Trainer, built before them)."""
+
+        @functools.wraps(create_optimizer)
+        def create_optimizer_with_role_groups(*args, **kwargs):
+            optimizer = create_optimizer(*args, **kwargs)
+            if self.run.structure is not None and trainer.optimizer is not None:
+                self.run.split_groups(trainer.optimizer, trainer.lr_scheduler)
+            return optimizer
+
+        return create_optimizer_with_role_groups
+
     def _adopt_attached_run(self) -> None:
         """Take over the run `on_init_end` attached. With `restore_callback_states_from_checkpoint=True`, Trainer
         replaces this callback on resume with a new instance, built from the checkpoint's `args` after that event;

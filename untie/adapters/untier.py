@@ -98,6 +98,8 @@ class Untier(RunViews):
             sync gradients (not accumulation micro-batches), and `accelerator.save_state` / `load_state` carry the
             untie state (`untie_state.json`) and give a resumed model the checkpoint's structure before it loads.
         tokenizer: the tokenizer, for `pairs="auto"` (and pairs=None, which reads the pairs when it is given).
+        lr_scheduler: the LR scheduler, where one is built on `optimizer` already and a learning-rate scale is set
+            (`embedding_lr_scale`, `head_lr_scale`): it is given the roles' param groups.
         **overrides: settings by name, over `config` (``Untier(model, untie_at=500, untie_when=None)``).
 
     Every setting, with its meaning: `untie.UntieConfig` (``help(untie.UntieConfig)``).
@@ -112,6 +114,7 @@ class Untier(RunViews):
         max_steps: int | None = None,
         accelerator: Any = None,
         tokenizer: Any = None,
+        lr_scheduler: Any = None,
         **overrides: Any,
     ) -> None:
         self.model = _unwrap(model)
@@ -138,7 +141,7 @@ class Untier(RunViews):
             registry.hook("Untier: accelerator load hook", accelerator.register_load_state_pre_hook(self._load_hook))
             self._wrap_save_state(accelerator)
         if optimizer is not None:
-            self.start(optimizer)
+            self.start(optimizer, lr_scheduler=lr_scheduler)
 
     @classmethod
     def from_config(cls, model: nn.Module, config: UntieConfig, **kwargs: Any) -> Untier:
@@ -152,16 +155,21 @@ class Untier(RunViews):
         return self.run.config
 
     # -- the loop -----------------------------------------------------------------------------------------------------
-    def start(self, optimizer: torch.optim.Optimizer) -> None:
+    def start(self, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None) -> None:
         """Begin a fresh run with `optimizer` (after `accelerator.prepare`, or DDP / fully_shard). Resuming, load the
         checkpoint after this call (`accelerator.load_state`, or `load_state_dict` first in a plain loop): the resumed
         run then starts in place of the fresh one (`UntieRun.start` may run again until the first step begins).
+
+        With a learning-rate scale set (`embedding_lr_scale`, `head_lr_scale`), the roles get their param groups here:
+        pass `lr_scheduler` if one is built on `optimizer` already (it is given the groups; one built after this call
+        sees them anyway).
 
         `start` arms the first step's measurement (it must be in place before the first forward) but neither changes
         the model's structure (attaching did, at `Untier()`) nor says anything: what the run has to say is said at its
         first optimizer step, about the run then under way, fresh or resumed."""
         self.run.check("Untier.start")  # once: a second call, or an optimizer passed to Untier() already, is refused
         self.optimizer = optimizer
+        self.run.split_groups(optimizer, lr_scheduler)
         # The step's gradients are complete when the optimizer steps (after every micro-batch, every rank): measure
         # then, as UntieCallback does in Trainer's on_pre_optimizer_step.
         inner = inner_optimizer(optimizer)
@@ -240,9 +248,14 @@ class Untier(RunViews):
         self.run.check("Untier.load_state_dict")  # after start (the head joins the optimizer), before any step
         state = check_state(state, where)
         attributes = state["attributes"]
+        groups = attributes.get("lr_groups")
         saved = SavedFacts(
-            "the checkpoint", untied=attributes["untied"], head_stored=state.get("tying_mode") == "emulated"
+            "the checkpoint",
+            untied=attributes["untied"],
+            head_stored=state.get("tying_mode") == "emulated",
+            lr_groups=tuple(groups) if isinstance(groups, list) else None,
         )
+        self.run.split_groups(self.optimizer, saved=saved)  # the checkpoint's groups, before its optimizer state loads
         self.run.expect_checkpoint(saved, self.optimizer)
         self.global_step = state["global_step"]
         self._start(state, where)

@@ -115,7 +115,19 @@ def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedF
     head_stored = None
     if keys is not None and model is not None:
         head_stored = stored_name(model, embedding_layout(model).output_weight, keys) is not None
-    return SavedFacts(folder, checkpoint_is_untied(folder), head_stored)
+    return SavedFacts(folder, checkpoint_is_untied(folder), head_stored, saved_lr_groups(folder))
+
+
+def saved_lr_groups(checkpoint_dir: str | os.PathLike) -> tuple[str, ...] | None:
+    """The roles with a learning-rate group of their own in a Trainer checkpoint's optimizer state (the run state's
+    `lr_groups`), or None where the folder holds no run state that says."""
+    state_file = os.path.join(checkpoint_dir, "trainer_state.json")
+    if not os.path.isfile(state_file):
+        return None
+    with open(state_file) as f:
+        attributes = saved_callback_state(json.load(f).get("stateful_callbacks")).get("attributes")
+    groups = attributes.get("lr_groups") if isinstance(attributes, dict) else None
+    return tuple(groups) if isinstance(groups, list) else None
 
 
 def prepare_for_resume(model: nn.Module, checkpoint_dir: str | os.PathLike) -> nn.Module:

@@ -56,6 +56,23 @@ class UntieStateError(UntieError, ValueError):
 
 
 # -- the weights' fingerprint ------------------------------------------------------------------------------------------
+def run_state(
+    adapter: str, step: int, tying_mode: str | None, config: dict, attributes: dict, weights: dict | None
+) -> dict[str, Any]:
+    """A run state in the layout both adapters save (`check_state` reads it back): the adapter's name, the global
+    step, the tying mode, the settings (JSON), the run's attributes and the weights' fingerprint (`weights`; None where
+    the framework saves a folder as a whole)."""
+    return {
+        "format": STATE_FORMAT,
+        "adapter": adapter,
+        "global_step": step,
+        "tying_mode": tying_mode,
+        "config": config,
+        "attributes": attributes,
+        "weights": weights,
+    }
+
+
 def tensor_digest(tensor: torch.Tensor) -> str:
     """A digest of a tensor's bytes (SHA-256, hardware-accelerated on current CPUs), equal for equal bytes on any
     device; read in bounded chunks."""

@@ -41,6 +41,8 @@ def announce(run: UntieRun, step: int, max_steps: int | None) -> str:
     it in its state): a warning where a policy decided, a note where the schedule was set; and a trigger that cannot
     fire in the run (`short_run_notice`)."""
     line = plan_line(run, step, max_steps)
+    rates = run.rates.line()
+    line = f"{line}; {rates.removeprefix('untie: ')}" if rates else line
     decided = run.choice is not None and run.choice.policy != "off"
     logger.log(logging.WARNING if decided else logging.INFO, line)
     if run.measurements.probe is not None:

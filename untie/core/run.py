@@ -1,15 +1,13 @@
 """`UntieRun`: the state of a tie-then-untie run, and the execution of its decision; shared by every adapter.
 
 It holds what a run remembers (the model's structure, `untie.core.model_structure.ModelStructure`; the deadline and the
-divergence trigger; the untie; the measurements, `untie.core.measuring.Measurements`) and carries out what
-`untie.structure.decision.decide` decides from the model's facts (`untie.structure.facts`), the settings and, on
-resume, the checkpoint. It decides again only when a fact changes: the checkpoint becomes known (`settle`,
-`expect_checkpoint`, a resumed state), a plan changed the model's structure, the first batch judged a drawn head.
-The adapters (`untie.UntieCallback`, `untie.Untier`) translate their loop's events into its calls, in the order of
-`untie.core.phases` (one table of transitions): `attach` before the optimizer exists, `start` with it, then per
-optimizer step `t` (from 1) `arm(t)` before its first forward, `measure(t)` once its gradients are complete and
-`end_of_step(t)` after it (the untie happens here); `close()` takes every install off (`registry`). What the run says
-is `untie.core.messages`'.
+divergence trigger; the untie; the measurements, `untie.core.measuring.Measurements`; the per-role learning rates,
+`untie.structure.role_rates.RoleRates`) and carries out what `untie.structure.decision.decide` decides from the model's
+facts, the settings and, on resume, the checkpoint; it decides again only when a fact changes. The adapters
+(`untie.UntieCallback`, `untie.Untier`) call it in the order of `untie.core.phases`: `attach` before the optimizer
+exists, `start` with it, then per optimizer step `t` (from 1) `arm(t)` before its first forward, `measure(t)` once its
+gradients are complete and `end_of_step(t)` after it (the untie happens here); `close()` takes every install off
+(`registry`). What the run says is `untie.core.messages`'.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from torch import nn
 
 from untie import _compat
 from untie.checkpoints.checkpoint import has_resume_guard, resume_guard_hook
-from untie.checkpoints.saved_state import STATE_FORMAT, check_state
+from untie.checkpoints.saved_state import check_state, run_state
 from untie.config import UntieConfig
 from untie.core import measuring, messages
 from untie.core.model_structure import ModelStructure
@@ -36,12 +34,13 @@ from untie.structure.head_start import HeadVerdict
 from untie.structure.peft_support import is_peft_model
 from untie.structure.plan import SavedFacts, StructurePlan
 from untie.structure.policy import PolicyChoice
+from untie.structure.role_rates import RoleRates
 from untie.structure.surgery import is_tied
 
 logger = logging.getLogger(__name__)
 
 #: The run state a checkpoint keeps (the "attributes" of `UntieRun.state_dict`, read back by `restore`).
-SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history", "policy", "plan")
+SAVED_ATTRIBUTES = ("untied", "untie_step", "untie_reason", "trigger_state", "history", "policy", "plan", "lr_groups")
 
 
 class UntieRun:
@@ -56,7 +55,7 @@ class UntieRun:
     `divergence`, the schedule the decision gives; `untie_step` and `untie_reason` (the one record of the untie:
     "trigger", "deadline", "checkpoint" or "start"); `pending_untie`, the step of an untie due at a resume whose
     optimizer state loads after `start`, done at the first forward; `pairs`; `measurements`; `structure`, the attached
-    model's (`model`); `plan`, the line the run said (kept in the run state); `said`, each warning once per run.
+    model's (`model`); `rates`, the per-role learning rates; `plan`, the line it said; `said`, each warning once.
     """
 
     def __init__(self, config: UntieConfig, adapter: Adapter = BY_HAND) -> None:
@@ -75,14 +74,14 @@ class UntieRun:
         self.model: nn.Module | None = None
         self.structure: ModelStructure | None = None
         self.arrived_untied = False
-        self.attach_args: dict = {}
-        """The engine and the tokenizer the run attached with (to attach a later model the same way)."""
+        self.attach_args: dict = {}  # the engine and the tokenizer it attached with (to attach a later model alike)
         self.optimizer = None
         self.built_optimizer = None  # built before attach (Untier(model, optimizer), Trainer(optimizers=...))
         self.registry = Registry(adapter.name)
         self.plan: str | None = None
         self.begun: tuple[int, int | None] = (0, None)
         self.said: set[str] = set()
+        self.rates = RoleRates.from_config(config, adapter.name, structure=lambda: self.structure)
 
     # -- what the run follows ------------------------------------------------------------------------------------------
     @property
@@ -113,12 +112,11 @@ class UntieRun:
             raise RunOrderError(f"{self.owner}: no model is attached yet (attach comes first).")
         return self.structure
 
-    def _enter(self, call: str) -> None:
-        self.phase = enter(self.phase, call, self.adapter)
-
     def check(self, call: str) -> None:
         """An adapter's call (a row of its `Adapter.transitions`) against the run's phase."""
-        self._enter(call)
+        self.phase = enter(self.phase, call, self.adapter)
+
+    _enter = check
 
     def redecide(self, step: int = 0, optimizer=None) -> Decision:
         """Decide from what the run knows now (`decide`; the model's structure read again), say what is new, and
@@ -144,6 +142,7 @@ class UntieRun:
         assert self.decision is not None
         judge = self.take_head_verdict if self.decision.judge_first_batch else None
         self.attached.execute(plan, optimizer, draws=self.decision.head_init == "model", judge=judge)
+        self.rates.place_head()
 
     # -- phase 1: attach -----------------------------------------------------------------------------------------------
     def attach(
@@ -160,6 +159,7 @@ class UntieRun:
         self.model, self.optimizer, self.decision, self.built_optimizer = model, None, None, optimizer
         self.attach_args = {"engine": engine, "tokenizer": tokenizer}
         mode = resolve_tying_mode(self.config.tying_mode, engine)
+        self.rates.check_engine(engine)
         self.structure = ModelStructure(model, self.owner, self.registry, engine, mode)
         self.pairs, because = measuring.pairs_for(self.config, tokenizer, model, self.adapter, self.pairs)
         built = optimizer is not None
@@ -217,6 +217,11 @@ class UntieRun:
         plan = self.redecide(optimizer=optimizer).resume
         assert plan is not None
         self._execute(plan, optimizer)
+
+    def split_groups(self, optimizer, lr_scheduler=None, saved: SavedFacts | None = None) -> None:
+        """The per-role param groups (`RoleRates.split`), as the resumed checkpoint (default: the known one) has."""
+        saved = saved if saved is not None else self.saved if isinstance(self.saved, SavedFacts) else None
+        self.rates.split(optimizer, self.attached.model, self.registry, lr_scheduler, saved)
 
     def take_head_verdict(self, verdict: HeadVerdict) -> None:
         """The first batch's verdict on the drawn head: a new fact, decided on (the line and the run state say it)."""
@@ -325,6 +330,7 @@ class UntieRun:
         self.pending_untie = None
         self.measurements.stop()
         self.attached.untie(self.optimizer, self.config.optimizer_state)
+        self.rates.place_head()
         self._record_untie(step, reason)
         logger.info("untie: untied the LM head from the input embedding at step %d (%s)", step, reason)
 
@@ -334,7 +340,7 @@ class UntieRun:
 
     def take_latest(self) -> dict[str, float]:
         """The `untie/*` values to log now: the tying state and the last measurement (once)."""
-        return self.measurements.take_latest(self.untie_step)
+        return {**self.measurements.take_latest(self.untie_step), **self.rates.current()}
 
     def close(self) -> None:
         """The run is over: take off every install; the model keeps the structure it was given. Idempotent."""
@@ -358,20 +364,14 @@ class UntieRun:
     def state_dict(self, step: int, weights: dict | None = None) -> dict:
         """The run state at step `step`, JSON-able, in the layout both adapters save (`untie.checkpoints.saved_state`),
         with the weights' fingerprint (`weights`; None where the framework saves a folder as a whole)."""
-        return {
-            "format": STATE_FORMAT,
-            "adapter": self.adapter.name,
-            "global_step": step,
-            "tying_mode": self.structure.tying_mode if self.structure is not None else None,
-            "config": self.config.to_json_dict(),
-            "attributes": self.state_attributes(),
-            "weights": weights,
-        }
+        tying = self.structure.tying_mode if self.structure is not None else None
+        return run_state(self.adapter.name, step, tying, self.config.to_json_dict(), self.state_attributes(), weights)
 
     def state_attributes(self) -> dict:
         """The run state a checkpoint keeps (`SAVED_ATTRIBUTES`), as JSON-able values."""
-        attributes = {name: getattr(self, name) for name in SAVED_ATTRIBUTES if name not in ("policy", "plan")}
-        return {**attributes, "policy": self.choice.to_dict() if self.choice is not None else None, "plan": self.plan}
+        attributes = {name: getattr(self, name) for name in SAVED_ATTRIBUTES[:5]}
+        policy = self.choice.to_dict() if self.choice is not None else None
+        return {**attributes, "policy": policy, "plan": self.plan, "lr_groups": list(self.rates.groups)}
 
     def load_state_dict(self, state: dict, where: str, step: int | None = None) -> dict:
         """Restore the run state `state_dict` saved (checked first: a damaged state raises `UntieStateError` naming

@@ -83,6 +83,9 @@ class SavedFacts:
     """The run was untied when it saved (None: the checkpoint does not say)."""
     head_stored: bool | None = None
     """In the tied phase: the LM head has its own tensor (emulated tying). None: not read (FSDP's sharded format)."""
+    lr_groups: tuple[str, ...] | None = None
+    """The roles that had an optimizer param group of their own (`untie.structure.role_rates`); None: not recorded
+    (a checkpoint written without them, or before they existed)."""
 
 
 @dataclass(frozen=True)
