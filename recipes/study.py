@@ -8,6 +8,8 @@ seeds. The protocol and the rule that turns its tables into the default: docs/re
     python recipes/study.py --cells B --rates tied  # the tied sweep, run and branches; beside it, on another core,
     python recipes/study.py --cells B --rates untied  # the untied sweep and arms (the same --output_dir)
     python recipes/study.py --report_only           # results.json and results.md from the finished runs
+    python recipes/study.py --cells B --round_two --rates untied  # round two: the embedding-scale sweep and arm
+    python recipes/study.py --cells B --round_two --rates tied    # round two: the branch at 0.9
     python recipes/study.py --preset device --export_corpus runs/corpus-vocab32768   # build and export its corpus
     python recipes/study.py --preset device --corpus_dir runs/corpus-vocab32768      # the device tier, one call
 
@@ -46,11 +48,23 @@ from untie_recipes.tasks.study.finetune import (
     load_finetune_records,
     run_finetune,
 )
-from untie_recipes.tasks.study.protocol import ARMS, CELLS, CPU_CELLS, DEVELOPMENT_SEEDS, DEVICE_CELLS, check_seeds
+from untie_recipes.tasks.study.protocol import (
+    ARMS,
+    CELLS,
+    CPU_CELLS,
+    DEVELOPMENT_SEEDS,
+    DEVICE_CELLS,
+    SCALE_SWEEP,
+    best_value,
+    check_seeds,
+    half_budget,
+    scaled_arm,
+    untie_step,
+)
 from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, machine_facts
 from untie_recipes.tasks.study.report import load_records, write_report
 from untie_recipes.tasks.study.runs import StudyContext, cell_plan, retrain_tied, run_seed, seed_specs
-from untie_recipes.tasks.study.sweep import PLAIN, run_sweep
+from untie_recipes.tasks.study.sweep import PLAIN, run_scale_sweep, run_sweep
 from untie_recipes.tasks.study.target import fetch_target_documents, target_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -101,6 +115,8 @@ class StudyArguments:
     corpus_dir: str | None = field(default=None, metadata={"help": "an exported corpus folder (no cache, no fetch)"})
     export_corpus: str | None = field(default=None, metadata={"help": "write the corpus to this folder and exit"})
     report_only: bool = field(default=False, metadata={"help": "write the report from the finished runs only"})
+    round_two: bool = field(default=False, metadata={"help": "round two (issue 77): the embedding-scale sweep and "
+                                                              "arm, and the cells' round-two branches"})  # fmt: skip
     plan: bool = field(default=False, metadata={"help": "print the cells' sizes, budgets and branch steps, then exit"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress line"})
 
@@ -170,9 +186,10 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
             for arm, summary in sweep.items():
                 logging.info("study: cell %s, %s: LR %g (%s)", cell, arm, summary.best, summary.note())
             lrs = {arm: summary.best for arm, summary in sweep.items()}
+            extra = round_two_arms(ctx, args, cell, budget, lrs, progress, extend) if args.round_two else ()
             for seed in args.seeds:
                 bar.set_description(f"Study {cell} seed {seed}")
-                records = run_seed(ctx, cell, seed, lrs, budget, progress)
+                records = run_seed(ctx, cell, seed, lrs, budget, progress, extra)
                 if target is not None and cell == FINETUNE_CELL:
                     bar.set_description(f"Study {cell} seed {seed} fine-tuning")
                     tied = next(s for s in seed_specs(ctx, cell, seed, lrs, budget) if s.arm == "tied")
@@ -180,6 +197,23 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
                     run_finetune(ctx, target, seed, tied, records["tied"], retrain, progress)
     finally:
         bar.close()
+
+
+def round_two_arms(ctx, args: StudyArguments, cell: str, budget: int, lrs: dict, progress, extend) -> tuple[str, ...]:
+    """Round two's arms of `cell` (docs/recipes/study.md, "Round two"): its branches, and, in the process that runs
+    the untied rate, the embedding-scale sweep (on the sweep seed, at half the budget) and the arm at its best k."""
+    arms = CELLS[cell].round_two
+    if CELLS[cell].scale_sweep and "untied" in lrs:
+        extend(len(SCALE_SWEEP) * half_budget(budget))
+        losses = run_scale_sweep(ctx, cell, args.sweep_seed, budget, lrs["untied"], progress, args.max_extensions,
+                                 extend)  # fmt: skip
+        best = best_value(losses)
+        logging.info("study: cell %s, the embedding-scale sweep: %s; best k = %g", cell,
+                     ", ".join(f"k={k:g}: {v:.4f}" for k, v in sorted(losses.items())), best)  # fmt: skip
+        arms += (scaled_arm(best),) if best != 1.0 else ()
+    extend(len(args.seeds) * sum(budget - (untie_step(ARMS[a].fraction, budget) if a in ARMS and ARMS[a].fraction
+                                           else 0) for a in arms))  # fmt: skip
+    return arms
 
 
 def load_target(args: StudyArguments, corpus: TokenizedCorpus) -> TokenizedCorpus | None:

@@ -527,3 +527,40 @@ def test_the_device_tier_imports_without_datasets():
     )  # its imports, not its main()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_round_two_sweeps_the_embedding_scale_then_runs_its_arm_and_the_branch_at_0_9(recipe, tmp_path, monkeypatch):
+    """Issue 77: the scale sweep (k = 1, 4, 16 at the untied rate, half budget, extended at an edge) through the
+    library's role groups, the best k's arm per seed, and the tied run trained again (its record kept) for the new
+    branch at 0.9; round one's report is unchanged by round two's records."""
+    tiny = dataclasses.replace(TINY, round_two=("untie@0.9",), scale_sweep=True)
+    monkeypatch.setitem(protocol.CELLS, "A", tiny)
+    first = recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--finetune", "false"))
+    committed = {p.name: p.read_text() for p in (tmp_path / "committed").glob("*.json")}
+    for path in (tmp_path / "out" / "checkpoints").rglob("step*.pt"):
+        path.unlink()
+    seen = []
+    split = runs.RoleRates.split
+
+    def spy(self, optimizer, *args, **kwargs):
+        split(self, optimizer, *args, **kwargs)
+        seen.append((self.scales["input_embedding"], [g.get("untie_role") for g in optimizer.param_groups]))
+
+    monkeypatch.setattr(runs.RoleRates, "split", spy)
+    second = recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--finetune", "false", "--round_two"))
+    records = {p.stem: StudyRecord.load(p) for p in (tmp_path / "committed").glob("*.json")}
+    scales = sorted(float(name.split("-emb")[1].split("-lr")[0]) for name in records if "-sweep-untied-emb" in name)
+    assert {4.0, 16.0} <= set(scales) and len(scales) <= 3  # at most one value beyond an edge
+    assert {k for k, _ in seen} >= {4.0, 16.0} and all(roles == [None, "input_embedding"] for _, roles in seen)
+    assert records["A-s1-untie@0.9"].untie_step == protocol.untie_step(0.9, records["A-s1-tied"].budget_steps)
+    untied_lr = first["groups"][0]["cells"]["A"]["sweep"]["untied"]["best"]
+    losses = {1.0: records[f"A-sweep-untied-lr{untied_lr:g}-s1"].final_validation_loss}
+    losses.update({k: records[f"A-sweep-untied-emb{k:g}-lr{untied_lr:g}-s1"].final_validation_loss for k in scales})
+    best = protocol.best_value(losses)
+    arm = [name for name in records if name.startswith("A-s1-untied-emb")]
+    assert arm == ([] if best == 1.0 else [f"A-s1-untied-emb{best:g}"])
+    for name, text in committed.items():  # round one's records stay as they were (the tied run's included)
+        assert (tmp_path / "committed" / name).read_text() == text, name
+    second["groups"][0]["cells"]["A"].pop("round_two_core_hours")
+    assert json.dumps(second["groups"][0]["cells"], sort_keys=True) == json.dumps(first["groups"][0]["cells"],
+                                                                                   sort_keys=True)  # fmt: skip

@@ -35,6 +35,11 @@ class Cell:
     lr_centre: float
     """The middle of the LR sweep (the decision map's rate for the width), fixed before any run."""
     arms: tuple[str, ...]
+    round_two: tuple[str, ...] = ()
+    """Round two's arms beyond round one's (issue 77), run with ``--round_two``; the embedding-scale arm joins them
+    once its sweep has chosen k (`scale_sweep`)."""
+    scale_sweep: bool = False
+    """Round two sweeps the input embedding's scale in this cell (`SCALE_SWEEP`)."""
 
     def sweep_values(self) -> tuple[float, ...]:
         """The sweep's three learning rates, a factor of `SWEEP_FACTOR` apart around `lr_centre`."""
@@ -51,6 +56,9 @@ class Arm:
     head: str | None = None
     fraction: float | None = None
     optimizer_state: str = "copy"
+    embedding_scale: float = 1.0
+    """The input embedding's learning rate as a multiple of the arm's rate (`UntieConfig.embedding_lr_scale`): round
+    two's `untied-emb<k>` arms (issue 77)."""
 
     @property
     def tied_phase(self) -> bool:
@@ -79,10 +87,35 @@ ARMS: dict[str, Arm] = {
         Arm("untie@2/3-fresh", fraction=2 / 3, optimizer_state="reset"),
         Arm("untie@0.8", fraction=1 - COOLDOWN),
         Arm("untie@0.95", fraction=0.95),
+        Arm("untie@0.9", fraction=0.9),
     )
 }
+#: Round two's arm prefix (issue 77): untied from step 0, head drawn, the input embedding at k x the untied rate.
+SCALED_ARM = "untied-emb"
+#: The embedding-scale sweep's first values (k = 1 is the untied arm itself); an edge extends by `SCALE_FACTOR`.
+SCALE_SWEEP = (1.0, 4.0, 16.0)
+SCALE_FACTOR = 4.0
+
+
+def scaled_arm(scale: float) -> str:
+    """The name of the arm untied from step 0 with the input embedding at `scale` x the rate ("untied" at 1)."""
+    return "untied" if scale == 1.0 else f"{SCALED_ARM}{scale:g}"
+
+
+def arm_spec(name: str) -> Arm:
+    """The arm called `name`: one of `ARMS`, or a round-two `untied-emb<k>` arm."""
+    if name in ARMS:
+        return ARMS[name]
+    if name.startswith(SCALED_ARM):
+        return Arm(name, head="drawn", embedding_scale=float(name[len(SCALED_ARM) :]))
+    raise KeyError(f"no study arm {name!r}")
+
+
+#: Round one's arms (issue 68): what its tables, its rule and its pages read; round two's are in `Cell.round_two`.
+ROUND_ONE_ARMS = tuple(name for name in ARMS if name != "untie@0.9")
+CELL_A_ARMS = ROUND_ONE_ARMS
 #: Cell B leaves out the copy at step 0 and the fresh optimizer state (the budget, as the issue allows).
-CELL_B_ARMS = tuple(name for name in ARMS if name not in ("copy0", "untie@2/3-fresh"))
+CELL_B_ARMS = tuple(name for name in ROUND_ONE_ARMS if name not in ("copy0", "untie@2/3-fresh"))
 
 #: The CPU tier's cells (issue 68, item 1).
 CPU_CELLS = ("A", "B")
@@ -92,10 +125,19 @@ DEVICE_SHAPES = {64: (2, 3e-3), 128: (4, 2e-3), 256: (8, 1e-3)}
 DEVICE_CELLS = tuple(f"D{w}x{DEVICE_SHAPES[w][0]}t{t}" for w in DEVICE_SHAPES for t in (4, 10))
 
 CELLS: dict[str, Cell] = {
-    "A": Cell("A", width=64, layers=2, tokens_per_parameter=10.0, lr_centre=3e-3, arms=tuple(ARMS)),
-    "B": Cell("B", width=128, layers=4, tokens_per_parameter=4.0, lr_centre=2e-3, arms=CELL_B_ARMS),
+    "A": Cell("A", width=64, layers=2, tokens_per_parameter=10.0, lr_centre=3e-3, arms=CELL_A_ARMS),
+    "B": Cell(
+        "B",
+        width=128,
+        layers=4,
+        tokens_per_parameter=4.0,
+        lr_centre=2e-3,
+        arms=CELL_B_ARMS,
+        round_two=("untie@0.9",),
+        scale_sweep=True,
+    ),  # fmt: skip
     **{
-        f"D{w}x{layers}t{t}": Cell(f"D{w}x{layers}t{t}", w, layers, float(t), lr, tuple(ARMS))
+        f"D{w}x{layers}t{t}": Cell(f"D{w}x{layers}t{t}", w, layers, float(t), lr, CELL_A_ARMS)
         for w, (layers, lr) in DEVICE_SHAPES.items()
         for t in (4, 10)
     },
@@ -148,7 +190,7 @@ def best_value(losses: dict[float, float]) -> float:
     return min(sorted(losses), key=lambda lr: (losses[lr] if math.isfinite(losses[lr]) else math.inf, lr))
 
 
-def next_sweep_value(losses: dict[float, float]) -> float | None:
+def next_sweep_value(losses: dict[float, float], factor: float = SWEEP_FACTOR) -> float | None:
     """The value the sweep extends to when its best (lowest final loss) sits at an edge of the values run: a factor of
     `SWEEP_FACTOR` beyond that edge; None when the best is inside. A diverged run (a non-finite loss) counts as the
     worst."""
@@ -156,4 +198,4 @@ def next_sweep_value(losses: dict[float, float]) -> float | None:
     best = best_value(losses)
     if len(values) < 2 or values[0] < best < values[-1]:
         return None
-    return best / SWEEP_FACTOR if best == values[0] else best * SWEEP_FACTOR
+    return best / factor if best == values[0] else best * factor

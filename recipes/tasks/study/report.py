@@ -15,7 +15,7 @@ from pathlib import Path
 from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.study.finetune import FINETUNE_ARMS, FineTuneRecord
 from untie_recipes.tasks.study.markdown import markdown, summary_markdown
-from untie_recipes.tasks.study.protocol import ARMS, CELLS
+from untie_recipes.tasks.study.protocol import ARMS, CELLS, ROUND_ONE_ARMS
 from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_reach
 from untie_recipes.tasks.study.sweep import PLAIN, summarize
 from untie_recipes.tasks.study.training import StudyRecord
@@ -24,7 +24,9 @@ from untie_recipes.tasks.study.verdict import RULE_CELLS, verdict
 logger = logging.getLogger(__name__)
 
 #: The branches at a fixed fraction with the optimizer state copied: "the best fixed fraction" is among these.
-FIXED = tuple(name for name, arm in ARMS.items() if arm.fraction is not None and arm.optimizer_state == "copy")
+FIXED = tuple(
+    name for name in ROUND_ONE_ARMS if ARMS[name].fraction is not None and ARMS[name].optimizer_state == "copy"
+)
 
 
 def load_records(folder: Path) -> list[StudyRecord]:
@@ -110,10 +112,14 @@ def cell_table(cell: str, records: list[StudyRecord]) -> dict:
 
 
 def _costs(table: dict, cell: str, records: list[StudyRecord]) -> None:
-    """The cell's cost: core-hours (CPU seconds of the runs' processes) and wall hours, over every recorded run."""
-    mine = [r for r in records if r.cell == cell]
+    """The cell's cost: core-hours (CPU seconds of the runs' processes) and wall hours, over every recorded run of
+    round one; round two's runs (issue 77) apart, in `round_two_core_hours`."""
+    mine = [r for r in records if r.cell == cell and r.arm in ROUND_ONE_ARMS]
     table["core_hours"] = sum(r.cpu_seconds for r in mine) / 3600
     table["wall_hours"] = sum(r.wall_seconds for r in mine) / 3600
+    later = [r for r in records if r.cell == cell and r.arm not in ROUND_ONE_ARMS]
+    if later:
+        table["round_two_core_hours"] = sum(r.cpu_seconds for r in later) / 3600
 
 
 def finetune_table(records: Sequence[FineTuneRecord]) -> dict:

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 from untie import UntieConfig, untie_embeddings
+from untie.registry import Registry
+from untie.structure.role_rates import RoleRates
 from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
 from untie_recipes.tasks.decision_map.training import (
     TrainingSetup,
@@ -27,7 +29,7 @@ from untie_recipes.tasks.decision_map.training import (
     train_steps,
 )
 from untie_recipes.tasks.study.model import build_model, parameter_counts
-from untie_recipes.tasks.study.protocol import ARMS, CELLS, budget_steps, cooldown_start, half_budget, untie_step
+from untie_recipes.tasks.study.protocol import CELLS, arm_spec, budget_steps, cooldown_start, half_budget, untie_step
 from untie_recipes.tasks.study.training import (
     CurveRecorder,
     OutOfTime,
@@ -97,6 +99,9 @@ def _start(ctx: StudyContext, spec: RunSpec, tied: StudyRecord | None):
     model = build_model(spec.setup.width, spec.setup.layers, spec.setup.seed, ctx.vocab, BLOCK, head, eos)
     model.to(ctx.device)
     optimizer, scheduler = build_optimizer(model, spec.setup, spec.budget)
+    if arm.embedding_scale != 1.0:  # round two: the input embedding at k x the rate, through the library's groups
+        rates = RoleRates({"input_embedding": arm.embedding_scale, "head": 1.0}, False, "study")
+        rates.split(optimizer, model, Registry("study: per-role rates"), scheduler)
     step = spec.branch_step
     if step is None:
         return model, optimizer, scheduler, 0, {}
@@ -125,7 +130,8 @@ def _checkpoints(ctx: StudyContext, spec: RunSpec) -> dict[int, list[Path]]:
 
 def arm_branch_steps(cell: str, budget: int) -> dict[str, int]:
     """Arm -> the tied run's step it branches from, for the cell's branches."""
-    return {arm: untie_step(ARMS[arm].fraction, budget) for arm in CELLS[cell].arms if ARMS[arm].fraction}
+    fractions = {arm: arm_spec(arm).fraction for arm in CELLS[cell].arms + CELLS[cell].round_two}
+    return {arm: untie_step(fraction, budget) for arm, fraction in fractions.items() if fraction}
 
 
 def branch_steps(cell: str, budget: int) -> list[int]:
@@ -232,11 +238,15 @@ def run_or_reuse(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: Stu
     return record
 
 
-def seed_specs(ctx: StudyContext, cell: str, seed: int, lrs: dict[str, float], budget: int) -> list[RunSpec]:
+def seed_specs(
+    ctx: StudyContext, cell: str, seed: int, lrs: dict[str, float], budget: int, extra: tuple[str, ...] = ()
+) -> list[RunSpec]:
     """The runs of (cell, seed) whose swept rate `lrs` holds (`Arm.plain`: "tied" for the tied run and its branches,
-    "untied" for the arms untied from step 0), the tied run first, each at that rate."""
-    return [RunSpec(cell, arm, ctx.setup(cell, seed, lrs[ARMS[arm].plain]), budget)
-            for arm in CELLS[cell].arms if ARMS[arm].plain in lrs]  # fmt: skip
+    "untied" for the arms untied from step 0), the tied run first, each at that rate; `extra`: arms beyond the cell's
+    (round two's `untied-emb<k>`, once its sweep has chosen k)."""
+    arms = list(CELLS[cell].arms) + list(extra)
+    return [RunSpec(cell, arm, ctx.setup(cell, seed, lrs[arm_spec(arm).plain]), budget)
+            for arm in arms if arm_spec(arm).plain in lrs]  # fmt: skip
 
 
 def retrain_tied(ctx: StudyContext, spec: RunSpec, progress: Progress) -> None:
@@ -251,24 +261,49 @@ def retrain_tied(ctx: StudyContext, spec: RunSpec, progress: Progress) -> None:
                 time.process_time() - started)  # fmt: skip
 
 
-def run_seed(ctx: StudyContext, cell: str, seed: int, lrs: dict[str, float], budget: int, progress: Progress):
+def _tied_again(ctx: StudyContext, spec: RunSpec, kept: StudyRecord, progress: Progress) -> StudyRecord:
+    """The tied run trained again for branch checkpoints it no longer has (lost with a machine, or a branch added
+    later: round two's `untie@0.9`); its committed record stays as it is, and the run must repeat its final loss
+    exactly (one thread, the same CPU kind), or the branches would start from another run."""
+    logger.warning("study: %s's branch checkpoints are gone; training it again for them (its record is kept).",
+                   spec.name)  # fmt: skip
+    again = train_run(ctx, spec, progress)
+    ctx.checkpoint_path(spec, "resume").unlink(missing_ok=True)
+    if again.final_validation_loss != kept.final_validation_loss:
+        raise RuntimeError(
+            f"study: {spec.name} trained again ended at {again.final_validation_loss!r}, its record at "
+            f"{kept.final_validation_loss!r}: another CPU kind or torch build; run its branches where it was recorded."
+        )
+    return again
+
+
+def run_seed(
+    ctx: StudyContext,
+    cell: str,
+    seed: int,
+    lrs: dict[str, float],
+    budget: int,
+    progress: Progress,
+    extra: tuple[str, ...] = (),
+):
     """Every arm of (cell, seed) whose swept rate `lrs` holds: tied, the arms untied from step 0, the branches;
     returns their records. Given only the untied rate, only the arms untied from step 0 run (another process runs
     the tied run and its branches). The tied run is run again when a branch still to run has lost its checkpoint;
     the branch checkpoints are deleted once every branch is recorded (the final one is kept)."""
-    specs = seed_specs(ctx, cell, seed, lrs, budget)
+    specs = seed_specs(ctx, cell, seed, lrs, budget, extra)
     if "tied" not in lrs:
         return {spec.arm: run_or_reuse(ctx, spec, progress) for spec in specs}
     tied_spec = next(s for s in specs if s.arm == "tied")
     lost = [s for s in specs if s.branch_step is not None and finished(ctx, s) is None
             and not ctx.checkpoint_path(tied_spec, f"step{s.branch_step}").exists()]  # fmt: skip
-    if lost and ctx.record_path(tied_spec).exists():
-        logger.warning("study: %s's branch checkpoints are gone; running the tied run again.", tied_spec.name)
-        ctx.record_path(tied_spec).unlink()
+    recorded = finished(ctx, tied_spec) is not None
     records = {"tied": run_or_reuse(ctx, tied_spec, progress)}
+    branches_from = records["tied"]
+    if lost and recorded:
+        branches_from = _tied_again(ctx, tied_spec, records["tied"], progress)
     for spec in specs:
         if spec.arm != "tied":
-            records[spec.arm] = run_or_reuse(ctx, spec, progress, records["tied"])
+            records[spec.arm] = run_or_reuse(ctx, spec, progress, branches_from)
     for path in ctx.checkpoint_path(tied_spec, "step").parent.glob("step*.pt"):
         path.unlink()
     return records

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from untie_recipes.tasks.study.protocol import CELLS, best_value, half_budget, next_sweep_value
+from untie_recipes.tasks.study.protocol import (
+    CELLS,
+    SCALE_FACTOR,
+    SCALE_SWEEP,
+    best_value,
+    half_budget,
+    next_sweep_value,
+    scaled_arm,
+)
 from untie_recipes.tasks.study.runs import StudyContext, run_or_reuse
 from untie_recipes.tasks.study.training import Progress, RunSpec, StudyRecord
 
@@ -71,3 +79,25 @@ def run_sweep(ctx: StudyContext, cell: str, seed: int, budget: int, progress: Pr
             records.append(run_or_reuse(ctx, spec, progress))
         out[arm] = summarize(cell, arm, records)
     return out
+
+
+def run_scale_sweep(ctx: StudyContext, cell: str, seed: int, budget: int, lr: float, progress: Progress,
+                    max_extensions: int = 1, on_extend=None) -> dict[float, float]:  # fmt: skip
+    """Round two's embedding-scale sweep (docs/recipes/study.md, "Round two"): the arm untied from step 0 with the
+    input embedding at k x the untied rate `lr`, for k in `SCALE_SWEEP` (k = 1 is the untied sweep's own run), on
+    one seed at half the budget; a best at an edge extends by `SCALE_FACTOR`, at most `max_extensions` times.
+    Returns the final loss per k."""
+
+    def run(scale: float) -> float:
+        spec = sweep_spec(ctx, cell, scaled_arm(scale), lr, seed, budget)
+        return run_or_reuse(ctx, spec, progress).final_validation_loss
+
+    losses = {scale: run(scale) for scale in SCALE_SWEEP}
+    for _ in range(max_extensions):
+        value = next_sweep_value(losses, SCALE_FACTOR)
+        if value is None:
+            break
+        if on_extend is not None:
+            on_extend(half_budget(budget))
+        losses[value] = run(value)
+    return losses

@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 
 from untie_recipes.tasks.decision_map.training import Recorder, TrainingSetup, data_order, save_checkpoint
-from untie_recipes.tasks.study.protocol import ARMS, Arm, lr_factor, untie_step
+from untie_recipes.tasks.study.protocol import Arm, arm_spec, lr_factor, untie_step
 
 #: The clock a time limit reads (`out_of_time`); a test replaces it with one that ticks per call.
 CLOCK = time.monotonic
@@ -55,7 +55,7 @@ class RunSpec:
 
     @property
     def spec(self) -> Arm:
-        return ARMS[self.arm]
+        return arm_spec(self.arm)
 
     @property
     def name(self) -> str:
