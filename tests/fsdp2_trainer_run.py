@@ -14,6 +14,8 @@ parameters), its optimizer, gradient clipping and DCP / full-state-dict checkpoi
   phase feed the divergence trigger. The ``tied`` run records the same signals with a live `RoleGradientProbe`;
 * ``default``: the former defaults for trained weights (`policy="fresh-untied"`, `from_scratch=False`; metrics every
   2 steps): tied, the default trigger measuring under FSDP2 too, the deadline at 30%;
+* ``rates`` / ``rates-resume-8``: per-role learning rates (`embedding_lr_scale=0.5, head_lr_scale=2.0`), untied at
+  UNTIE_AT, and a resume from its checkpoint after the untie;
 * ``loaded`` / ``ram-efficient``: `UntieCallback()` deciding from the weights, trained ones on every rank / on rank 0
   only under accelerate's `cpu_ram_efficient_loading` (the other rank holds a fresh draw until prepare broadcasts):
   untied before the first step, the head a copy.
@@ -157,7 +159,10 @@ def _run(
         "tied_parameter": model.get_input_embeddings().weight is model.get_output_embeddings().weight,
         "fsdp": trainer.is_fsdp_enabled,
         "ram_efficient": trainer.accelerator.state.fsdp_plugin.cpu_ram_efficient_loading,
-    }
+        "rates": [(h["step"], h["learning_rate"], h.get("untie/lr_input_embedding"), h.get("untie/lr_head"))
+                  for h in trainer.state.log_history if "loss" in h],
+        "role_groups": [len(g["params"]) for g in trainer.optimizer.param_groups if "untie_role" in g],
+    }  # fmt: skip
     if isinstance(callback, LiveSignals):
         record["history"] = callback.history
     elif callback is not None:
@@ -209,6 +214,10 @@ def main(out_dir: str) -> None:
     _run(out_dir, "default", "SHARDED_STATE_DICT", former)
     # The defaults deciding from the weights: trained ones on every rank, and (accelerate's cpu_ram_efficient_loading)
     # on rank 0 only, the other rank holding a fresh draw until prepare broadcasts rank 0's into the shards.
+    scales = dict(untie_when=None, untie_at=UNTIE_AT, embedding_lr_scale=0.5, head_lr_scale=2.0)
+    _run(out_dir, "rates", "SHARDED_STATE_DICT", untie.UntieCallback(**scales))
+    rates = os.path.join(out_dir, "rates")
+    _run(out_dir, "rates-resume-8", "SHARDED_STATE_DICT", untie.UntieCallback(**scales), f"{rates}/checkpoint-8")
     _run(out_dir, "loaded", "SHARDED_STATE_DICT", untie.UntieCallback(), weights=_trained)
     _run(
         out_dir,

@@ -192,3 +192,35 @@ def test_trainer_with_an_8bit_optimizer_unties_resumes_and_reloads(setup_name, t
         resumed = _run(tmp_path, setup, resume=str(tmp_path / "run" / checkpoint))
         assert_resumed_equals(resumed.model, final, checkpoint)
     assert_reloads_untied(tmp_path / "run" / "checkpoint-10", final)
+
+
+def test_per_role_rates_with_trainer_8bit_adamw_keep_the_32bit_state_and_resume_exactly(tmp_path):
+    """Issue 76 with `optim="adamw_bnb_8bit"`: the embedding and the head in groups of their own keep the 32-bit state
+    Trainer asks for embeddings (bitsandbytes' overrides, re-indexed after the groups moved), train at 0.1x / 2x after
+    the untie, and a resume from after the untie equals the uninterrupted run."""
+
+    def run(resume=None):
+        args = training_args(tmp_path / "run", max_steps=10, save_strategy="steps", save_steps=4,
+                             optim="adamw_bnb_8bit", learning_rate=5e-3)  # fmt: skip
+        callback = untie.UntieCallback(untie_at=6, untie_when=None, embedding_lr_scale=0.1, head_lr_scale=2.0)
+        data = ToyLMDataset(vocab=96)
+        trainer = tf.Trainer(model=_wider_gpt2(), args=args, train_dataset=data, callbacks=[callback])
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    trainer = run()
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    model = trainer.model
+    roles = {g.get("untie_role"): g for g in optimizer.param_groups}
+    assert roles["input_embedding"]["params"] == [model.get_input_embeddings().weight]
+    assert roles["head"]["params"] == [model.get_output_embeddings().weight]
+    for param in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+        assert optimizer.state[param]["state1"].dtype == torch.float32
+    assert optimizer.state[model.transformer.h[0].mlp.c_fc.weight]["state1"].dtype == torch.uint8
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    for h in logged:
+        scale = (1.0, 1.0) if h["step"] <= 6 else (0.1, 2.0)
+        assert (h["untie/lr_input_embedding"], h["untie/lr_head"]) == (scale[0] * h["learning_rate"],
+                                                                         scale[1] * h["learning_rate"])  # fmt: skip
+    final = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert_resumed_equals(run(resume=str(tmp_path / "run" / "checkpoint-8")).model, final, "checkpoint-8", 0.0)

@@ -80,7 +80,7 @@ def trainer_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2-trainer")
     torchrun(TRAINER_WORKER, out)
     names = ("tied", "emulated", "resume-8", "resume-4", "full", "full-resume-8", "trigger", "default", "loaded")
-    names += ("ram-efficient",)
+    names += ("ram-efficient", "rates", "rates-resume-8")
     return out, {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
 
 
@@ -241,3 +241,18 @@ def test_sharded_role_probe_takes_plain_modules_and_refuses_a_scaled_embedding()
     assert "gpt2 measured" in result.stdout
     assert "gemma refused: RoleGradientProbe on a sharded (FSDP2) matrix supports plain nn.Embedding" in result.stdout
     assert "GemmaTextScaledWordEmbedding" in result.stdout
+
+
+def test_fsdp2_per_role_rates_follow_the_group_and_resume_exactly(trainer_runs):
+    """Issue 76 under FSDP2 (emulated tying: the head is its own sharded parameter from the start): both roles train
+    at the group's rate while tied, then at 0.5x and 2x; a resume after the untie equals the uninterrupted run."""
+    _, runs = trainer_runs
+    for rank in runs["rates"]:
+        assert rank["untie_step"] == UNTIE_AT and rank["role_groups"] == [1, 1]
+        for step, lr, embedding, head in rank["rates"]:
+            assert (embedding, head) == ((lr, lr) if step <= UNTIE_AT else (0.5 * lr, 2.0 * lr)), step
+    for rank, resumed in zip(runs["rates"], runs["rates-resume-8"], strict=True):
+        for name in ("embedding", "head"):
+            assert torch.equal(resumed["final"][name], rank["final"][name]), name
+        assert resumed["losses"] == rank["losses"]  # the resumed log history holds the checkpoint's too
+    assert not torch.equal(runs["rates"][0]["final"]["embedding"], runs["emulated"][0]["final"]["embedding"])

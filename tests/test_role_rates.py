@@ -15,6 +15,7 @@ from conftest import assert_resumed_equals
 from launch import torchrun
 
 import untie
+import untie.core.run
 from untie.structure.role_rates import ROLE_KEY, RoleRates
 from untie.structure.surgery import inner_optimizer
 from untie.testing import ToyLMDataset, tiny_model
@@ -220,11 +221,11 @@ def test_accelerate_ddp_rates_and_save_state_resume_are_exact(tmp_path):
             assert all(rank["rates"][step] == reference["rates"][step] for step in rank["rates"]), name
 
 
-def test_deepspeed_is_refused_not_silently_at_1():
-    rates = RoleRates({"input_embedding": 0.1, "head": 1.0}, False, "UntieCallback")
-    with pytest.raises(ValueError, match=r"DeepSpeed.*leave them at 1.0"):
-        rates.check_engine("DEEPSPEED")
-    RoleRates({"input_embedding": 1.0, "head": 1.0}, False, "UntieCallback").check_engine("DEEPSPEED")
+def test_deepspeed_is_refused_at_attach_not_run_silently_at_1():
+    run = untie.core.run.UntieRun(untie.UntieConfig(embedding_lr_scale=0.1))
+    with pytest.raises(ValueError, match=r"DeepSpeed's engine owns the param groups.*leave them at 1.0"):
+        run.attach(tiny_model("gpt2"), engine="DEEPSPEED")
+    RoleRates({"input_embedding": 1.0, "head": 1.0}, False, "UntieCallback").check_engine("DEEPSPEED")  # scales at 1
 
 
 @pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), "0.1", True, None])
@@ -287,3 +288,14 @@ def test_accelerate_single_process_save_and_load_state_exact(tmp_path):
     reference = run(save=str(tmp_path / "state-5"))
     resumed = run(resume=str(tmp_path / "state-5"))
     assert max((resumed[n] - reference[n]).abs().max().item() for n in reference) == 0.0
+
+
+def test_an_untier_state_saved_without_the_groups_resumed_with_them_is_refused_before_anything_loads():
+    model = tiny_model("gpt2")
+    untier = untie.Untier(model, torch.optim.AdamW(model.parameters()), untie_at=2, untie_when=None)
+    saved = untier.state_dict()
+    resumed_model = tiny_model("gpt2")
+    resumed = untie.Untier(resumed_model, untie_at=2, untie_when=None, embedding_lr_scale=0.1)
+    resumed.start(torch.optim.AdamW(resumed_model.parameters()))
+    with pytest.raises(ValueError, match=r"saved with embedding_lr_scale at 1.*resume with embedding_lr_scale=1.0"):
+        resumed.load_state_dict(saved)

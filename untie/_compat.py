@@ -366,6 +366,10 @@ def reindex_bitsandbytes_overrides(optimizer: torch.optim.Optimizer) -> None:
                 manager.index2config.pop((group_index, param_index), None)
             else:
                 manager.index2config[(group_index, param_index)] = config
+    groups = optimizer.param_groups
+    for group_index, param_index in list(manager.index2config):  # a position no parameter holds any more
+        if group_index >= len(groups) or param_index >= len(groups[group_index]["params"]):
+            del manager.index2config[(group_index, param_index)]
 
 
 # -- peft: the modules PEFT inserts ------------------------------------------------------------------------------------

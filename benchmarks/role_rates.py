@@ -1,0 +1,84 @@
+"""Cost per step of the per-role learning rates (`UntieConfig.embedding_lr_scale`, `head_lr_scale`), against plain
+Trainer, in one run.
+
+Each arm trains the same untied GPT-2-shaped model (a 50,257-token vocabulary, so that the embedding and the head are
+most of the optimizer's work) on the same random tokens, in a fresh subprocess, the arms alternating:
+
+* ``plain``: Trainer, no callback;
+* ``callback``: Trainer + UntieCallback() (the scales at 1: no groups of their own);
+* ``split``: Trainer + UntieCallback(embedding_lr_scale=0.1, head_lr_scale=2.0): two more param groups, and the
+  follower that sets their rates before every optimizer step.
+
+    python benchmarks/role_rates.py --steps 40 --repeats 3 --output_dir runs/bench-role-rates
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+import transformers as tf
+from common import RandomTokens, StepTimer, benchmark_training_arguments, machine, run_arms_alternating, write_results
+
+import untie
+
+ARMS = ("plain", "callback", "split")
+
+
+@dataclass
+class BenchmarkArguments:
+    steps: int = field(default=40, metadata={"help": "Optimizer steps per arm (the first 5 are not timed)."})
+    layers: int = 2
+    width: int = 256
+    batch_size: int = 4
+    sequence_length: int = 64
+    threads: int = field(default=1, metadata={"help": "torch threads (1: steadier on a shared machine)."})
+    repeats: int = field(default=3, metadata={"help": "Run the arms this many times, alternating; report medians."})
+    output_dir: str = "runs/bench-role-rates"
+    arm: str | None = field(default=None, metadata={"help": "Internal: run one arm in this process."})
+
+
+def run_arm(args: BenchmarkArguments) -> dict:
+    torch.set_num_threads(args.threads)
+    tf.set_seed(0)
+    config = tf.GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, tie_word_embeddings=False)
+    model = tf.GPT2LMHeadModel(config)
+    timer = StepTimer()
+    callbacks: list = [timer]
+    if args.arm == "callback":
+        callbacks.append(untie.UntieCallback())
+    elif args.arm == "split":
+        callbacks.append(untie.UntieCallback(embedding_lr_scale=0.1, head_lr_scale=2.0))
+    training = benchmark_training_arguments(os.path.join(args.output_dir, args.arm), args.steps, args.batch_size)
+    dataset = RandomTokens(args.steps * args.batch_size, args.sequence_length, config.vocab_size)
+    trainer = tf.Trainer(model=model, args=training, train_dataset=dataset, callbacks=callbacks)
+    trainer.train()
+    timed = [d for s, d in timer.durations.items() if s > 5]
+    return {"arm": args.arm, "mean_step_s": statistics.fmean(timed), "groups": len(trainer.optimizer.param_groups)}
+
+
+def main() -> None:
+    (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
+    if args.arm:
+        print("RESULT " + json.dumps(run_arm(args)))
+        return
+    runs = run_arms_alternating(__file__, ARMS, args.repeats, lambda run: f"mean step {run['mean_step_s']:.4f} s")
+    step = {arm: statistics.median(r["mean_step_s"] for r in runs if r["arm"] == arm) for arm in ARMS}
+    groups = {arm: next(r["groups"] for r in runs if r["arm"] == arm) for arm in ARMS}
+    lines = [
+        f"Per-role learning rates, cost per step on {machine()}, {args.threads} thread(s): GPT-2 {args.layers} x "
+        f"{args.width}, 50,257-token vocabulary, untied, batch {args.batch_size} x {args.sequence_length}, "
+        f"{args.steps} steps, median of {args.repeats} alternating runs.",
+        "",
+        "| arm | param groups | mean step (s) | vs plain Trainer |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {arm} | {groups[arm]} | {step[arm]:.4f} | x{step[arm] / step['plain']:.3f} |" for arm in ARMS]
+    write_results(args.output_dir, {"settings": vars(args), "step_s": step, "runs": runs}, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
