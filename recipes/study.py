@@ -10,6 +10,8 @@ seeds. The protocol and the rule that turns its tables into the default: docs/re
     python recipes/study.py --report_only           # results.json and results.md from the finished runs
     python recipes/study.py --cells B --round_two --rates untied  # round two: the embedding-scale sweep and arm
     python recipes/study.py --cells B --round_two --rates tied    # round two: the branch at 0.9
+    python recipes/study.py --preset share --plan                # round two's cell C (a 2,048-token vocabulary)
+    python recipes/study.py --preset share --rates tied  &  python recipes/study.py --preset share --rates untied
     python recipes/study.py --preset device --export_corpus runs/corpus-vocab32768   # build and export its corpus
     python recipes/study.py --preset device --corpus_dir runs/corpus-vocab32768      # the device tier, one call
 
@@ -50,11 +52,13 @@ from untie_recipes.tasks.study.finetune import (
 )
 from untie_recipes.tasks.study.protocol import (
     ARMS,
+    CELL_VOCABS,
     CELLS,
     CPU_CELLS,
     DEVELOPMENT_SEEDS,
     DEVICE_CELLS,
     SCALE_SWEEP,
+    SHARE_CELLS,
     best_value,
     check_seeds,
     half_budget,
@@ -64,7 +68,7 @@ from untie_recipes.tasks.study.protocol import (
 from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, machine_facts
 from untie_recipes.tasks.study.report import load_records, write_report
 from untie_recipes.tasks.study.runs import StudyContext, cell_plan, retrain_tied, run_seed, seed_specs
-from untie_recipes.tasks.study.sweep import PLAIN, run_scale_sweep, run_sweep
+from untie_recipes.tasks.study.sweep import PLAIN, run_scale_sweep, run_sweep, scale_choice
 from untie_recipes.tasks.study.target import fetch_target_documents, target_corpus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,6 +79,10 @@ PRESETS = {
     "cpu": {"cells": list(CPU_CELLS), "vocab_size": 8192, "batch_size": 8, "device": "cpu", "time_limit": 0.0,
             "output_dir": "runs/study", "records_dir": str(DATA / "records"), "corpus_pin": str(DATA / "corpus.json"),
             "allow_repeats": False, "finetune": True},
+    "share": {"cells": list(SHARE_CELLS), "vocab_size": CELL_VOCABS["C"], "batch_size": 8, "device": "cpu",
+              "time_limit": 0.0, "output_dir": "runs/study-share", "records_dir": str(DATA / "records"),
+              "corpus_pin": str(DATA / f"corpus-vocab{CELL_VOCABS['C']}.json"), "allow_repeats": False,
+              "finetune": False},
     "device": {"cells": list(DEVICE_CELLS), "vocab_size": 32768, "batch_size": 32, "device": "cuda",
                "time_limit": 450.0, "output_dir": "runs/study-device", "records_dir": str(DATA / "device" / "records"),
                "corpus_pin": str(DATA / "corpus-vocab32768.json"), "allow_repeats": True, "finetune": False},
@@ -186,7 +194,8 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
             for arm, summary in sweep.items():
                 logging.info("study: cell %s, %s: LR %g (%s)", cell, arm, summary.best, summary.note())
             lrs = {arm: summary.best for arm, summary in sweep.items()}
-            extra = round_two_arms(ctx, args, cell, budget, lrs, progress, extend) if args.round_two else ()
+            two = args.round_two or cell in SHARE_CELLS
+            extra = round_two_arms(ctx, args, cell, budget, lrs, progress, extend) if two else ()
             for seed in args.seeds:
                 bar.set_description(f"Study {cell} seed {seed}")
                 records = run_seed(ctx, cell, seed, lrs, budget, progress, extra)
@@ -211,6 +220,12 @@ def round_two_arms(ctx, args: StudyArguments, cell: str, budget: int, lrs: dict,
         logging.info("study: cell %s, the embedding-scale sweep: %s; best k = %g", cell,
                      ", ".join(f"k={k:g}: {v:.4f}" for k, v in sorted(losses.items())), best)  # fmt: skip
         arms += (scaled_arm(best),) if best != 1.0 else ()
+    elif "untied" in lrs:  # the other cells take the k cell B's sweep chose, once it has
+        best = scale_choice(load_records(ctx.output_dir / "records"), args.max_extensions)
+        if best is None:
+            logging.info("study: cell %s waits for cell B's embedding-scale sweep for its untied-emb arm.", cell)
+        elif best != 1.0:
+            arms += (scaled_arm(best),)
     extend(len(args.seeds) * sum(budget - (untie_step(ARMS[a].fraction, budget) if a in ARMS and ARMS[a].fraction
                                            else 0) for a in arms))  # fmt: skip
     return arms

@@ -564,3 +564,21 @@ def test_round_two_sweeps_the_embedding_scale_then_runs_its_arm_and_the_branch_a
     second["groups"][0]["cells"]["A"].pop("round_two_core_hours")
     assert json.dumps(second["groups"][0]["cells"], sort_keys=True) == json.dumps(first["groups"][0]["cells"],
                                                                                    sort_keys=True)  # fmt: skip
+
+
+def test_cell_b_scale_sweep_chooses_k_for_the_other_cells_once_complete():
+    def run(arm: str, lr: float, final: float) -> StudyRecord:
+        return dataclasses.replace(_record(1, arm, final), cell="B", kind="sweep", lr=lr)
+
+    records = [run("untied", 1e-3, 4.40), run("untied", 2e-3, 4.46), run("untied", 5e-4, 4.51)]
+    records += [run("untied", 4e-3, 4.55), run("untied-emb4", 1e-3, 4.35)]
+    assert sweep.scale_choice(records) is None  # 16 not run yet
+    records.append(run("untied-emb16", 1e-3, 4.30))
+    assert sweep.scale_choice(records) is None  # the best at an edge: 64 first
+    records.append(run("untied-emb64", 1e-3, 4.38))
+    assert sweep.scale_choice(records) == 16.0
+    assert protocol.scaled_arm(16.0) == "untied-emb16" and protocol.arm_spec("untied-emb16").embedding_scale == 16.0
+    assert protocol.CELLS["C"].arms == protocol.CELL_C_ARMS and protocol.CELL_VOCABS["C"] == 2048
+    protocol.check_seeds("C", (1, 2, 3), held_out=False)
+    with pytest.raises(SystemExit, match="reserved"):
+        protocol.check_seeds("C", (31,), held_out=False)

@@ -117,8 +117,14 @@ CELL_A_ARMS = ROUND_ONE_ARMS
 #: Cell B leaves out the copy at step 0 and the fresh optimizer state (the budget, as the issue allows).
 CELL_B_ARMS = tuple(name for name in ROUND_ONE_ARMS if name not in ("copy0", "untie@2/3-fresh"))
 
+#: Cell C's arms (issue 77, round two): where users train, about 25% of the parameters in the embedding.
+CELL_C_ARMS = ("tied", "untied", "untie@1/3", "untie@2/3", "untie@0.9")
 #: The CPU tier's cells (issue 68, item 1).
 CPU_CELLS = ("A", "B")
+#: Round two's CPU cells (issue 77), each on its own vocabulary of the same sources (`CELL_VOCABS`).
+SHARE_CELLS = ("C",)
+#: The BPE vocabulary each round-two cell's corpus is cut with (round one's cells: 8,192).
+CELL_VOCABS = {"C": 2048}
 #: The device tier's cells (issue 68, item 3): widths 64 x 2, 128 x 4 and 256 x 8 at 4 and 10 tokens per parameter,
 #: at a 32,768 vocabulary, every arm; the sweep centred on the decision map's rate for the width.
 DEVICE_SHAPES = {64: (2, 3e-3), 128: (4, 2e-3), 256: (8, 1e-3)}
@@ -135,6 +141,9 @@ CELLS: dict[str, Cell] = {
         arms=CELL_B_ARMS,
         round_two=("untie@0.9",),
         scale_sweep=True,
+    ),  # fmt: skip
+    "C": Cell(
+        "C", width=128, layers=4, tokens_per_parameter=4.0, lr_centre=2e-3, arms=CELL_C_ARMS, scale_sweep=False
     ),  # fmt: skip
     **{
         f"D{w}x{layers}t{t}": Cell(f"D{w}x{layers}t{t}", w, layers, float(t), lr, CELL_A_ARMS)

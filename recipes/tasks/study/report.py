@@ -15,7 +15,7 @@ from pathlib import Path
 from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.study.finetune import FINETUNE_ARMS, FineTuneRecord
 from untie_recipes.tasks.study.markdown import markdown, summary_markdown
-from untie_recipes.tasks.study.protocol import ARMS, CELLS, ROUND_ONE_ARMS
+from untie_recipes.tasks.study.protocol import ARMS, CELLS
 from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_reach
 from untie_recipes.tasks.study.sweep import PLAIN, summarize
 from untie_recipes.tasks.study.training import StudyRecord
@@ -23,10 +23,11 @@ from untie_recipes.tasks.study.verdict import RULE_CELLS, verdict
 
 logger = logging.getLogger(__name__)
 
-#: The branches at a fixed fraction with the optimizer state copied: "the best fixed fraction" is among these.
-FIXED = tuple(
-    name for name in ROUND_ONE_ARMS if ARMS[name].fraction is not None and ARMS[name].optimizer_state == "copy"
-)
+
+def fixed_arms(cell: str) -> tuple[str, ...]:
+    """The cell's branches at a fixed fraction with the optimizer state copied: "the best fixed fraction" is among
+    these (round two's branches of a round-one cell are not: its tables stay round one's)."""
+    return tuple(a for a in CELLS[cell].arms if ARMS[a].fraction is not None and ARMS[a].optimizer_state == "copy")
 
 
 def load_records(folder: Path) -> list[StudyRecord]:
@@ -55,14 +56,14 @@ def _tokens_to_untied(arms, arm: str, seeds: list[int], tokens_per_step: int) ->
     return out
 
 
-def _trigger_rows(arms, seeds: list[int], budget: int) -> list[dict]:
+def _trigger_rows(cell: str, arms, seeds: list[int], budget: int) -> list[dict]:
     """Per seed: where the tied run's trigger would have fired (and the default's untie of a loaded tied model,
     the trigger or the deadline), beside that seed's best fixed fraction."""
     rows = []
     for seed in seeds:
         trigger = arms[("tied", seed)].trigger or {}
         fired = trigger.get("first_would_fire_step")
-        fixed = [a for a in FIXED if (a, seed) in arms]
+        fixed = [a for a in fixed_arms(cell) if (a, seed) in arms]
         best = min(fixed, key=lambda a: arms[(a, seed)].final_validation_loss) if fixed else None
         rows.append({
             "seed": seed, "would_fire_step": fired, "would_fire_fraction": fired / budget if fired else None,
@@ -107,17 +108,17 @@ def cell_table(cell: str, records: list[StudyRecord]) -> dict:
             "vs_reference": _paired(arms, arm, reference, seeds), "vs_untied": _paired(arms, arm, "untied", seeds),
             "tokens_to_untied_final": _tokens_to_untied(arms, arm, seeds, tokens_per_step),
         }  # fmt: skip
-    table["trigger"] = _trigger_rows(arms, seeds, budget)
+    table["trigger"] = _trigger_rows(cell, arms, seeds, budget)
     return table
 
 
 def _costs(table: dict, cell: str, records: list[StudyRecord]) -> None:
     """The cell's cost: core-hours (CPU seconds of the runs' processes) and wall hours, over every recorded run of
     round one; round two's runs (issue 77) apart, in `round_two_core_hours`."""
-    mine = [r for r in records if r.cell == cell and r.arm in ROUND_ONE_ARMS]
+    mine = [r for r in records if r.cell == cell and r.arm in CELLS[cell].arms]
     table["core_hours"] = sum(r.cpu_seconds for r in mine) / 3600
     table["wall_hours"] = sum(r.wall_seconds for r in mine) / 3600
-    later = [r for r in records if r.cell == cell and r.arm not in ROUND_ONE_ARMS]
+    later = [r for r in records if r.cell == cell and r.arm not in CELLS[cell].arms]
     if later:
         table["round_two_core_hours"] = sum(r.cpu_seconds for r in later) / 3600
 

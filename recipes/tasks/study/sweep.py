@@ -101,3 +101,30 @@ def run_scale_sweep(ctx: StudyContext, cell: str, seed: int, budget: int, lr: fl
             on_extend(half_budget(budget))
         losses[value] = run(value)
     return losses
+
+
+#: The cell whose embedding-scale sweep chooses k for the other round-two cells (docs/recipes/study.md, "Round two").
+SCALE_CELL = "B"
+
+
+def scale_choice(records: list[StudyRecord], max_extensions: int = 1) -> float | None:
+    """The k cell B's finished embedding-scale sweep chose (lowest final loss over k = 1, 4, 16 and the extension its
+    edge asked for), from its records; None while the sweep is not complete."""
+    if not any(r.cell == SCALE_CELL and r.arm == "untied" and r.kind == "sweep" for r in records):
+        return None
+    lr = summarize(SCALE_CELL, "untied", records).best
+    found = {r.arm: r.final_validation_loss for r in records
+             if r.cell == SCALE_CELL and r.kind == "sweep" and abs(r.lr - lr) <= 1e-12 * lr}  # fmt: skip
+    losses: dict[float, float] = {}
+    for scale in SCALE_SWEEP:
+        if scaled_arm(scale) not in found:
+            return None
+        losses[scale] = found[scaled_arm(scale)]
+    for _ in range(max_extensions):
+        value = next_sweep_value(losses, SCALE_FACTOR)
+        if value is None:
+            break
+        if scaled_arm(value) not in found:
+            return None
+        losses[value] = found[scaled_arm(value)]
+    return best_value(losses)
