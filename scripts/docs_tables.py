@@ -440,6 +440,12 @@ TABLES: dict[str, Table] = {
         output="results.md",
         cost="timing",
     ),
+    "role-rates-cost": Table(
+        page="docs/benchmarks.md",
+        commands=(("python", "benchmarks/role_rates.py", "--steps", "30", "--repeats", "3", "--output_dir", "{out}"),),
+        output="results.md",
+        cost="timing",
+    ),
     "freshness-cost": Table(
         page="docs/benchmarks.md",
         commands=(("python", "benchmarks/freshness_cost.py", "--output_dir", "{out}"),),
