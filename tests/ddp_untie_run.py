@@ -42,6 +42,8 @@ def main(out_dir: str, arch: str, mode: str) -> None:
         callback = untie.UntieCallback()
     elif mode == "emulated":  # the head exists (and is DDP-wrapped) from the start, kept tied until step 4
         callback = untie.UntieCallback(untie_when=None, untie_at=4, tying_mode="emulated")
+    elif mode == "rates":  # per-role learning rates: the head, created after DDP wrapped the model, joins its group
+        callback = untie.UntieCallback(untie_when=None, untie_at=4, embedding_lr_scale=0.5, head_lr_scale=2.0)
     else:
         callback = untie.UntieCallback(untie_when=None, untie_at=4)
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(n=128), callbacks=[callback])
@@ -60,7 +62,13 @@ def main(out_dir: str, arch: str, mode: str) -> None:
             "input": model.get_parameter(layout.input_weight).detach(),
             "output": model.get_parameter(layout.output_weight).detach(),
             "params": {n: p.detach() for n, p in model.named_parameters()},
-        },
+            "rates": [
+                (h["step"], h["learning_rate"], h.get("untie/lr_input_embedding"), h.get("untie/lr_head"))
+                for h in trainer.state.log_history
+                if "loss" in h
+            ],
+            "role_groups": {g.get("untie_role"): len(g["params"]) for g in trainer.optimizer.param_groups},
+        },  # fmt: skip
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
     print(json.dumps({"rank": rank, "untie_step": callback.untie_step}))

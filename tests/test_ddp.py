@@ -95,3 +95,13 @@ def test_a_loaded_model_given_a_ddp_optimizer_first_unties_at_start_and_ranks_ag
     assert not torch.equal(params["lm_head.weight"], params["model.embed_tokens.weight"])  # trained apart
     for name, value in params.items():
         assert torch.equal(value, rank1["params"][name]), name
+
+
+def test_per_role_rates_under_trainer_ddp_the_head_made_after_wrapping_joins_its_group_and_ranks_agree(tmp_path):
+    rank0, rank1 = _torchrun(tmp_path, "gpt2", "rates")
+    assert rank0["untie_step"] == rank1["untie_step"] == 4
+    assert rank0["role_groups"]["input_embedding"] == rank0["role_groups"]["head"] == 1
+    for step, lr, embedding, head in rank0["rates"]:
+        assert (embedding, head) == ((lr, lr) if step <= 4 else (0.5 * lr, 2.0 * lr)), step
+    for name, value in rank0["params"].items():
+        assert torch.equal(value, rank1["params"][name]), name
