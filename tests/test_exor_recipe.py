@@ -494,11 +494,26 @@ def test_the_claims_summary_names_the_failing_claims_and_the_page_that_explains_
         _learning_record("tied", 42, 0.68, input_01=0.2, output_01=0.2),  # shared (0,1) close: the tied claim fails
     ]
     summary = exor_report.claims_summary(exor_claims.check_claims(records))
-    verdict, failing = summary.splitlines()
+    verdict, failing, *_ = summary.splitlines()  # then which way the untested loss evidence leans
     assert verdict.startswith("The paper's claims: 1 of 2 checked hold in this run;")
     assert failing.startswith("Failing: [transformer] tied (main): (2,3) close, (0,1) apart. ")
     assert failing.endswith('docs/recipes/exor.md ("What the quick preset shows", "Where the tied claim fails")')
     assert "Failing" not in exor_report.claims_summary(exor_claims.check_claims(records[:1]))
+
+
+def test_the_claims_summary_says_which_way_the_untested_loss_evidence_leans():
+    """Issue 78: the quick start's "2 of 2 checked hold" left out that its one-seed loss evidence, too thin to test,
+    went against the paper's tied claim (tied below untied); the line says which way, from the run's numbers."""
+    records = [_learning_record("untied", 42, 0.67, input_01=0.08), _learning_record("tied", 42, 0.68, input_01=0.2)]
+    records[1]["final_loss"] = 0.69  # tied below untied (0.70): against "final loss above the untied arm's"
+    lines = exor_report.claims_summary(exor_claims.check_claims(records)).splitlines()
+    assert lines[-1] == (
+        "Not tested for too few seeds, this run's numbers go the claim's way for 0 of 1; against it: [transformer] "
+        "tied (main): final loss above the untied arm's: loss tied 0.6900 vs untied 0.7000 (seeds 42)."
+    )
+    records[1]["final_loss"] = 0.71
+    lines = exor_report.claims_summary(exor_claims.check_claims(records)).splitlines()
+    assert lines[-1] == "Not tested for too few seeds, this run's numbers go the claim's way for 1 of 1."
 
 
 def test_the_scheduled_geometry_claim_needs_both_arms_learned_on_a_seed():
