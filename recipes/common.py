@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 import transformers as tf
 
 import untie
@@ -117,3 +119,19 @@ def untie_outcome(trainer: tf.Trainer, callback: untie.UntieCallback | None) -> 
         "untie_reason": callback.untie_reason if callback else None,
         "trigger_step": trigger.fired_step if trigger else None,
     }
+
+
+def token_mean_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """Cross-entropy over the labelled positions (label != -100) of `logits` (N, V) and `labels` (N,), as a recipe's
+    model returns it to Trainer.
+
+    A model whose `forward` takes ``**kwargs`` tells Trainer that it honours ``num_items_in_batch`` (the labelled
+    positions of the whole step: every process, every accumulated batch); Trainer then multiplies the loss by the
+    number of processes and does not divide it by the accumulation steps. So with ``num_items_in_batch`` the loss is
+    this batch's sum over it, written as the batch mean times (this batch's count / ``num_items_in_batch``): the same
+    value, and exactly the batch mean, to the bit, where the batch is the whole step (one process, no accumulation).
+    Without it: the batch mean."""
+    loss = F.cross_entropy(logits, labels, ignore_index=-100)
+    if num_items_in_batch is None:
+        return loss
+    return loss * ((labels != -100).sum() / num_items_in_batch)

@@ -1,20 +1,30 @@
-"""The tied-checkpoint guide's snippets, run as a user would, on two tiny tied checkpoints saved in place of the one it
-names: a Qwen3 whose matrix is padded past its tokenizer (as Qwen3's and Gemma 3's are) and a Llama 3.2-shaped model
-whose matrix has one row per token."""
+"""The python blocks of the README and the guides, run as a user would.
+
+Every block of README.md and docs/guides/*.md runs here, or is marked a fragment (`<!-- fragment -->`, alone on the
+line before its fence: it must still parse). A block runs on its own, in a namespace that holds only the placeholders
+(`_placeholders`: a tiny tied Llama `model`, its `optimizer`, `args` for two Trainer steps, ...), with the checkpoint
+names it loads (`CHECKPOINT_NAMES`) replaced by tiny saved checkpoints: so it imports what it uses.
+
+The tied-checkpoint guide's blocks run in order in one namespace, on two tiny tied checkpoints saved in place of the
+one it names: a Qwen3 whose matrix is padded past its tokenizer (as Qwen3's and Gemma 3's are) and a Llama 3.2-shaped
+model whose matrix has one row per token."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
+import textwrap
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as tf
+from accelerate import Accelerator
 
 import untie
-from untie.testing import VOCAB, tiny_tokenizer
+from untie.testing import VOCAB, ToyLMDataset, tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guides" / "tied-checkpoints.md"
@@ -32,8 +42,95 @@ CHECKPOINTS = {
 }  # fmt: skip
 
 
+FRAGMENT = "<!-- fragment -->"
+#: The pages whose blocks run here each on its own; the tied-checkpoint guide's run in order, in their own test.
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs" / "guides").glob("*.md") if p != GUIDE)]
+#: The checkpoint names a block may load: a tiny tied Llama and an untied one, saved with their tokenizer.
+CHECKPOINT_NAMES = {'"a/tied-checkpoint"': "tied", '"an/untied-checkpoint"': "untied"}
+
+
+def blocks(page: Path) -> list[tuple[int, str, bool]]:
+    """Each ```python block of `page`: its fence's line number, its code (dedented, as in a list item), and whether the
+    line before the fence marks it a fragment."""
+    lines, found = page.read_text().splitlines(), []
+    for number, line in enumerate(lines):
+        if line.strip() == "```python":
+            end = next(i for i in range(number + 1, len(lines)) if lines[i].strip() == "```")
+            before = next((lines[i].strip() for i in range(number - 1, -1, -1) if lines[i].strip()), "")
+            code = textwrap.dedent("\n".join(lines[number + 1 : end])) + "\n"
+            found.append((number + 1, code, before == FRAGMENT))
+    return found
+
+
 def snippets(page: Path) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    return [code for _, code, _ in blocks(page)]
+
+
+DOC_BLOCKS = [(page, line, code, fragment) for page in PAGES for line, code, fragment in blocks(page)]
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """A tiny tied Llama and an untied one, each saved with the tiny tokenizer."""
+    folders = {}
+    for kind in ("tied", "untied"):
+        folder = folders[kind] = tmp_path_factory.mktemp(f"{kind}-checkpoint")
+        model = tiny_model("llama")
+        if kind == "untied":
+            untie.untie_embeddings(model)
+        model.save_pretrained(folder)
+        tiny_tokenizer().save_pretrained(folder)
+    return folders
+
+
+def _placeholders(folder: Path, checkpoints: dict[str, Path]) -> dict:
+    """What a block may use without defining it, made fresh for each block."""
+    model = tiny_model("llama")
+    args = tf.TrainingArguments(output_dir=str(folder / "out"), max_steps=2, per_device_train_batch_size=4,
+                                report_to="none", use_cpu=True, save_strategy="no", disable_tqdm=True)  # fmt: skip
+    return {
+        "model": model,
+        "args": args,
+        "ds": ToyLMDataset(n=16),
+        "tokenizer": tiny_tokenizer(),
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "accelerator": Accelerator(cpu=True),
+        "loader": torch.utils.data.DataLoader(ToyLMDataset(n=8), batch_size=4),
+        "checkpoint_dir": str(checkpoints["tied"]),
+        "resume_from": None,
+    }
+
+
+def _command_line(code: str) -> list[str]:
+    """The command line a block that parses one documents (`# python train.py --flag value ...`), else a minimal one."""
+    shown = re.search(r"# python (\S+\.py)((?: --?\S+(?: [^-\s(]\S*)?)*)", code)
+    return [shown[1], *shown[2].split()] if shown else ["train.py", "--output_dir", "out"]
+
+
+@pytest.mark.parametrize(
+    ("page", "line", "code", "fragment"),
+    DOC_BLOCKS,
+    ids=[f"{page.relative_to(ROOT)}:{line}" for page, line, *_ in DOC_BLOCKS],
+)
+def test_every_python_block_of_the_readme_and_the_guides_runs(page, line, code, fragment, saved_checkpoints, tmp_path,
+                                                              monkeypatch):  # fmt: skip
+    """Issue 78: the fine-tuning guide's PEFT block was a SyntaxError and its other blocks imported nothing. A fragment
+    must parse; any other block runs on the placeholders alone. A block that resumes (`resume_from`) runs again from
+    the folder its first run saved."""
+    compiled = compile(code, f"{page.name}:{line}", "exec")
+    if fragment:
+        return
+    for name, kind in CHECKPOINT_NAMES.items():
+        code = code.replace(name, repr(str(saved_checkpoints[kind])))
+    monkeypatch.chdir(tmp_path)  # a block writes its folders where it runs
+    monkeypatch.setattr(sys, "argv", _command_line(code))
+    compiled = compile(code, f"{page.name}:{line}", "exec")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compiled, _placeholders(tmp_path, saved_checkpoints))  # noqa: S102
+        if "resume_from" in code:
+            assert (tmp_path / "checkpoint").is_dir(), "a block that resumes saves the folder it resumes from"
+            exec(compiled, {**_placeholders(tmp_path, saved_checkpoints), "resume_from": "checkpoint"})  # noqa: S102
 
 
 def _tiny_checkpoint(vocabulary: str, folder: Path) -> torch.Tensor:
@@ -108,3 +205,18 @@ def test_the_tied_checkpoint_guide_runs_and_does_what_it_says(vocabulary, tmp_pa
     assert sft.get_input_embeddings().weight.shape[0] == expected_rows
     trained = sft.get_output_embeddings().weight[new_ids]
     assert not torch.allclose(trained, mean.expand(2, -1)), "TRL trained the new tokens' head rows"
+
+
+def test_the_fragment_marker_is_the_line_before_the_fence(tmp_path):
+    """`<!-- fragment -->` on the nearest non-blank line before the fence marks a block (indented in a list item too);
+    anywhere else it marks nothing."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        f"{FRAGMENT}\n\n```python\nx = 1\n```\n\n- item\n\n  {FRAGMENT}\n  ```python\n  y(...)\n  ```\n\n"
+        f"{FRAGMENT}\n\ntext\n\n```python\nimport untie\n```\n"
+    )
+    assert [(code, fragment) for _, code, fragment in blocks(page)] == [
+        ("x = 1\n", True),
+        ("y(...)\n", True),
+        ("import untie\n", False),
+    ]

@@ -291,3 +291,24 @@ def test_the_untie_due_at_a_resume_survives_an_evaluation_first_and_says_no_trig
     untier.step()
     assert model.get_output_embeddings().weight.grad is not None
     assert not any("pair-free rule" in record.getMessage() for record in caplog.records)
+
+
+def test_the_plan_line_names_the_rule_in_force_not_its_signal():
+    """Issue 78: a tied phase under the evidence rule (the default with pairs) said "divergence trigger (gap)", the
+    signal the gap rule reads too; the line names the rule, and an unnamed rule by its signal and threshold."""
+    from untie.testing import tiny_tokenizer
+
+    lines = {}
+    for name, untie_when in (("default", "divergence"), ("gap", "gap"), ("own", untie.UntieWhen("gap", 2.0))):
+        model = tiny_model("gpt2")
+        untier = untie.Untier(model, max_steps=10, untie_at=0.3, untie_when=untie_when, tokenizer=tiny_tokenizer())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        untier.start(optimizer)
+        model(**ToyLMDataset(n=2)[:]).loss.backward()  # the run says its plan when its first step begins
+        optimizer.step()
+        untier.step()
+        lines[name] = untier.plan
+        untier.close()
+    assert "unties when the divergence trigger (evidence) fires, at step 3" in lines["default"], lines["default"]
+    assert "divergence trigger (gap) fires" in lines["gap"], lines["gap"]
+    assert "divergence trigger (gap past 2) fires" in lines["own"], lines["own"]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from untie import _compat
 from untie.config import UntieConfig
-from untie.signals.triggers import UntieWhen
+from untie.signals.triggers import RULES, UntieWhen
 from untie.structure.peft_support import split_by_peft
 
 if TYPE_CHECKING:
@@ -80,13 +80,23 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
         deadline = f"at step {run.deadline.step:,} ({setting})"
     if run.divergence is not None:
         latest = f", {deadline} at the latest" if deadline else " (no deadline)"
-        when = f"unties when the divergence trigger ({run.divergence.rule.signal}) fires{latest}"
+        when = f"unties when the divergence trigger ({rule_name(run.divergence.rule)}) fires{latest}"
     elif deadline:
         when = f"unties {deadline}"
     else:
         when = "stays tied (untie_at=None, untie_when=None)"
     emulated = " (emulated tying)" if run.structure is not None and run.structure.emulation is not None else ""
     return f"untie: {start}trains tied{emulated}; {when}; the head starts as a copy of the embedding{why}"
+
+
+def rule_name(rule: UntieWhen) -> str:
+    """The trigger's rule in words: its name in `RULES` ("evidence", not its signal "gap", which the gap rule reads
+    too), else its signal and threshold, with its evidence level where it has one."""
+    named = next((name for name, known in RULES.items() if known == rule), None)
+    if named is not None:
+        return named
+    evidence = f", evidence at alpha={rule.significance:g}" if rule.significance is not None else ""
+    return f"{rule.signal} past {rule.threshold:g}{evidence}"
 
 
 def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None:

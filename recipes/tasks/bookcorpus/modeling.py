@@ -9,10 +9,11 @@ words; `position_embeddings=True` adds learned positions.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
+
+from untie_recipes.common import token_mean_loss
 
 
 class TwinEncoderConfig(PretrainedConfig):
@@ -46,7 +47,9 @@ class TwinEncoderConfig(PretrainedConfig):
 
 
 class TwinEncoderForMaskedLM(PreTrainedModel):
-    """Embedding (+ optional positions) -> post-LN encoder layers -> bias-free output table; mean CE over labels."""
+    """Embedding (+ optional positions) -> post-LN encoder layers -> bias-free output table; mean CE over labels, over
+    Trainer's `num_items_in_batch` when it passes one (`untie_recipes.common.token_mean_loss`: the same loss on any
+    number of processes)."""
 
     config_class = TwinEncoderConfig
     base_model_prefix = "twin_encoder"
@@ -83,6 +86,7 @@ class TwinEncoderForMaskedLM(PreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
         hidden = self.embed_tokens(input_ids)
@@ -94,12 +98,12 @@ class TwinEncoderForMaskedLM(PreTrainedModel):
         if labels is not None and self.training:
             # Training needs the loss only: score the labelled ~15% of positions, not the whole (tokens x V) table.
             scored = labels != -100
-            loss = F.cross_entropy(self.lm_head(hidden[scored]).float(), labels[scored])
+            loss = token_mean_loss(self.lm_head(hidden[scored]).float(), labels[scored], num_items_in_batch)
             return MaskedLMOutput(loss=loss, logits=None)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+            loss = token_mean_loss(logits.flatten(0, 1).float(), labels.flatten(), num_items_in_batch)
         return MaskedLMOutput(loss=loss, logits=logits)
 
 

@@ -103,14 +103,18 @@ def mean_relative(records: list[dict], space: str, pair: str) -> float:
 
 def claim_record(text: str, holds: bool | None, evidence: str, outcome_seeds: int | None = None) -> dict:
     """One claim's verdict. outcome_seeds: how many seeds a loss / accuracy claim compares (None for a geometry or
-    trigger claim); below MIN_SEEDS_FOR_OUTCOMES the claim is reported with its numbers but not tested."""
+    trigger claim); below MIN_SEEDS_FOR_OUTCOMES the claim is reported with its numbers but not tested, and `leans`
+    says which way those numbers (`numbers`) go, untested (True: the claim's way)."""
+    leans, numbers = None, evidence
     if outcome_seeds is not None and outcome_seeds < MIN_SEEDS_FOR_OUTCOMES:
+        leans = None if holds is None else bool(holds)
         holds = None
         evidence = (
             f"not tested on {outcome_seeds} seed(s): a loss / accuracy claim needs >= {MIN_SEEDS_FOR_OUTCOMES} (each "
             f"run either learns parity or sits at chance; add --seeds 42 43 44 45 46); {evidence}"
         )
-    return {"claim": text, "holds": None if holds is None else bool(holds), "evidence": evidence}
+    record = {"claim": text, "holds": None if holds is None else bool(holds), "evidence": evidence}
+    return record if leans is None else {**record, "leans": leans, "numbers": numbers}
 
 
 def check_claims(records: list[dict]) -> list[dict]:

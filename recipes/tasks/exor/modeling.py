@@ -7,10 +7,11 @@ logits = hidden @ E_out^T with no bias, no positional encoding. ``tie_word_embed
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
+
+from untie_recipes.common import token_mean_loss
 
 BODIES = ("transformer", "lstm", "mixer")
 
@@ -107,7 +108,13 @@ class ExorForMaskedLM(PreTrainedModel):
         if module is self.embed_tokens or module is self.lm_head:
             nn.init.normal_(module.weight, mean=0.0, std=1.0)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **kwargs) -> MaskedLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        **kwargs,
+    ) -> MaskedLMOutput:
         hidden = self.embed_tokens(input_ids)
         if self.config.body == "lstm":
             hidden = self.lstm_out(self.lstm(hidden)[0])
@@ -117,7 +124,8 @@ class ExorForMaskedLM(PreTrainedModel):
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+            # Over Trainer's num_items_in_batch when it passes one: the same loss on any number of processes.
+            loss = token_mean_loss(logits.flatten(0, 1), labels.flatten(), num_items_in_batch)
         return MaskedLMOutput(loss=loss, logits=logits)
 
 

@@ -237,7 +237,23 @@ def claims_summary(claims: list[dict]) -> str:
         summary += (
             f"\nFailing: {'; '.join(failing)}. What each claim asks, and the runs behind the verdicts: {CLAIMS_DOCS}"
         )
-    return summary
+    return summary + _leanings(claims)
+
+
+def _leanings(claims: list[dict]) -> str:
+    """Which way the claims left untested for too few seeds lean in this run's numbers (`claim_record`'s `leans`),
+    each against-leaning one named with its numbers; "" where none has numbers."""
+    leaning = [c for c in claims if c.get("leans") is not None]
+    if not leaning:
+        return ""
+    against = [c for c in leaning if not c["leans"]]
+    line = (
+        f"\nNot tested for too few seeds, this run's numbers go the claim's way for {len(leaning) - len(against)} of "
+        f"{len(leaning)}"
+    )
+    if not against:
+        return line + "."
+    return line + "; against it: " + "; ".join(f"{c['claim']}: {c['numbers']}" for c in against) + "."
 
 
 def report(records: list[dict], output_dir: str, rule: untie.UntieWhen | None = AUTO_RULE) -> list[dict]:
