@@ -44,15 +44,22 @@ def test_weights_loaded_by_hand_keep_their_trained_output_role_under_the_default
     assert _loss(model, zipf) == pytest.approx(before, abs=0.01)  # the untie copied: nothing was drawn over it
 
 
-def test_a_model_built_from_a_saved_config_counts_as_built_fresh_and_a_warning_names_both(tmp_path, make_args):
-    tiny_model("gpt2").config.save_pretrained(tmp_path / "config")
+def test_a_model_built_from_a_saved_config_counts_as_built_fresh_silently_and_a_loaded_one_warns(tmp_path, make_args):
+    """run_clm.py --config_name (from_config: train mode) is the standard from-scratch route: silent (issue 78,
+    item 7); an untrained checkpoint that from_pretrained loaded (eval mode) reads as drawn too: the warning names
+    both."""
+    tiny_model("gpt2").save_pretrained(tmp_path / "config")
     config = tf.AutoConfig.from_pretrained(tmp_path / "config")
     model = tf.AutoModelForCausalLM.from_config(config)
     assert model.name_or_path  # the config's name says "loaded", the weights say "drawn"
-    with pytest.warns(UserWarning, match=r"config names .* but its embedding matches a fresh draw.*from_scratch="):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         untier = untie.Untier(model, max_steps=4)
     assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "model"
     untier.close()
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "config")
+    with pytest.warns(UserWarning, match=r"config names .* but its embedding matches a fresh draw.*from_scratch="):
+        untie.Untier(loaded, max_steps=4).close()
     model = tf.AutoModelForCausalLM.from_config(config)
     untier = untie.Untier(model, from_scratch=False, max_steps=4)  # the setting that settles it: a copy
     assert untier.policy_choice.untied_from_start and untier.policy_choice.head_init == "copy"

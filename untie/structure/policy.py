@@ -298,7 +298,8 @@ def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: t
     """Whether `model` counts as built fresh (its weights an initialiser's draw no training touched): as
     `from_scratch` says (`UntieConfig.from_scratch`), else only on positive evidence (`weights_evidence`). The
     config's name (`from_pretrained` records it; `from_config(AutoConfig.from_pretrained(dir))` too) decides
-    nothing: where it and the evidence disagree, the warning names both and the setting that settles it."""
+    nothing: where a model `from_pretrained` loaded (in eval mode, as it leaves models) reads as drawn, the warning
+    names both and the setting that settles it; a model built by `from_config` (in train mode) is silent."""
     if getattr(model, "config", None) is None and from_scratch is None:
         return Freshness(False, "the model counts as trained (it has no transformers config; from_scratch=None)")
     evidence = weights_evidence(model, embedding)
@@ -317,7 +318,9 @@ def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: t
         return Freshness(False, "the model holds trained weights (from_scratch=False)")
     if evidence.verdict == "drawn":
         warning = None
-        if named:
+        # from_pretrained leaves the model in eval mode; from_config (run_clm.py --config_name, the standard
+        # from-scratch route) in train mode, though both record the config's name: only the former is a surprise.
+        if named and not model.training:
             warning = (
                 f"the model's config names {named!r} (as from_pretrained records it), but {evidence.detail}: it "
                 "counts as built fresh and trains as from scratch. Pass from_scratch=False if it holds trained "
