@@ -172,7 +172,7 @@ class Untier(RunViews):
             # DeepSpeed's ZeRO optimizer (not a torch optimizer; under accelerate the engine steps inside backward):
             # nothing to measure, and the loaded weights are checked at the first forward, before the engine steps.
             lookup: Any = self.model.get_input_embeddings()  # type: ignore[operator]  # a PreTrainedModel's method
-            hook = lookup.register_forward_pre_hook(lambda *_: self._check_loaded_weights())
+            hook = lookup.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._check_loaded_weights()))
             registry.hook("Untier: check loaded weights before the first forward", hook)
         self._start(None, "")
 

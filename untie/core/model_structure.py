@@ -135,6 +135,7 @@ class ModelStructure:
     def before_first_forward(self, what: str, action: Callable[[], None]) -> None:
         """Run `action` once, before the model's next forward (its input embedding's first call)."""
 
+        @torch.compiler.disable  # outside torch.compile's tracing: it changes the model's structure
         def once(*_) -> None:
             handle.remove()
             with torch.inference_mode(False):  # an evaluation first (inference_mode) must not make the head's tensors
