@@ -164,9 +164,10 @@ def test_an_optimizer_built_before_the_structure_changes_is_refused_with_the_fix
         untie.Untier(model, optimizer, untie_when=None, untie_at=4, tying_mode="emulated")
 
 
-def test_a_fractional_untie_at_needs_max_steps():
-    with pytest.raises(ValueError, match="max_steps"):
-        untie.Untier(tiny_model("gpt2"))
+def test_a_fractional_untie_at_set_needs_max_steps():
+    """A fraction you set needs the run's length; the default plan (untied from step 0) does not (test_early_errors)."""
+    with pytest.raises(ValueError, match=r"untie_at=0\.3 is a fraction of the run: pass max_steps"):
+        untie.Untier(tiny_model("gpt2"), untie_at=0.3)
 
 
 def test_step_before_start_and_a_tied_checkpoint_into_an_untied_run_are_refused():
