@@ -157,3 +157,42 @@ def test_untie_on_the_meta_device_prepares_the_structure_for_loading(tmp_path):
     model.load_state_dict(trained.state_dict())
     assert torch.equal(model.lm_head.weight, trained.lm_head.weight)
     assert not torch.equal(model.lm_head.weight, model.transformer.wte.weight)
+
+
+# -- a resume continues its checkpoint's plan (issue 78, item 3) -------------------------------------------------------
+@pytest.fixture
+def half_way_run(make_args, tmp_path):
+    """`untie_at=0.5, untie_when=None` over 20 steps (the untie at 10), saved at step 4 while tied: the folder and the
+    uninterrupted run's parameters."""
+    folder = tmp_path / "half"
+    args = make_args(output_dir=str(folder), max_steps=20, save_strategy="steps", save_steps=4)
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback(untie_at=0.5, untie_when=None)
+    _trainer(model, args, [callback]).train()
+    assert callback.untie_step == 10
+    return folder, _params(model)
+
+
+def test_a_default_callback_resumes_with_the_checkpoints_schedule_exactly(half_way_run, make_args, recwarn):
+    """Settings left unset take the checkpoint's: a plain `UntieCallback()` continues `untie_at=0.5, untie_when=None`
+    (it used to untie at step 6, the unset default 0.3, with the trigger back on)."""
+    folder, reference = half_way_run
+    args = make_args(output_dir=str(folder), max_steps=20, save_strategy="no")
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback()
+    _trainer(model, args, [callback]).train(resume_from_checkpoint=str(folder / "checkpoint-4"))
+    assert (callback.untie_step, callback.untie_reason) == (10, "deadline")
+    assert (callback.config.untie_at, callback.config.untie_when) == (0.5, None)
+    assert _worst(_params(model), reference) == 0
+    assert not [w for w in recwarn if "changed settings" in str(w.message)]  # nothing the user set changed
+
+
+def test_a_schedule_set_at_the_resume_wins_and_the_warning_names_how_to_keep_the_old_plan(half_way_run, make_args):
+    folder, _ = half_way_run
+    args = make_args(output_dir=str(folder), max_steps=20, save_strategy="no")
+    callback = untie.UntieCallback(untie_at=0.75)  # untie_when left unset: the checkpoint's None
+    with pytest.warns(UserWarning, match=r"changed settings \(untie_at: 0\.5 -> 0\.75\)") as said:
+        _trainer(tiny_model("gpt2"), args, [callback]).train(resume_from_checkpoint=str(folder / "checkpoint-4"))
+    assert (callback.untie_step, callback.untie_reason, callback.config.untie_when) == (15, "deadline", None)
+    message = next(str(w.message) for w in said if "changed settings" in str(w.message))
+    assert "pass untie_at=0.5 (the checkpoint's), or leave it unset" in message

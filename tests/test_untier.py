@@ -164,9 +164,10 @@ def test_an_optimizer_built_before_the_structure_changes_is_refused_with_the_fix
         untie.Untier(model, optimizer, untie_when=None, untie_at=4, tying_mode="emulated")
 
 
-def test_a_fractional_untie_at_needs_max_steps():
-    with pytest.raises(ValueError, match="max_steps"):
-        untie.Untier(tiny_model("gpt2"))
+def test_a_fractional_untie_at_set_needs_max_steps():
+    """A fraction you set needs the run's length; the default plan (untied from step 0) does not (test_early_errors)."""
+    with pytest.raises(ValueError, match=r"untie_at=0\.3 is a fraction of the run: pass max_steps"):
+        untie.Untier(tiny_model("gpt2"), untie_at=0.3)
 
 
 def test_step_before_start_and_a_tied_checkpoint_into_an_untied_run_are_refused():
@@ -238,11 +239,11 @@ def _tied_state_at_step_4():
     )
 
 
-def test_a_default_untier_resuming_a_tied_state_past_its_deadline_unties_at_the_first_forward():
-    """Issue 67: a tied-phase state saved under other settings (untie_at=8 of 10), resumed at step 4 by a default
-    `Untier` (its deadline, 30% of 10, has passed): the run used to untie inside `start`, so the head joined the
-    optimizer before the user loaded the saved optimizer state, and torch refused it. The untie now waits for the first
-    forward: the state loads into the tied structure it was saved from, and the step then trains untied."""
+def test_a_default_untier_resuming_a_tied_state_continues_its_plan_without_the_head_it_drew():
+    """A tied-phase state saved under `untie_at=8` of 10, resumed at step 4 by a default `Untier`: the head the default
+    drew at `Untier()` is dropped (issue 67: the state loads into the tied structure it was saved from), and the run
+    continues the checkpoint's schedule, which the user left unset here (issue 78: it used to untie at the default's
+    deadline, 30% of 10, a plan neither run asked for)."""
     batch, saved, tied_count = _tied_state_at_step_4()
 
     resumed_model = tiny_model("llama")
@@ -252,10 +253,39 @@ def test_a_default_untier_resuming_a_tied_state_past_its_deadline_unties_at_the_
     with pytest.warns(UserWarning) as said:
         resumed.load_state_dict(saved["untie"])
     said = " ".join(str(w.message) for w in said)
-    assert "resumed at step 4 with changed settings (untie_at: 8 -> 0.3, " in said
     assert "the head the default made at Untier() for a fresh start (drawn or copied, never trained) is dropped" in said
+    assert "changed settings" not in said
     resumed_model.load_state_dict(saved["model"])
     resumed_optimizer.load_state_dict(saved["optimizer"])  # refused by torch before: 17 parameters against 16
+    assert (resumed.config.untie_at, resumed.config.untie_when) == (8, None)
+    for step in range(5, 9):
+        resumed_model(**batch).loss.backward()
+        resumed_optimizer.step()
+        resumed_optimizer.zero_grad()
+        resumed.step()
+        assert untie.is_tied(resumed_model) == (step < 8)
+    assert (resumed.untie_step, resumed.untie_reason) == (8, "deadline")
+    assert sum(len(group["params"]) for group in resumed_optimizer.param_groups) == tied_count + 1
+
+
+def test_an_untier_resuming_a_tied_state_past_a_deadline_set_anew_unties_at_the_first_forward():
+    """Issue 67: a tied-phase state saved under `untie_at=8` of 10, resumed at step 4 under `untie_at=0.3` (step 3,
+    passed): the run used to untie inside `start`, so the head joined the optimizer before the user loaded the saved
+    optimizer state, and torch refused it. The untie now waits for the first forward: the state loads into the tied
+    structure it was saved from, and the step then trains untied."""
+    batch, saved, tied_count = _tied_state_at_step_4()
+
+    resumed_model = tiny_model("llama")
+    resumed = untie.Untier(resumed_model, max_steps=10, untie_at=0.3)  # untie_when unset: the checkpoint's None
+    resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=5e-3)
+    resumed.start(resumed_optimizer)
+    with pytest.warns(UserWarning) as said:
+        resumed.load_state_dict(saved["untie"])
+    said = " ".join(str(w.message) for w in said)
+    assert "resumed at step 4 with changed settings (untie_at: 8 -> 0.3); " in said
+    assert "To keep the checkpoint's plan, pass untie_at=8 (the checkpoint's), or leave it unset" in said
+    resumed_model.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
     assert untie.is_tied(resumed_model) and resumed.run.pending_untie == 4
     loss = resumed_model(**batch).loss  # the untie, before the first forward
     assert not untie.is_tied(resumed_model) and (resumed.untie_step, resumed.untie_reason) == (4, "deadline")
@@ -275,7 +305,7 @@ def test_the_untie_due_at_a_resume_survives_an_evaluation_first_and_says_no_trig
     after it, so the pair-free rule's notice is not said."""
     batch, saved, _ = _tied_state_at_step_4()
     model = tiny_model("llama")
-    untier = untie.Untier(model, max_steps=10, from_scratch=False)  # counts as trained: nothing drawn, nothing dropped
+    untier = untie.Untier(model, max_steps=10, untie_at=0.3)  # a deadline set anew, passed at the resume
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     untier.start(optimizer)
     with pytest.warns(UserWarning, match="changed settings"):

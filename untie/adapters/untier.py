@@ -92,8 +92,9 @@ class Untier(RunViews):
             happens at the start of training).
         config: the settings (`untie.UntieConfig`, e.g. parsed with `HfArgumentParser`); default `UntieConfig()`.
             `save_at_untie` is Trainer's and is ignored here.
-        max_steps: the run's number of optimizer steps. Needed for a fractional `untie_at` (the default, 0.3) and
-            for the short-run warning.
+        max_steps: the run's number of optimizer steps. Needed for a fractional `untie_at` you set (``untie_at=0.3``),
+            for the default's (0.3) where the run keeps a tied phase (another policy, a resumed tied state; `start`
+            asks for it then), and for the short-run warning.
         accelerator: the `accelerate.Accelerator` of the loop, if any. `step()` then counts only the steps that
             sync gradients (not accumulation micro-batches), and `accelerator.save_state` / `load_state` carry the
             untie state (`untie_state.json`) and give a resumed model the checkpoint's structure before it loads.
@@ -124,7 +125,9 @@ class Untier(RunViews):
         self.global_step = 0
         """Optimizer steps done (restored by `load_state_dict`)."""
         config = build_config(config, overrides, "Untier")
-        if isinstance(config.untie_at, float) and max_steps is None:
+        if isinstance(config.untie_at, float) and max_steps is None and config.chosen_policy()[0] == "off":
+            # The schedule runs as set (a tied phase for every model). Under a policy, the default's fraction counts
+            # only where the plan keeps a tied phase: `start` asks for max_steps then (untie.signals.triggers).
             raise UntieValueError(
                 f"Untier: untie_at={config.untie_at} is a fraction of the run: pass max_steps=<the run's optimizer "
                 "steps>, or an int step (untie_at=N), or untie_at=None."
@@ -180,7 +183,7 @@ class Untier(RunViews):
             # DeepSpeed's ZeRO optimizer (not a torch optimizer; under accelerate the engine steps inside backward):
             # nothing to measure, and the loaded weights are checked at the first forward, before the engine steps.
             lookup: Any = self.model.get_input_embeddings()  # type: ignore[operator]  # a PreTrainedModel's method
-            hook = lookup.register_forward_pre_hook(lambda *_: self._check_loaded_weights())
+            hook = lookup.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._check_loaded_weights()))
             registry.hook("Untier: check loaded weights before the first forward", hook)
         self._start(None, "")
 

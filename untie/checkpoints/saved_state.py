@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from untie.config import SCHEDULE_SETTINGS, UntieConfig
 from untie.distributed import full_shape, is_sharded
 from untie.errors import UntieError, UntieFileNotFoundError
 from untie.structure.surgery import embedding_layout, input_weight, is_tied, output_weight
@@ -53,6 +54,16 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 
 class UntieStateError(UntieError, ValueError):
     """An untie state that cannot be used: damaged, of an unknown format, or not saved with the weights beside it."""
+
+
+def resumed_config(config: UntieConfig, saved_config: Mapping[str, Any]) -> UntieConfig:
+    """The settings a resume runs with: `config`, where each schedule setting the user left unset
+    (`SCHEDULE_SETTINGS`) takes the value the checkpoint's run set (`saved_config`, its JSON). A setting the user set
+    wins (the run says what changed); one the checkpoint left unset stays unset. (An unset policy needs nothing: the
+    default continues a checkpoint's tied phase, `untie.structure.policy.settle`.)"""
+    unset = [name for name in SCHEDULE_SETTINGS if not config.was_set(name)]
+    taken = {name: saved_config[name] for name in unset if name in saved_config}
+    return config.replace(**taken) if taken else config
 
 
 # -- the weights' fingerprint ------------------------------------------------------------------------------------------

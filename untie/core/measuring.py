@@ -64,6 +64,14 @@ def pairs_for(config, tokenizer, model: nn.Module, adapter, pairs: list[tuple[in
     if config.pairs == "auto" or (config.pairs is None and is_tokenizer(tokenizer)):
         asked, hint = config.pairs == "auto", adapter.tokenizer_hint
         return read_pairs(tokenizer, model, asked=asked, owner=adapter.name, hint=hint)
+    rows = full_shape(input_weight(model))[0] if pairs else 0
+    outside = sorted({token for pair in pairs for token in pair if token >= rows})
+    if outside:  # refused now, not at the first measurement (an IndexError at step `metrics_every`)
+        raise UntieValueError(
+            f"{adapter.name}: pairs={pairs} holds token id(s) {outside} outside the model's vocabulary ({rows} rows "
+            f"of its input embedding): pass pairs of ids in [0, {rows}) from this model's tokenizer, or pairs='auto' "
+            f"with the tokenizer ({adapter.tokenizer_hint})."
+        )
     return pairs, None
 
 

@@ -99,6 +99,14 @@ def rule_name(rule: UntieWhen) -> str:
     return f"{rule.signal} past {rule.threshold:g}{evidence}"
 
 
+def warn_changed_settings(run: UntieRun, saved_config: dict, step: int) -> None:
+    """Warn, in the user's code, where a resume runs under other schedule settings than its checkpoint's
+    (`changed_settings`)."""
+    changed = changed_settings(run, saved_config, step)
+    if changed is not None:
+        _compat.warn_in_user_code(changed)
+
+
 def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None:
     """What a resume at `step` under other schedule settings than the checkpoint's run (`saved_config`, as JSON)
     does, in words; None where they are the same. A setting the checkpoint leaves out was not set: its default."""
@@ -114,9 +122,15 @@ def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None
             f"{run.owner}: resumed with changed settings ({what}), which have no effect: the checkpoint's run "
             f"untied at step {run.untie_step} ({run.untie_reason}) and a resumed run does not re-tie."
         )
+    kept = [f"{k}={then[k]!r}" for k in changed if k in saved_config]  # set by the checkpoint's run
+    unset = [k for k in changed if k not in saved_config]  # left at its default by the checkpoint's run
+    fixes = [f"pass {', '.join(kept)} (the checkpoint's)"] if kept else []
+    fixes += [f"leave {' and '.join(unset)} unset, as the checkpoint's run did"] if unset else []
+    fix = " and ".join(fixes) + ("" if unset else f", or leave {'it' if len(kept) == 1 else 'them'} unset")
     return (
         f"{run.owner}: resumed at step {step} with changed settings ({what}); the tied run continues under the new "
-        "ones (a deadline already passed unties at the resume step)."
+        f"ones (a deadline already passed unties at the resume step). To keep the checkpoint's plan, {fix}: a "
+        "setting left unset at a resume takes the checkpoint's value."
     )
 
 

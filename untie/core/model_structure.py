@@ -113,6 +113,8 @@ class ModelStructure:
             if optimizer is None and draws:
                 self._draw(judge)  # an untie held back until the checkpoint was known, before sharding
         elif current == "tied" or optimizer is None:
+            if current == "tied":
+                self._say_if_frozen()
             # On an untied model (a reloaded untie, untie_at=0) this re-applies the bookkeeping a reload loses. A
             # resumed run's head gets its optimizer state from the checkpoint, loaded next.
             untie_embeddings(model, optimizer, optimizer_state="reset")
@@ -135,6 +137,7 @@ class ModelStructure:
     def before_first_forward(self, what: str, action: Callable[[], None]) -> None:
         """Run `action` once, before the model's next forward (its input embedding's first call)."""
 
+        @torch.compiler.disable  # outside torch.compile's tracing: it changes the model's structure
         def once(*_) -> None:
             handle.remove()
             with torch.inference_mode(False):  # an evaluation first (inference_mode) must not make the head's tensors
@@ -159,8 +162,21 @@ class ModelStructure:
             self.emulation.release(optimizer, optimizer_state=optimizer_state)
             self.emulation = None
         else:
+            self._say_if_frozen()
             untie_embeddings(self.model, optimizer, optimizer_state=optimizer_state)
             self.install_grad_sync()
+
+    def _say_if_frozen(self) -> None:
+        """A tied matrix the user froze unties into two identical frozen matrices: say so, with the fix."""
+        if not input_weight(self.model).requires_grad:
+            _compat.warn_in_user_code(
+                f"{self.owner}: the tied embedding is frozen (requires_grad=False), so the head the untie gives its "
+                "own matrix is frozen too and never trains: a copy stays equal to the embedding (one more matrix "
+                "for nothing), a drawn head stays a draw. To train the head apart, unfreeze the embedding before the "
+                "run attaches "
+                "(model.get_input_embeddings().weight.requires_grad_(True)); to keep the model tied, pass "
+                "untie_at=None, untie_when=None, metrics_every=0."
+            )
 
     def install_grad_sync(self) -> None:
         """Average the head's gradient over ranks: a head created after DDP wrapped the model is not reduced by DDP."""

@@ -17,9 +17,8 @@ import logging
 
 from torch import nn
 
-from untie import _compat
 from untie.checkpoints.checkpoint import has_resume_guard, resume_guard_hook
-from untie.checkpoints.saved_state import check_state, run_state
+from untie.checkpoints.saved_state import check_state, resumed_config, run_state
 from untie.config import UntieConfig
 from untie.core import measuring, messages
 from untie.core.model_structure import ModelStructure
@@ -377,14 +376,13 @@ class UntieRun:
         """Restore the run state `state_dict` saved (checked first: a damaged state raises `UntieStateError` naming
         `where`), as of step `step` (default: the saved step), and say which schedule settings changed."""
         state = check_state(state, where)
+        self.config = resumed_config(self.config, state["config"])  # a setting left unset continues the checkpoint's
         step = state["global_step"] if step is None else step
         if not isinstance(self.saved, SavedFacts) and self.facts is not None:  # the state says how its run stood
             self.saved = SavedFacts(where, untied=bool(state["attributes"].get("untied")))
             self.redecide(step)
         self.restore(state["attributes"], step)
-        changed = messages.changed_settings(self, state["config"], step)
-        if changed is not None:
-            _compat.warn_in_user_code(changed)
+        messages.warn_changed_settings(self, state["config"], step)
         return state
 
     def restore(self, attributes: dict, step: int) -> None:

@@ -8,6 +8,7 @@ from torch import nn
 
 from untie.config import UntieConfig
 from untie.distributed import is_sharded, is_split, world_size
+from untie.errors import UntieValueError
 from untie.structure.decision import Facts
 from untie.structure.peft_support import is_peft_model
 from untie.structure.plan import ModelFacts, Structure
@@ -51,9 +52,24 @@ def read_facts(
     freshness evidence takes rank 0's verdict). `engine`: the training engine (`untie.distributed.training_engine`);
     `pairs`: the run measures pairs (`no_pairs_because`: why not)."""
     facts = model_facts(model, optimizer_built=optimizer_built)
+    if not facts.peft:
+        refuse_float8(model)
     tied = is_tied(model) and not was_untied(model)
     policy, _ = config.chosen_policy()
     reading = read_for_policy(policy, model, tied=tied, peft=facts.peft, from_scratch=config.from_scratch)
     # FSDP2 and DeepSpeed shard a head drawn before sharding: the first forward cannot replace it in place.
     replaceable = engine is None and not facts.peft and not is_split(output_weight(model))
     return Facts(facts, tied, reading, pairs, no_pairs_because, replaceable)
+
+
+def refuse_float8(model: nn.Module) -> None:
+    """Refuse an input embedding or LM head stored in a float8 dtype (one byte per value), before anything reads or
+    changes it: torch's initialisers (a drawn head), its optimizers and the run's measurements do not run on it."""
+    for role, weight in (("input embedding", input_weight(model)), ("LM head", output_weight(model))):
+        if weight.dtype.is_floating_point and weight.dtype.itemsize == 1:
+            raise UntieValueError(
+                f"untie: the model's {role} is stored as {weight.dtype} (float8), which torch cannot initialise or "
+                "train in place: a head drawn, copied or trained apart from it would break inside torch. Keep the "
+                "embedding and the head in bfloat16 or float32 (float8 training, as torchao's, keeps high-precision "
+                "weights and casts only the matmuls), e.g. model.get_input_embeddings().to(torch.bfloat16)."
+            )

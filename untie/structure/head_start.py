@@ -179,10 +179,12 @@ class FirstBatchCheck:
         self._call: tuple[tuple, dict] | None = None
         module = model.get_output_embeddings()  # type: ignore[operator]  # a transformers model (draw_head found it)
         assert isinstance(module, nn.Module)  # the draw found it (`untie.structure.surgery.draw_head`)
+        # Outside torch.compile's tracing: the verdict reads tensors into Python numbers and decides the run again,
+        # which dynamo cannot trace; under compile each hook is a graph break that runs eagerly.
         self._handles = [
-            model.register_forward_pre_hook(self._read_call, with_kwargs=True),
-            module.register_forward_pre_hook(self._before_head),
-            model.register_forward_hook(self._after_forward),
+            model.register_forward_pre_hook(torch.compiler.disable(self._read_call), with_kwargs=True),
+            module.register_forward_pre_hook(torch.compiler.disable(self._before_head)),
+            model.register_forward_hook(torch.compiler.disable(self._after_forward)),
         ]
         for handle in self._handles:
             registry.hook("first-batch check of the drawn head", handle)
