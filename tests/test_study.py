@@ -550,12 +550,13 @@ def test_round_two_sweeps_the_embedding_scale_then_runs_its_arm_and_the_branch_a
     second = recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--finetune", "false", "--round_two"))
     records = {p.stem: StudyRecord.load(p) for p in (tmp_path / "committed").glob("*.json")}
     scales = sorted(float(name.split("-emb")[1].split("-lr")[0]) for name in records if "-sweep-untied-emb" in name)
-    assert {4.0, 16.0} <= set(scales) and len(scales) <= 3  # at most one value beyond an edge
+    assert {1.0, 4.0, 16.0} <= set(scales) and len(scales) <= 4  # k = 1 run under its own name; one extension
     assert {k for k, _ in seen} >= {4.0, 16.0} and all(roles == [None, "input_embedding"] for _, roles in seen)
     assert records["A-s1-untie@0.9"].untie_step == protocol.untie_step(0.9, records["A-s1-tied"].budget_steps)
     untied_lr = first["groups"][0]["cells"]["A"]["sweep"]["untied"]["best"]
-    losses = {1.0: records[f"A-sweep-untied-lr{untied_lr:g}-s1"].final_validation_loss}
-    losses.update({k: records[f"A-sweep-untied-emb{k:g}-lr{untied_lr:g}-s1"].final_validation_loss for k in scales})
+    losses = {k: records[f"A-sweep-untied-emb{k:g}-lr{untied_lr:g}-s1"].final_validation_loss for k in scales}
+    k1 = records[f"A-sweep-untied-emb1-lr{untied_lr:g}-s1"].final_validation_loss  # trains as untied does
+    assert k1 == records[f"A-sweep-untied-lr{untied_lr:g}-s1"].final_validation_loss
     best = protocol.best_value(losses)
     arm = [name for name in records if name.startswith("A-s1-untied-emb")]
     assert arm == ([] if best == 1.0 else [f"A-s1-untied-emb{best:g}"])
@@ -571,12 +572,14 @@ def test_cell_b_scale_sweep_chooses_k_for_the_other_cells_once_complete():
         return dataclasses.replace(_record(1, arm, final), cell="B", kind="sweep", lr=lr)
 
     records = [run("untied", 1e-3, 4.40), run("untied", 2e-3, 4.46), run("untied", 5e-4, 4.51)]
-    records += [run("untied", 4e-3, 4.55), run("untied-emb4", 1e-3, 4.35)]
+    records += [run("untied", 4e-3, 4.55), run("untied-emb1", 1e-3, 4.40), run("untied-emb4", 1e-3, 4.35)]
     assert sweep.scale_choice(records) is None  # 16 not run yet
     records.append(run("untied-emb16", 1e-3, 4.30))
     assert sweep.scale_choice(records) is None  # the best at an edge: 64 first
     records.append(run("untied-emb64", 1e-3, 4.38))
     assert sweep.scale_choice(records) == 16.0
+    records[-1] = dataclasses.replace(records[-1], machine={**records[-1].machine, "cpu": "CPU Y"})
+    assert sweep.scale_choice(records) is None  # one k on another CPU kind: not compared
     assert protocol.scaled_arm(16.0) == "untied-emb16" and protocol.arm_spec("untied-emb16").embedding_scale == 16.0
     assert protocol.CELLS["C"].arms == protocol.CELL_C_ARMS and protocol.CELL_VOCABS["C"] == 2048
     protocol.check_seeds("C", (1, 2, 3), held_out=False)

@@ -98,8 +98,10 @@ SCALE_FACTOR = 4.0
 
 
 def scaled_arm(scale: float) -> str:
-    """The name of the arm untied from step 0 with the input embedding at `scale` x the rate ("untied" at 1)."""
-    return "untied" if scale == 1.0 else f"{SCALED_ARM}{scale:g}"
+    """The name of the arm untied from step 0 with the input embedding at `scale` x the rate. At 1 it trains as
+    `untied` does; the scale sweep runs it under this name so that every k of the sweep is run on one machine (records
+    of other CPU kinds are never compared: docs/recipes/study.md, "Pooling")."""
+    return f"{SCALED_ARM}{scale:g}"
 
 
 def arm_spec(name: str) -> Arm:

@@ -17,6 +17,7 @@ from untie_recipes.tasks.study.protocol import (
     scaled_arm,
 )
 from untie_recipes.tasks.study.runs import StudyContext, run_or_reuse
+from untie_recipes.tasks.study.stats import pool_key
 from untie_recipes.tasks.study.training import Progress, RunSpec, StudyRecord
 
 PLAIN = ("tied", "untied")
@@ -84,9 +85,9 @@ def run_sweep(ctx: StudyContext, cell: str, seed: int, budget: int, progress: Pr
 def run_scale_sweep(ctx: StudyContext, cell: str, seed: int, budget: int, lr: float, progress: Progress,
                     max_extensions: int = 1, on_extend=None) -> dict[float, float]:  # fmt: skip
     """Round two's embedding-scale sweep (docs/recipes/study.md, "Round two"): the arm untied from step 0 with the
-    input embedding at k x the untied rate `lr`, for k in `SCALE_SWEEP` (k = 1 is the untied sweep's own run), on
-    one seed at half the budget; a best at an edge extends by `SCALE_FACTOR`, at most `max_extensions` times.
-    Returns the final loss per k."""
+    input embedding at k x the untied rate `lr`, for k in `SCALE_SWEEP` (k = 1 trains as the untied arm, run again
+    under its own name so that every k runs on one machine), on one seed at half the budget; a best at an edge
+    extends by `SCALE_FACTOR`, at most `max_extensions` times. Returns the final loss per k."""
 
     def run(scale: float) -> float:
         spec = sweep_spec(ctx, cell, scaled_arm(scale), lr, seed, budget)
@@ -109,22 +110,31 @@ SCALE_CELL = "B"
 
 def scale_choice(records: list[StudyRecord], max_extensions: int = 1) -> float | None:
     """The k cell B's finished embedding-scale sweep chose (lowest final loss over k = 1, 4, 16 and the extension its
-    edge asked for), from its records; None while the sweep is not complete."""
+    edge asked for), from its records; None while the sweep is not complete, or where its records come from machines
+    whose numbers are not compared (`stats.pool_key`: another CPU kind, kernel path, corpus or torch)."""
     if not any(r.cell == SCALE_CELL and r.arm == "untied" and r.kind == "sweep" for r in records):
         return None
     lr = summarize(SCALE_CELL, "untied", records).best
-    found = {r.arm: r.final_validation_loss for r in records
+    found = {r.arm: r for r in records
              if r.cell == SCALE_CELL and r.kind == "sweep" and abs(r.lr - lr) <= 1e-12 * lr}  # fmt: skip
+    chosen: list[StudyRecord] = []
     losses: dict[float, float] = {}
-    for scale in SCALE_SWEEP:
-        if scaled_arm(scale) not in found:
-            return None
-        losses[scale] = found[scaled_arm(scale)]
+
+    def take(scale: float) -> bool:
+        record = found.get(scaled_arm(scale))
+        if record is not None:
+            chosen.append(record)
+            losses[scale] = record.final_validation_loss
+        return record is not None
+
+    if not all(take(scale) for scale in SCALE_SWEEP):
+        return None
     for _ in range(max_extensions):
         value = next_sweep_value(losses, SCALE_FACTOR)
         if value is None:
             break
-        if scaled_arm(value) not in found:
+        if not take(value):
             return None
-        losses[value] = found[scaled_arm(value)]
+    if len({pool_key(r) for r in chosen}) > 1:
+        return None
     return best_value(losses)
