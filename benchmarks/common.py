@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import transformers as tf
@@ -65,6 +66,18 @@ def run_arms_alternating(script: str, arms: Sequence[str], repeats: int, describ
             runs.append(run_worker(command))
             print(f"{arm} #{repeat}: {describe(runs[-1])}")
     return runs
+
+
+def arm_or_arms(
+    arguments: type, run_arm: Callable[[Any], dict], arms: Sequence[str], describe: Callable[[dict], str]
+) -> tuple[Any, list[dict] | None]:
+    """A benchmark's entry: parse `arguments`; with ``--arm`` run that one arm here and print its ``RESULT`` line
+    (returns None for the runs); else run every arm in a fresh process, alternating (`run_arms_alternating`)."""
+    (args,) = tf.HfArgumentParser(arguments).parse_args_into_dataclasses()
+    if args.arm:
+        print("RESULT " + json.dumps(run_arm(args)))
+        return args, None
+    return args, run_arms_alternating(sys.argv[0], arms, args.repeats, describe)
 
 
 def machine() -> str:

@@ -14,7 +14,6 @@ most of the optimizer's work) on the same random tokens, in a fresh subprocess, 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import transformers as tf
-from common import RandomTokens, StepTimer, benchmark_training_arguments, machine, run_arms_alternating, write_results
+from common import RandomTokens, StepTimer, arm_or_arms, benchmark_training_arguments, machine, write_results
 
 import untie
 
@@ -81,17 +80,14 @@ def run_arm(args: BenchmarkArguments) -> dict:
             "groups": len(trainer.optimizer.param_groups)}  # fmt: skip
 
 
+def describe(run: dict) -> str:
+    return f"mean step {run['mean_step_s']:.4f} s, {run['mean_step_cpu_s']:.4f} CPU s"
+
+
 def main() -> None:
-    (args,) = tf.HfArgumentParser(BenchmarkArguments).parse_args_into_dataclasses()
-    if args.arm:
-        print("RESULT " + json.dumps(run_arm(args)))
+    args, runs = arm_or_arms(BenchmarkArguments, run_arm, ARMS, describe)
+    if runs is None:
         return
-    runs = run_arms_alternating(
-        __file__,
-        ARMS,
-        args.repeats,
-        lambda run: f"mean step {run['mean_step_s']:.4f} s, {run['mean_step_cpu_s']:.4f} CPU s",
-    )
     step = {arm: statistics.median(r["mean_step_s"] for r in runs if r["arm"] == arm) for arm in ARMS}
     cpu = {arm: statistics.median(r["mean_step_cpu_s"] for r in runs if r["arm"] == arm) for arm in ARMS}
     groups = {arm: next(r["groups"] for r in runs if r["arm"] == arm) for arm in ARMS}
