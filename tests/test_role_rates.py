@@ -33,9 +33,9 @@ class _StepRates:
 
     def _record(self, optimizer, *_):
         groups = optimizer.param_groups
-        row = {g[ROLE_KEY]: (g["lr"], g["weight_decay"], len(g["params"])) for g in groups if ROLE_KEY in g}
+        row = {g[ROLE_KEY]: (float(g["lr"]), g["weight_decay"], len(g["params"])) for g in groups if ROLE_KEY in g}
         row[None] = (
-            groups[0]["lr"],
+            float(groups[0]["lr"]),
             groups[0]["weight_decay"],
             None,
         )  # the source: Trainer's (or the user's) first group
@@ -299,3 +299,53 @@ def test_an_untier_state_saved_without_the_groups_resumed_with_them_is_refused_b
     resumed.start(torch.optim.AdamW(resumed_model.parameters()))
     with pytest.raises(ValueError, match=r"saved with embedding_lr_scale at 1.*resume with embedding_lr_scale=1.0"):
         resumed.load_state_dict(saved)
+
+
+def test_a_tensor_learning_rate_is_not_shared_between_the_groups():
+    """A tensor `lr` (capturable / fused optimizers) is cloned into each role's group: writing the embedding's rate
+    must not write the model's (an independent reviewer's case: the whole model's rate collapsed by 0.05 a step)."""
+    model = tiny_model("llama")
+    data = ToyLMDataset(n=8)
+    untier = untie.Untier(model, max_steps=6, untie_at=2, untie_when=None, embedding_lr_scale=0.1, head_lr_scale=0.5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3))
+    untier.start(optimizer)
+    rates = _StepRates(optimizer)
+    for _ in range(5):
+        model(input_ids=data.ids, labels=data.ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        untier.step()
+    for step, row in enumerate(rates.rows, 1):
+        assert float(row[None][0]) == pytest.approx(1e-3, rel=1e-6), step
+        embedding, head = (1.0, 1.0) if step <= 2 else (0.1, 0.5)
+        assert float(row["input_embedding"][0]) == pytest.approx(embedding * 1e-3, rel=1e-6), step
+        assert step <= 2 or float(row["head"][0]) == pytest.approx(head * 1e-3, rel=1e-6), step
+
+
+def test_a_sequential_scheduler_built_before_the_split_is_extended_once():
+    """SequentialLR shares its first child's `_last_lr` list: extended once, it follows (a reviewer's case)."""
+    model = tiny_model("llama")
+    data = ToyLMDataset(n=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=5)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+    untier = untie.Untier(model, optimizer, lr_scheduler=scheduler, max_steps=8, untie_at=0, untie_when=None,
+                          embedding_lr_scale=0.1)  # fmt: skip
+    rates = _StepRates(optimizer)
+    for _ in range(8):
+        model(input_ids=data.ids, labels=data.ids).loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        untier.step()
+    assert len({row[None][0] for row in rates.rows}) > 4  # warm-up then cosine
+    assert all(row["input_embedding"][0] == 0.1 * row[None][0] for row in rates.rows)
+
+
+def test_an_optimizer_that_computes_its_own_rate_is_refused_with_the_fix():
+    """Adafactor(relative_step=True) has lr=None: nothing to scale; refused in one line, not a TypeError."""
+    model = tiny_model("llama")
+    optimizer = tf.optimization.Adafactor(model.parameters(), lr=None, relative_step=True, warmup_init=False)
+    with pytest.raises(ValueError, match=r"no learning rate to scale.*relative_step=False"):
+        untie.Untier(model, optimizer, max_steps=4, embedding_lr_scale=0.1)

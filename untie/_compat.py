@@ -287,19 +287,21 @@ def has_lr_scheduler(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
 
 
-def extend_scheduler_groups(scheduler: Any, sources: list[int]) -> None:
+def extend_scheduler_groups(scheduler: Any, sources: list[int], extended: set[int] | None = None) -> None:
     """Give `scheduler` (built before param groups were appended to its optimizer) an entry for each new group: a copy
-    of the entry of its source group (`sources`, one index per appended group, in order). A per-group list of another
-    length, or a scheduler whose lists do not then match its optimizer's groups, is refused by name."""
+    of the entry of its source group (`sources`, one index per appended group, in order). A list shared by several
+    schedulers (SequentialLR's `_last_lr` is its first child's) is extended once (`extended`: the lists done). A
+    per-group list of another length is refused by name."""
+    extended = set() if extended is None else extended
     inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler
     for child in getattr(inner, "_schedulers", None) or ():
-        extend_scheduler_groups(child, sources)
+        extend_scheduler_groups(child, sources, extended)
     optimizer = getattr(inner, "optimizer", None)
     groups = len(optimizer.param_groups) if optimizer is not None else None
     before = groups - len(sources) if groups is not None else None
     for name in SCHEDULER_GROUP_LISTS:
         values = getattr(inner, name, None)
-        if not isinstance(values, list):
+        if not isinstance(values, list) or id(values) in extended:
             continue
         if before is not None and len(values) != before:
             raise UntieValueError(
@@ -309,6 +311,7 @@ def extend_scheduler_groups(scheduler: Any, sources: list[int]) -> None:
                 "at 1."
             )
         values.extend(values[source] for source in sources)
+        extended.add(id(values))
 
 
 # -- bitsandbytes: state buffers and per-parameter overrides -----------------------------------------------------------

@@ -148,6 +148,12 @@ class RoleRates:
                 "each role it has a group for)."
             )
         if roles and not existing:
+            if any(group.get("lr") is None for group in inner.param_groups):
+                raise UntieValueError(
+                    f"{self.owner}: the optimizer has no learning rate to scale (lr=None: Adafactor with "
+                    "relative_step=True computes its own step size), so embedding_lr_scale / head_lr_scale cannot "
+                    "apply: pass Adafactor(..., relative_step=False, lr=<a rate>), or leave the scales at 1.0."
+                )
             if lr_scheduler is None and _compat.has_lr_scheduler(inner):
                 raise UntieValueError(
                     f"{self.owner}: an LR scheduler was built on this optimizer, and the per-role learning rates add "
@@ -187,7 +193,9 @@ class RoleRates:
                 for group in inner.param_groups:
                     group["params"] = [p for p in group["params"] if p is not param]
             source = inner.param_groups[sources[role]]
-            group = {key: value for key, value in source.items() if key != "params"}
+            # A tensor hyperparameter (a capturable or fused optimizer's `lr`) is cloned: the follower writes the
+            # role's rate into its own group's tensor, never into the one its source shares.
+            group = {key: _own(value) for key, value in source.items() if key != "params"}
             group.update(params=[] if param is None else [param], **{ROLE_KEY: role, SOURCE_KEY: sources[role]})
             inner.param_groups.append(group)  # as add_param_group does, keeping the source's every hyperparameter
         _compat.reindex_bitsandbytes_overrides(inner)
@@ -244,7 +252,7 @@ class RoleRates:
             source = groups[source_index]
             for key, value in source.items():
                 if key not in ("params", "lr", ROLE_KEY, SOURCE_KEY):
-                    group[key] = value
+                    _follow_value(group, key, value)
             rate = self.factor(role) * source["lr"]
             if isinstance(group["lr"], torch.Tensor):
                 group["lr"].fill_(float(rate))
@@ -283,6 +291,22 @@ class RoleRates:
         rates = ", ".join(f"{ROLE_NAMES[role]} at {_format_scale(self.scales[role])}" for role in ROLES)
         when = "also while tied (the shared matrix at the embedding's)" if self.while_tied else "from the untie on"
         return f"untie: learning rates: {rates} the rate of the optimizer group each came from, {when}"
+
+
+def _follow_value(group: dict, key: str, value) -> None:
+    """Set `group[key]` to the source's `value`: a tensor is copied into the group's own tensor (never shared)."""
+    mine = group.get(key)
+    if not isinstance(value, torch.Tensor):
+        group[key] = value
+    elif isinstance(mine, torch.Tensor) and mine is not value and mine.shape == value.shape:
+        mine.copy_(value)
+    else:
+        group[key] = value.clone()
+
+
+def _own(value):
+    """`value`, or a copy of it where it is a tensor (a group's hyperparameter the role's group must not share)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _group_index(optimizer_or_groups, param: nn.Parameter) -> int | None:
