@@ -59,6 +59,17 @@ def _train(model, args, callback, optimizers=(None, None), resume=None):
     return trainer, recorder.rates.rows
 
 
+def _loop(model, optimizer, untier, data, steps: int, scheduler=None) -> None:
+    """A plain loop: one full batch per optimizer step, the scheduler after the optimizer, `untier.step()` last."""
+    for _ in range(steps):
+        model(input_ids=data.ids, labels=data.ids).loss.backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        untier.step()
+
+
 def _every_parameter_once(optimizer, model) -> None:
     """No parameter dropped or duplicated between groups."""
     held = [p for g in inner_optimizer(optimizer).param_groups for p in g["params"]]
@@ -145,12 +156,7 @@ def test_untier_routes_with_a_scheduler_built_before_the_split(when):
         scheduler = tf.get_linear_schedule_with_warmup(optimizer, 2, 8)
         untier.start(optimizer, lr_scheduler=scheduler)
     rates = _StepRates(optimizer)
-    for _ in range(8):
-        model(input_ids=data.ids, labels=data.ids).loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        untier.step()
+    _loop(model, optimizer, untier, data, 8, scheduler)
     assert untier.untie_step == 3
     for step, row in enumerate(rates.rows, 1):
         embedding, head = (1.0, None) if step <= 3 else (0.1, 2.0)
@@ -310,11 +316,7 @@ def test_a_tensor_learning_rate_is_not_shared_between_the_groups():
     optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-3))
     untier.start(optimizer)
     rates = _StepRates(optimizer)
-    for _ in range(5):
-        model(input_ids=data.ids, labels=data.ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        untier.step()
+    _loop(model, optimizer, untier, data, 5)
     for step, row in enumerate(rates.rows, 1):
         assert float(row[None][0]) == pytest.approx(1e-3, rel=1e-6), step
         embedding, head = (1.0, 1.0) if step <= 2 else (0.1, 0.5)
@@ -333,12 +335,7 @@ def test_a_sequential_scheduler_built_before_the_split_is_extended_once():
     untier = untie.Untier(model, optimizer, lr_scheduler=scheduler, max_steps=8, untie_at=0, untie_when=None,
                           embedding_lr_scale=0.1)  # fmt: skip
     rates = _StepRates(optimizer)
-    for _ in range(8):
-        model(input_ids=data.ids, labels=data.ids).loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        untier.step()
+    _loop(model, optimizer, untier, data, 8, scheduler)
     assert len({row[None][0] for row in rates.rows}) > 4  # warm-up then cosine
     assert all(row["input_embedding"][0] == 0.1 * row[None][0] for row in rates.rows)
 
