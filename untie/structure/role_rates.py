@@ -30,7 +30,7 @@ from torch import nn
 from untie import _compat
 from untie.errors import UntieValueError
 from untie.registry import Registry
-from untie.structure.surgery import inner_optimizer, input_weight, is_tied, output_weight
+from untie.structure.surgery import inner_optimizer, input_weight, is_tied, output_weight, sort_param_groups
 
 #: The roles, in the order their groups are appended to the optimizer.
 ROLES = ("input_embedding", "head")
@@ -229,9 +229,7 @@ class RoleRates:
         for group in inner.param_groups:
             group["params"] = [p for p in group["params"] if p is not head]
         inner.param_groups[target]["params"].append(head)
-        rank = {id(p): i for i, (_, p) in enumerate(self.model.named_parameters())}
-        inner.param_groups[target]["params"].sort(key=lambda p: rank.get(id(p), len(rank)))
-        _compat.reindex_bitsandbytes_overrides(inner)
+        sort_param_groups(inner, self.model)  # a fresh optimizer's order (a resume loads by position)
 
     # -- the rates -----------------------------------------------------------------------------------------------------
     def factor(self, role: str) -> float:
