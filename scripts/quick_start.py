@@ -7,9 +7,10 @@
 CI runs `--run` with a fresh venv first on PATH (`.ci/run`), so that the `pip` and `python` of the lines are the
 venv's and a missing install step fails CI instead of a newcomer. After the first line the run's
 `runs/exor/results.json` must report at least one checked claim (a run whose models learned nothing checks none);
-which claims hold is the docs' table, which CI compares with this run exactly (`scripts/docs_tables.py --check
---from`). Each line's wall time is printed (`quick-start line N: ... s`); the README quotes them with the machine
-they were measured on.
+which claims it checks is the docs' table CI compares with this run (`scripts/docs_tables.py --check --cheap
+--from runs/exor exor-quick-checked`); which of them hold follows one seed's trajectory, exact on a CPU kind only.
+Each line's wall time is printed (`quick-start line N: ... s`); the README quotes them with the machine they were
+measured on.
 
 Standard library only: it runs in a venv that has nothing installed yet.
 """
@@ -54,7 +55,7 @@ def claims_verdict(results: Path) -> tuple[int, int, list[str]]:
 
 def check_claims(results: Path) -> None:
     """Fail unless the quick start checked at least one claim: a run in which nothing learned the task judges no
-    geometry claim. Which claims hold is compared exactly with the docs (`docs_tables.py --check`), not here."""
+    geometry claim. Which claims are checked is compared with the docs (`docs_tables.py --check`), not here."""
     if not results.exists():
         raise SystemExit(f"quick start: {results} was not written")
     checked, holding, failing = claims_verdict(results)

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 
+import launch
 import pytest
 import torch
 import transformers as tf
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 tf.logging.set_verbosity_error()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Record the collected tests by node id for tests/launch.py, which refuses a launch from an unmarked test."""
+    launch.COLLECTED.update((item.nodeid, item) for item in items)
 
 
 def training_args(default_dir, **overrides) -> tf.TrainingArguments:

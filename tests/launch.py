@@ -7,6 +7,19 @@ import socket
 import subprocess
 import sys
 
+#: The collected tests by node id (filled by conftest.py), so that a launch can read the markers of the test it runs in.
+COLLECTED: dict = {}
+
+
+def require_distributed_marker() -> None:
+    """Fail a test that launches processes without the `distributed` marker: `pytest -m "not distributed"` (the quick
+    set, docs/development.md) must leave out every test that starts a multi-process launch. The test is the one whose
+    setup or call is running now (pytest's PYTEST_CURRENT_TEST), so a module fixture that launches is caught too."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    item = COLLECTED.get(current)
+    if item is not None and item.get_closest_marker("distributed") is None:
+        raise AssertionError(f"{current} launches processes: mark it @pytest.mark.distributed (or its module).")
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -31,6 +44,7 @@ def torchrun(
     Each process gets one thread (2 ranks on 2 cores); `env` adds variables. The timeout is a hang guard (a deadlocked
     worker), not a speed limit.
     """
+    require_distributed_marker()
     script = os.path.join(os.path.dirname(__file__), worker)  # an absolute path stays as it is
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     cmd += ["--master_port", str(free_port()), script, *map(str, args)]

@@ -22,6 +22,8 @@ from untie_recipes.tasks.bookcorpus import (
     tokenize_corpus,
 )
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

@@ -19,6 +19,8 @@ from untie_recipes.tasks.bookcorpus.report import load_records
 from untie_recipes.tasks.bookcorpus.setup import resolve
 from untie_recipes.tasks.bookcorpus.training import prepare_data, train_arm
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 WITH_LINE = ["--max_steps", "12", "--eval_steps", "6", "--untie_at", "4", "--auto_deadline", "8", "--metrics_every",
              "2", "--batch_size", "16", "--max_train_samples", "400", "--max_eval_samples", "64",
              "--logging_steps", "3"]  # fmt: skip
@@ -123,6 +125,7 @@ def two_process_ranks(tmp_path_factory):
     return tuple(torch.load(out / f"rank{r}.pt") for r in (0, 1))
 
 
+@pytest.mark.distributed
 def test_scheduled_arm_under_two_process_ddp(two_process_ranks):
     """Both ranks untie at the same step and end with identical weights."""
     rank0, rank1 = two_process_ranks
@@ -135,6 +138,7 @@ def test_scheduled_arm_under_two_process_ddp(two_process_ranks):
         assert torch.equal(value, rank1["params"][name]), name
 
 
+@pytest.mark.distributed
 def test_two_processes_report_the_losses_of_one(two_process_ranks, tmp_path):
     """The same arm on one process of batch 16 (the same 16 sequences a step): every eval and training loss agrees
     with the 2-process run's within what other masks and batches move (0.2 nat), where Trainer once scaled a plain

@@ -9,6 +9,8 @@ import pytest
 import torch
 from launch import torchrun
 
+pytestmark = pytest.mark.distributed  # every test here launches processes (pytest -m 'not distributed')
+
 WORKER = os.path.join(os.path.dirname(__file__), "ddp_untie_run.py")
 
 

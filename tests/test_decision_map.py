@@ -20,6 +20,8 @@ from untie_recipes.tasks.decision_map import corpus as corpus_module
 from untie_recipes.tasks.decision_map import report, runs, training
 from untie_recipes.tasks.decision_map.training import RunRecord, TrainingSetup
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the", "The", "king", "King", "and", "And", "lord", "shall", "thee", "thou", "good", "night", "come", "go")
 

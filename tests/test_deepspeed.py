@@ -22,6 +22,8 @@ import untie
 from untie.signals.pairs import tokenizer_pairs
 from untie.testing import VOCAB, tiny_tokenizer
 
+pytestmark = pytest.mark.distributed  # every test here launches processes (pytest -m 'not distributed')
+
 if not os.environ.get("UNTIE_REQUIRE_DEEPSPEED"):
     pytest.importorskip("deepspeed")
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -114,19 +116,39 @@ def test_every_results_table_is_registered_with_its_commands_and_its_commit(real
 
 
 def test_ci_checks_the_quick_starts_tables_and_every_verdict_is_one_of_three(real_tables):
-    """CI compares the quick start's tables (its runs use portable kernels: the kernel-path record in
-    tests/test_kernel_paths.py shows each the same on every path tried) and the study's summary (read from its
-    committed records: nothing is trained, cost "data"); no verdict but yes / no / not tested."""
+    """CI compares which claims the quick start checks (the kernel-path record in tests/test_kernel_paths.py shows it
+    the same on every path tried and on both CPU kinds recorded; the preset's numbers and verdicts are exact on one
+    CPU kind) and the study's summary (read from its committed records: nothing is trained, cost "data"); no
+    verdict but yes / no / not tested."""
     cheap = {name for name, table in real_tables.TABLES.items() if table.cost == "cheap"}
-    assert cheap == {"exor-quick", "exor-quick-claims"}
+    assert cheap == {"exor-quick-checked"}
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "docs_tables.py --check --cheap --from runs/exor exor-quick-checked" in ci
     data = {name for name, table in real_tables.TABLES.items() if table.cost == "data"}
     assert data == {"when-it-pays", "when-it-pays-verdict"}
-    ci = (ROOT / ".ci" / "run").read_text()
     assert f"docs_tables.py --check {' '.join(sorted(data, key=len))}" in ci  # CI checks every data table
     claims = real_tables.committed("exor-quick-claims")
     assert claims.splitlines()[0] == "| claim | holds | evidence |"
     verdicts = {line.split(" | ")[1].strip() for line in claims.splitlines()[2:]}
     assert verdicts <= {"yes", "**no**", "not tested"}, verdicts
+    checked = real_tables.committed("exor-quick-checked").splitlines()
+    assert checked[0] == "| claim | checked |" and len(checked) == len(claims.splitlines())
+    assert [row.split(" | ")[0] for row in checked[2:]] == [row.split(" | ")[0] for row in claims.splitlines()[2:]]
+
+
+def test_the_checked_table_reads_a_verdict_as_checked_and_not_tested_as_not(docs_tables):
+    module = docs_tables[0]
+    results = (
+        "| a |\n|---|\n| 1 |\n\n| claim | holds | evidence |\n|---|---|---|\n| one | yes | e |\n"
+        "| two | **no** | e |\n| three | not tested | e |\n"
+    )
+    assert module.claims_checked(results).splitlines() == [
+        "| claim | checked |",
+        "|---|---|",
+        "| one | yes |",
+        "| two | yes |",
+        "| three | no |",
+    ]
 
 
 def test_the_generated_table_of_several_commands_reads_the_last_ones_standard_output(docs_tables):

@@ -12,6 +12,8 @@ import untie
 from untie_recipes.tasks.exor import ExorDataset, exor_model, exor_splits, vocabulary
 from untie_recipes.tasks.exor.modeling import ExorForMaskedLM
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 
 def _draw(variant: str, n: int, seed: int = 0) -> dict[str, torch.Tensor]:
     data = ExorDataset("train", variant, seed=seed, repeats=n)

@@ -20,6 +20,8 @@ from untie_recipes.tasks.exor import claims as exor_claims
 from untie_recipes.tasks.exor import data, setup, training
 from untie_recipes.tasks.exor import report as exor_report
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 WITH_LINE = ["--models", "transformer", "--max_steps", "40", "--record_every", "10", "--eval_every", "20"]
 WITH_LINE += ["--untie_at", "20"]
 WITH_LINE += ["--metrics_every", "10"]  # the job's progress line on stderr (untie_recipes.progress)
@@ -328,6 +330,7 @@ def two_process_run(tmp_path_factory):
     return result, {r["arm"]: r for r in json.loads((out / "results.json").read_text())["runs"]}
 
 
+@pytest.mark.distributed
 def test_recipe_runs_under_a_two_process_launch(two_process_run):
     """The `accelerate launch` / torchrun path: runs go one after another, each trained by both ranks (gloo)."""
     result, runs = two_process_run
@@ -335,6 +338,7 @@ def test_recipe_runs_under_a_two_process_launch(two_process_run):
     assert runs["scheduled"]["untie_step"] == 20 and runs["scheduled"]["steps"] == runs["tied"]["steps"] == 40
 
 
+@pytest.mark.distributed
 def test_two_processes_report_the_losses_of_one(two_process_run, short_run):
     """Each step's full batch split over 2 processes ends at the one-process run's losses, within what other masks
     move (0.1 nat): the model's loss honours Trainer's `num_items_in_batch`, which once scaled a plain mean by the

@@ -27,6 +27,7 @@ def runs(tmp_path_factory):
     return {mode: _torchrun(out, mode) for mode in ("tied", "emulated", "untier")}
 
 
+@pytest.mark.distributed
 def test_emulated_tying_under_fsdp2_equals_real_tying_until_the_release(runs):
     tied, emulated = runs["tied"][0], runs["emulated"][0]
     assert tied["sharded"] and emulated["sharded"] and emulated["local_rows"] < emulated["embedding"].shape[0]
@@ -40,6 +41,7 @@ def test_emulated_tying_under_fsdp2_equals_real_tying_until_the_release(runs):
     assert torch.equal(emulated["at_release"]["head"], emulated["at_release"]["embedding"])  # mirrored shards
 
 
+@pytest.mark.distributed
 def test_after_the_release_the_head_trains_on_its_own_and_ranks_agree(runs):
     rank0, rank1 = runs["emulated"]
     assert not torch.equal(rank0["head"], rank0["embedding"])  # untied: the two matrices separated
@@ -48,6 +50,7 @@ def test_after_the_release_the_head_trains_on_its_own_and_ranks_agree(runs):
     assert torch.equal(rank0["head"], rank1["head"]) and torch.equal(rank0["embedding"], rank1["embedding"])
 
 
+@pytest.mark.distributed
 def test_untier_custom_fsdp2_loop_equals_live_tying_until_the_untie_and_the_emulation_after(runs):
     """`untie.Untier(tying_mode="emulated")` before fully_shard: the public API trains like real tying while tied."""
     tied, emulated = runs["tied"][0], runs["emulated"][0]
@@ -61,6 +64,7 @@ def test_untier_custom_fsdp2_loop_equals_live_tying_until_the_untie_and_the_emul
     assert torch.equal(untier["head"], untier_rank1["head"])
 
 
+@pytest.mark.distributed
 def test_untier_close_under_fsdp2_leaves_only_the_structure(runs):
     """After close(), untied at RELEASE_STEP or still tied (emulated, measuring), the sharded model and the optimizer
     carry nothing of the library's, and someone else's forward hook and forward are still in place."""
@@ -84,6 +88,7 @@ def trainer_runs(tmp_path_factory):
     return out, {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
 
 
+@pytest.mark.distributed
 def test_under_trainer_fsdp2_the_callback_picks_emulated_tying_and_matches_a_tied_run(trainer_runs):
     _, runs = trainer_runs
     tied, emulated = runs["tied"][0], runs["emulated"][0]
@@ -98,6 +103,7 @@ def test_under_trainer_fsdp2_the_callback_picks_emulated_tying_and_matches_a_tie
     assert torch.equal(emulated["at_untie"]["head"], emulated["at_untie"]["embedding"])
 
 
+@pytest.mark.distributed
 def test_under_trainer_fsdp2_the_head_trains_after_the_untie_and_ranks_agree(trainer_runs):
     _, runs = trainer_runs
     rank0, rank1 = runs["emulated"]
@@ -108,6 +114,7 @@ def test_under_trainer_fsdp2_the_head_trains_after_the_untie_and_ranks_agree(tra
         assert torch.equal(rank0["final"][name], rank1["final"][name])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("resumed", "original"), [("resume-8", "emulated"), ("resume-4", "emulated"), ("full-resume-8", "full")]
 )
@@ -122,6 +129,7 @@ def test_fsdp2_resume_from_sharded_or_full_checkpoints_equals_the_uninterrupted_
             assert torch.equal(run["final"][name], reference["final"][name]), name
 
 
+@pytest.mark.distributed
 def test_fsdp2_save_model_and_tied_phase_checkpoints_keep_both_matrices_and_reload_untied(trainer_runs):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -138,6 +146,7 @@ def test_fsdp2_save_model_and_tied_phase_checkpoints_keep_both_matrices_and_relo
     assert torch.equal(tied_phase["lm_head.weight"], tied_phase["transformer.wte.weight"])  # both saved, equal
 
 
+@pytest.mark.distributed
 def test_fsdp2_drift_metrics_after_the_untie_read_the_shards_and_agree_across_ranks(trainer_runs):
     from untie.signals.metrics import pair_distances
 
@@ -157,6 +166,7 @@ def test_fsdp2_drift_metrics_after_the_untie_read_the_shards_and_agree_across_ra
             assert last[f"{space}_distance/{key}"] == pytest.approx(value, rel=1e-6)
 
 
+@pytest.mark.distributed
 def test_fsdp2_divergence_trigger_reads_the_emulated_role_signals_and_unties_every_rank(trainer_runs):
     _, runs = trainer_runs
     rank0, rank1 = runs["trigger"]
@@ -173,6 +183,7 @@ def test_fsdp2_divergence_trigger_reads_the_emulated_role_signals_and_unties_eve
             assert mine[key] == pytest.approx(value, rel=1e-4, abs=1e-6, nan_ok=True), key
 
 
+@pytest.mark.distributed
 def test_fsdp2_default_trigger_measures_and_the_deadline_unties(trainer_runs):
     _, runs = trainer_runs
     rank0, rank1 = runs["default"]
@@ -188,6 +199,7 @@ def test_fsdp2_default_trigger_measures_and_the_deadline_unties(trainer_runs):
         assert tied_phase[key] == pytest.approx(live[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.distributed
 def test_under_cpu_ram_efficient_loading_every_rank_takes_rank_0s_plan_and_trains_its_weights(trainer_runs):
     """accelerate's `cpu_ram_efficient_loading` (its FSDP config default) loads the weights on rank 0 only: the other
     ranks hold a fresh draw or empty memory until prepare broadcasts rank 0's into the shards. The default decides
@@ -243,6 +255,7 @@ def test_sharded_role_probe_takes_plain_modules_and_refuses_a_scaled_embedding()
     assert "GemmaTextScaledWordEmbedding" in result.stdout
 
 
+@pytest.mark.distributed
 def test_fsdp2_per_role_rates_follow_the_group_and_resume_exactly(trainer_runs):
     """Issue 76 under FSDP2 (emulated tying: the head is its own sharded parameter from the start): both roles train
     at the group's rate while tied, then at 0.5x and 2x; a resume after the untie equals the uninterrupted run."""

@@ -10,6 +10,8 @@ import pytest
 import torch
 from script_modules import load_script
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

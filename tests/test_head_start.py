@@ -281,6 +281,24 @@ def test_the_draw_keeps_the_output_modules_bias():
     assert not is_tied(model) and torch.equal(head.bias, torch.full_like(head.bias, 0.25))
 
 
+def test_trainers_evaluation_on_start_reports_the_head_the_run_trains(tmp_path):
+    """Issue 78, item 2: a body trained against its frozen tied embedding reads as fresh, so the default draws a head;
+    Trainer's `eval_on_start` evaluation is judged as the first batch, so step 0 reports the trained model's loss
+    (the head a copy), not the provisional draw's."""
+    trained = trained_llama(60, 3e-3, freeze_embedding=True)
+    model = tf.LlamaForCausalLM(llama_config())
+    model.load_state_dict(trained.state_dict())
+    held_out = step_task(rows=16, seed=2)
+    trainer = _trainer(model, str(tmp_path))
+    trainer.eval_dataset = [{"input_ids": row, "labels": row} for row in held_out]
+    trainer.args.eval_on_start = True
+    trainer.args.per_device_eval_batch_size = 16
+    trainer.train()
+    at_start = next(h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h)
+    assert at_start == pytest.approx(loss_on(trained, held_out), abs=1e-4)
+    assert torch.equal(output_weight(trainer.model), input_weight(trainer.model))  # lr 0: the copy the check made
+
+
 def test_forwards_without_gradients_are_not_judged_and_padding_is_not_evidence():
     """Evaluation or generation before training passes untouched (no verdict, no collective); the first forward that
     trains is judged, on the positions that can tell (padding and repeated tokens left out)."""

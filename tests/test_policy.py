@@ -141,16 +141,28 @@ def test_inspect_says_the_share_and_what_the_default_does_with_the_checkpoint(tm
     share, total = policy.embedding_share(model)
     report = inspection.describe(tmp_path / "tied")
     assert report["policy"]["embedding_share"] == pytest.approx(share) and report["policy"]["parameters"] == total
-    assert report["policy"]["default"].startswith("trains untied from step 0, its head starting as a copy")
+    default = report["policy"]["default"]
+    assert default == "trains untied from step 0; the head starts as a copy of the embedding (head_init)"
     assert report["policy"]["because"].startswith("the model counts as trained")
     text = inspection.format_report(report)
     assert f"embedding share:   {share:.0%} of {total:,} parameters" in text and "auto" not in text
-    assert "UntieCallback():   trains untied from step 0, its head starting as a copy of the embedding" in text
+    assert f"UntieCallback():   {default}, because the model counts as trained" in text
+    # The run says it in the same words (one text, untie.structure.decision): the plan line of the reloaded model.
+    reloaded = type(model).from_pretrained(tmp_path / "tied")
+    untier = untie.Untier(reloaded)
+    optimizer = torch.optim.SGD(reloaded.parameters(), lr=0.0)
+    untier.start(optimizer)
+    ids = torch.randint(reloaded.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    reloaded(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()  # the plan is said as the first step begins
+    assert untier.plan.startswith(f"untie: {default}, because {report['policy']['because']}")
     tiny_model("gpt2").save_pretrained(tmp_path / "drawn")  # saved as built: nothing trained to keep
-    assert inspection.describe(tmp_path / "drawn")["policy"]["default"].startswith("trains untied from step 0, its")
+    assert inspection.describe(tmp_path / "drawn")["policy"]["default"].startswith(
+        "trains untied from step 0; the head is drawn"
+    )
     untie.untie_embeddings(model)
     model.save_pretrained(tmp_path / "untied")
-    assert "its head is a matrix of its own" in inspection.describe(tmp_path / "untied")["policy"]["default"]
+    assert "its head is its own matrix" in inspection.describe(tmp_path / "untied")["policy"]["default"]
 
 
 def test_a_run_attached_again_chooses_again_for_the_new_model(monkeypatch):

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from script_modules import load_script
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

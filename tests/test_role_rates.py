@@ -210,6 +210,7 @@ def test_a_checkpoint_saved_with_the_split_resumed_without_it_continues_at_the_g
     _every_parameter_once(trainer.optimizer, model)
 
 
+@pytest.mark.distributed
 def test_accelerate_ddp_rates_and_save_state_resume_are_exact(tmp_path):
     """2 ranks on gloo: a warm-up + cosine LambdaLR built before start, untie at 4, resumed from steps 3 and 6."""
     torchrun("role_rates_run.py", tmp_path)

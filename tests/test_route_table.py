@@ -7,6 +7,8 @@ import json
 import pytest
 from script_modules import load_script
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 pytest.importorskip("peft")
 
 SMALLEST = ["--pretrain_steps", "10", "--steps", "3", "--lines", "300", "--hidden_size", "32"]

@@ -22,6 +22,8 @@ from untie_recipes.tasks.study import finetune, protocol, report, runs, stats, s
 from untie_recipes.tasks.study.model import build_model
 from untie_recipes.tasks.study.training import CurveRecorder, RunSpec, StudyRecord
 
+pytestmark = pytest.mark.recipes  # a test of recipes/, scripts/ or the docs' tables (pytest -m 'not recipes')
+
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("the", "The", "king", "King", "and", "And", "lord", "shall", "thee", "thou", "good", "night", "come", "go")
 #: A tiny cell in place of A: budgets of a few steps at batch 4.

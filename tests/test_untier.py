@@ -112,6 +112,7 @@ def accelerate_runs(tmp_path_factory):
     return {name: [torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1)] for name in names}
 
 
+@pytest.mark.distributed
 def test_accelerate_ddp_loop_unties_mid_run_and_ranks_stay_bit_identical(accelerate_runs):
     rank0, rank1 = accelerate_runs["run"]
     assert rank0["distributed_type"] == "MULTI_CPU"
@@ -125,6 +126,7 @@ def test_accelerate_ddp_loop_unties_mid_run_and_ranks_stay_bit_identical(acceler
         assert rank["leftovers"] == [] and all(rank["foreign_kept"].values()), (rank["leftovers"], rank["foreign_kept"])
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("resumed", ["resume-3", "resume-6"])
 def test_accelerate_resume_from_save_state_before_or_after_the_untie_equals_the_uninterrupted_run(
     accelerate_runs, resumed
@@ -137,6 +139,7 @@ def test_accelerate_resume_from_save_state_before_or_after_the_untie_equals_the_
             torch.testing.assert_close(rank["params"][name], value, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.distributed
 def test_without_the_head_gradient_sync_the_accelerate_loop_drifts_apart(tmp_path):
     """Negative control for the test above: what `untie_embeddings(...)` alone does under DDP."""
     torchrun("custom_loop_run.py", tmp_path, "nosync")
@@ -144,6 +147,7 @@ def test_without_the_head_gradient_sync_the_accelerate_loop_drifts_apart(tmp_pat
     assert not torch.equal(rank0["output"], rank1["output"])
 
 
+@pytest.mark.distributed
 def test_plain_pytorch_ddp_loop_unties_mid_run_and_ranks_stay_bit_identical(tmp_path):
     """No accelerate: torch's DistributedDataParallel with no_sync accumulation; the Untier syncs the new head."""
     torchrun("custom_loop_run.py", tmp_path, "plain")

@@ -175,6 +175,11 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if state.global_step else {}
         where = "the checkpoint's trainer_state.json"
         self.run.start(optimizer, state.global_step, state.max_steps, saved or None, where)
+        check = self.run.structure.first_batch if self.run.structure is not None else None
+        if check is not None and args.eval_on_start:
+            # Trainer evaluates next, on every rank: that forward judges a drawn head, so that the step-0 report is
+            # of the head the run trains (untie.structure.head_start).
+            check.judge_evaluation = True
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.run.arm(state.global_step + 1)

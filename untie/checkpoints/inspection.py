@@ -189,22 +189,24 @@ def _load_embeddings(checkpoint: Checkpoint):
 
 def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
     """What the defaults (`UntieCallback()`, `UntieConfig.chosen_policy`) would do with the model `from_pretrained`
-    builds, and why, and its embedding's share of the parameters (`untie.structure.policy`)."""
-    from untie.config import DEFAULT_POLICY
+    builds, and why, and its embedding's share of the parameters (`untie.structure.policy`). The plan is said in the
+    words of the run's line at train begin (`untie.structure.decision`), with the default's deadline as a setting (the
+    run's length is not known here)."""
+    from untie.config import DEFAULT_POLICY, UntieConfig
+    from untie.signals.triggers import rule_name
+    from untie.structure.decision import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
     from untie.structure.policy import choose_plan
 
     choice = choose_plan(DEFAULT_POLICY, model, tied=tied, peft=False, embedding=embedding)
-    if choice.untied_from_start and choice.head_init == "model":
-        plan = "trains untied from step 0, its head drawn by the model's initialiser"
+    if not tied:
+        plan = ARRIVED_UNTIED
     elif choice.untied_from_start:
-        plan = "trains untied from step 0, its head starting as a copy of the embedding (nothing trained is dropped)"
-    elif tied:
-        plan = (
-            "trains tied, unties when the divergence trigger fires, at 30% of the run at the latest; the head starts "
-            "as a copy of the embedding"
-        )
+        plan = untied_from_start_text(choice.head_init, None)
     else:
-        plan = "trains untied from step 0: its head is a matrix of its own (nothing is tied or dropped)"
+        defaults = UntieConfig()
+        rule = defaults.rule(with_pairs=True)  # inspect reads the checkpoint tokenizer's pairs, as Trainer's run does
+        deadline = f"at untie_at={defaults.untie_at!r}" if defaults.untie_at is not None else ""
+        plan = tied_text(untie_when_text(deadline, rule_name(rule) if rule is not None else None), None)
     return {
         "embedding_share": choice.embedding_share,
         "parameters": choice.parameters,

@@ -10,18 +10,14 @@ from typing import TYPE_CHECKING
 
 from untie import _compat
 from untie.config import UntieConfig
-from untie.signals.triggers import RULES, UntieWhen
+from untie.signals.triggers import UntieWhen, rule_name
+from untie.structure.decision import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
 from untie.structure.peft_support import split_by_peft
 
 if TYPE_CHECKING:
     from untie.core.run import UntieRun
 
 logger = logging.getLogger(__name__)
-
-_HEADS = {
-    "model": "the head is drawn by the model's initialiser (head_init)",
-    "copy": "the head starts as a copy of the embedding (head_init)",
-}
 
 
 def say_once(said: set[str], texts) -> None:
@@ -55,7 +51,6 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
     drawn by the model's initialiser, because ..." / "untie: trains tied; unties when the divergence trigger fires,
     at step 1,234 at the latest, because ..."."""
     start = f"resumed at step {step:,}: " if step else ""
-    why = f", because {run.choice.reason}" if run.choice is not None else ""
     if run.untied:
         if run.untie_step is not None and run.untie_step < step:
             return f"untie: {start}trains untied (untied at step {run.untie_step:,}, {run.untie_reason})"
@@ -66,37 +61,23 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
                 "now; the head starts as a copy of the embedding"
             )
         if run.arrived_untied:
-            return f"untie: {start}trains untied from step 0; the model arrived untied: its head is its own matrix"
+            return f"untie: {start}{ARRIVED_UNTIED}"
         split = split_by_peft(run.model) if run.model is not None else None
         if split is not None:
             return f"untie: {start}trains untied from step 0: {split}"
         asked = " (untie_at=0)" if run.config.was_set("untie_at") and run.config.untie_at == 0 else ""
-        head = _HEADS[run.decision.head_init if run.decision is not None else "copy"]
-        return f"untie: {start}trains untied from step {step:,}{asked}; {head}{why}"
+        head = run.decision.head_init if run.decision is not None else "copy"
+        reason = run.choice.reason if run.choice is not None else None
+        return f"untie: {start}{untied_from_start_text(head, reason, step, asked)}"
     deadline = ""
     if run.deadline.step is not None:
         at = run.deadline.untie_at
         setting = f"untie_at={at!r} of {max_steps:,}" if isinstance(at, float) and max_steps else f"untie_at={at!r}"
         deadline = f"at step {run.deadline.step:,} ({setting})"
-    if run.divergence is not None:
-        latest = f", {deadline} at the latest" if deadline else " (no deadline)"
-        when = f"unties when the divergence trigger ({rule_name(run.divergence.rule)}) fires{latest}"
-    elif deadline:
-        when = f"unties {deadline}"
-    else:
-        when = "stays tied (untie_at=None, untie_when=None)"
-    emulated = " (emulated tying)" if run.structure is not None and run.structure.emulation is not None else ""
-    return f"untie: {start}trains tied{emulated}; {when}; the head starts as a copy of the embedding{why}"
-
-
-def rule_name(rule: UntieWhen) -> str:
-    """The trigger's rule in words: its name in `RULES` ("evidence", not its signal "gap", which the gap rule reads
-    too), else its signal and threshold, with its evidence level where it has one."""
-    named = next((name for name, known in RULES.items() if known == rule), None)
-    if named is not None:
-        return named
-    evidence = f", evidence at alpha={rule.significance:g}" if rule.significance is not None else ""
-    return f"{rule.signal} past {rule.threshold:g}{evidence}"
+    when = untie_when_text(deadline, rule_name(run.divergence.rule) if run.divergence is not None else None)
+    emulated = run.structure is not None and run.structure.emulation is not None
+    reason = run.choice.reason if run.choice is not None else None
+    return f"untie: {start}{tied_text(when, reason, emulated)}"
 
 
 def warn_changed_settings(run: UntieRun, saved_config: dict, step: int) -> None:

@@ -317,3 +317,13 @@ class DivergenceTrigger:
         self.learned_step = state.get("learned_step")
         self.evidence = dict(state.get("evidence", {}))
         self.fired_pairs = list(state.get("fired_pairs", []))
+
+
+def rule_name(rule: UntieWhen) -> str:
+    """The trigger's rule in words: its name in `RULES` ("evidence", not its signal "gap", which the gap rule reads
+    too), else its signal and threshold, with its evidence level where it has one."""
+    named = next((name for name, known in RULES.items() if known == rule), None)
+    if named is not None:
+        return named
+    evidence = f", evidence at alpha={rule.significance:g}" if rule.significance is not None else ""
+    return f"{rule.signal} past {rule.threshold:g}{evidence}"

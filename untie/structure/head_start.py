@@ -17,7 +17,9 @@ more than `SIGMAS` standard errors of the per-token difference, is never drawn o
 temperature that suits it best (`TEMPERATURES`: a model may scale or cap the head's output before its loss), on the
 positions that can tell: labelled, not padding, and not predicting the token the position reads (a fresh tied model
 predicts its input token again). On a fresh model both heads are draws, so the copy's advantage is noise around 0
-and the draw is kept. Only forwards that train (gradients on) are judged: evaluation and generation pass untouched.
+and the draw is kept. Only forwards that train (gradients on) are judged: evaluation and generation pass untouched,
+except an evaluation the run knows every rank runs before the first step (Trainer's `eval_on_start`,
+`FirstBatchCheck.judge_evaluation`): that one is judged, so that its report is of the head the run trains.
 """
 
 from __future__ import annotations
@@ -176,6 +178,10 @@ class FirstBatchCheck:
         self.model = model
         self.on_verdict = on_verdict
         self.verdict: HeadVerdict | None = None
+        self.judge_evaluation = False
+        """Judge the first forward even without gradients: set where every rank runs an evaluation before the first
+        step (Trainer's `eval_on_start`), so that the evaluation sees the head the run trains, not a provisional
+        draw. Off by default: one rank's generation or sample must not hold a collective."""
         self._call: tuple[tuple, dict] | None = None
         module = model.get_output_embeddings()  # type: ignore[operator]  # a transformers model (draw_head found it)
         assert isinstance(module, nn.Module)  # the draw found it (`untie.structure.surgery.draw_head`)
@@ -192,7 +198,7 @@ class FirstBatchCheck:
     def _read_call(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # Only a forward that trains (gradients on) is judged, and every rank runs it in the first step: evaluation,
         # generation or one rank's sample (no_grad, inference_mode) pass untouched and hold no collective.
-        self._call = (args, kwargs) if torch.is_grad_enabled() else None
+        self._call = (args, kwargs) if torch.is_grad_enabled() or self.judge_evaluation else None
 
     def _before_head(self, module: nn.Module, args: tuple) -> None:
         if self.verdict is not None or self._call is None or not args:
@@ -228,7 +234,7 @@ class FirstBatchCheck:
             start: Literal["model", "copy"] = "model" if keep_draw else "copy"
             verdict = HeadVerdict(start, f"rank 0's verdict ({start}); this rank's: {verdict.detail}")
         if not keep_draw:
-            with torch.no_grad():
+            with torch.inference_mode(False), torch.no_grad():  # an evaluation judged may run under inference_mode
                 output_weight(self.model).copy_(input_weight(self.model))
         self.verdict, self._call = verdict, None
         self.remove()
