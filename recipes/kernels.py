@@ -1,18 +1,24 @@
-"""Portable CPU float kernels: the same numbers from a seed on every x86-64 CPU, for the recipes' chaotic small runs.
+"""Portable CPU float kernels: the recipes' chaotic small runs on baseline kernel paths, the same under every path one
+machine can be capped to (and yet not the same on every CPU kind: see the end).
 
 PyTorch picks its CPU kernels by the processor's vector instructions at run time, in three places: ATen's own
 kernels (`ATEN_CPU_CAPABILITY`), the BLAS (Intel MKL, whose Conditional Numerical Reproducibility mode `MKL_CBWR`
 fixes its code path) and oneDNN (`ONEDNN_MAX_CPU_ISA`). On a one-layer EXor model sitting on a chance plateau, a
 last-bit difference between an AVX2 and an AVX-512 reduction becomes another trajectory, so the same seed learned the
-task on one CPU kind and not on another. "portable" pins all three to a code path every x86-64 CPU runs the same
-way: ATen's baseline kernels, MKL's COMPATIBLE branch (strict), oneDNN's SSE4.1 kernels. With ATen and MKL pinned,
-lifting oneDNN's cap alone still changed a run's loss within 3,000 steps; `scripts/kernel_paths.py` checks that the
-pinned runs come out the same when the CPU offers fewer instructions.
+task on one CPU kind and not on another. "portable" pins all three to a code path every x86-64 CPU has: ATen's
+baseline kernels, MKL's COMPATIBLE branch (strict), oneDNN's SSE4.1 kernels. With ATen and MKL pinned, lifting
+oneDNN's cap alone still changed a run's loss within 3,000 steps; `scripts/kernel_paths.py` checks that the pinned
+runs come out the same when the CPU offers fewer instructions.
 
 The variables are read when each library first runs a kernel, so they are set before a run's process computes
 anything: the recipes train portable runs in fresh worker processes that inherit them (`portable_environment`), and
 `check_portable` refuses a run whose process picked its kernels already. They cost nothing measurable on the
 recipes' tiny models; on a GPU they change nothing (CUDA's kernels are its own).
+
+What the pins do not cover: the EXor quick preset's numbers, the same under every capped path on an AMD EPYC, came
+out otherwise on an Intel Xeon (both AVX-512), each reproducibly. On the Xeon every matrix product of a probe of the
+Mixer's training step ran on MKL's pinned path (MKL_VERBOSE: CNR:COMPATIBLE,STRICT; no oneDNN call), so the source
+was not found. A chaotic run's numbers are therefore exact on one CPU kind (docs/recipes/exor.md, "Reproducibility").
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-#: The environment that pins every CPU kernel path to one every x86-64 CPU runs identically.
+#: The environment that pins ATen, MKL and oneDNN to baseline kernel paths (not enough for every CPU kind: above).
 PORTABLE_ENVIRONMENT = {
     "ATEN_CPU_CAPABILITY": "default",
     "MKL_CBWR": "COMPATIBLE,STRICT",

@@ -99,3 +99,18 @@ def test_tie_init_ties_a_checkpoint_this_library_untied():
     marked = Facts(ModelFacts("untied", marked_untied=True), tied=False)
     assert decide(marked, DEFAULT).start.target == "untied"
     assert decide(marked, Settings(UntieConfig(tie_init="mean"), "UntieCallback")).start.target == "tied"
+
+
+def test_the_decision_and_its_rules_import_without_torch():
+    """The run's one decision is pure: `untie.structure.decision` (with the policy's rules, the structure plans and the
+    settings) imports in a process where torch cannot be imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import untie.structure.decision, untie.structure.policy_rules, untie.structure.plan, untie.config\n"
+        "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

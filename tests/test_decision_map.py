@@ -431,7 +431,9 @@ def test_fewer_arms_run_no_branches_and_report_what_was_run(recipe, tmp_path, mo
 def test_the_policy_arm_is_labelled_apart_and_reuses_the_tied_and_untied_runs(recipe, tmp_path, monkeypatch):
     recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied"))
     monkeypatch.setitem(recipe.run_unit.__globals__, "_plain_run", lambda *a: pytest.fail("tied/untied rerun"))
-    monkeypatch.setattr(untie.structure.policy, "UNTIED_FROM_START_SHARE", 0.01)  # every model: untied from the start
+    monkeypatch.setattr(
+        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
+    )  # every model: untied from the start
     table = recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied", "auto", "--policy", "auto"))
     names = {p.name for p in (tmp_path / "map" / "records").glob("d32-s1-auto*.json")}
     assert len(names) == 1 and names.pop().startswith("d32-s1-auto+cfg")  # not the default's auto record
@@ -469,7 +471,9 @@ def test_the_policy_table_pairs_the_default_with_the_run_untied_from_the_start(r
 
 
 def test_the_validation_table_reads_the_policy_report_and_recomputes_nothing_by_hand(recipe, tmp_path, monkeypatch):
-    monkeypatch.setattr(untie.structure.policy, "UNTIED_FROM_START_SHARE", 0.01)  # every model: untied from the start
+    monkeypatch.setattr(
+        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
+    )  # every model: untied from the start
     table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
     policy_table = _policy_table()
     assert policy_table.validation_rows([tmp_path / "elsewhere"]) == []  # no report there: left out, said
@@ -538,7 +542,9 @@ def test_the_heatmap_draws_a_map_where_auto_beat_the_oracle_in_every_cell(tmp_pa
 def test_the_tie_then_untie_view_counts_the_seeds_each_arm_with_a_tied_phase_beat_both(recipe, tmp_path, monkeypatch):
     """Issue 48's second criterion asked of every arm with a tied phase: the fixed untie steps always, the auto arm
     only where it did not train untied from the start."""
-    monkeypatch.setattr(untie.structure.policy, "UNTIED_FROM_START_SHARE", 0.01)  # the policy: untied from the start
+    monkeypatch.setattr(
+        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
+    )  # the policy: untied from the start
     table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
     policy_table = _policy_table()
     assert policy_table.tie_then_untie_rows([tmp_path / "elsewhere"]) == []  # no report there: left out, said
@@ -556,7 +562,7 @@ def test_the_tie_then_untie_view_counts_the_seeds_each_arm_with_a_tied_phase_bea
         margin = [x - b for x, b in zip(arms[row["best"]]["per_seed"], better, strict=True)]
         assert row["best_margin"][0] == pytest.approx(sum(margin) / 2, abs=1e-12)
     monkeypatch.setattr(
-        untie.structure.policy, "UNTIED_FROM_START_SHARE", 0.5
+        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.5
     )  # d 32 is under it: the default schedule
     recipe.main(_map_args(tmp_path, "--policy", "auto", "--output_dir", str(tmp_path / "scheduled")))
     scheduled = policy_table.tie_then_untie_rows([tmp_path / "scheduled"])

@@ -266,3 +266,13 @@ def test_the_run_holds_state_and_executes_a_decision_it_does_not_make():
     assert {"decide", "enter"} <= imported
     assert not imported & {"choose", "choose_plan", "settle", "plan_structure", "default_rule", "built_fresh"}
     assert "_announce_pending" not in source and "_started" not in source  # no phase flags: the table's transitions
+
+
+def test_the_version_lives_in_a_leaf_module_and_pyproject_says_the_same():
+    from untie import _version
+
+    tree = ast.parse(Path(_version.__file__).read_text())
+    assert not [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    pyproject = (Path(untie.__file__).parent.parent / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"', pyproject, flags=re.M)
+    assert declared is not None and untie.__version__ == _version.__version__ == declared.group(1)

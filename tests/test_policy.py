@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.structure import policy
+from untie.structure import policy, policy_rules
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 
@@ -58,7 +58,7 @@ def test_the_policy_parses_from_a_command_line_and_a_wrong_one_is_refused():
 def _untier_run(monkeypatch, threshold: float, steps: int = 6, **settings):
     """A custom loop of `steps` steps on the tiny GPT-2 under `Untier(**settings)`; returns the Untier and the
     parameters."""
-    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", threshold)
+    monkeypatch.setattr(policy_rules, "UNTIED_FROM_START_SHARE", threshold)
     model = tiny_model("gpt2")
     untier = untie.Untier(model, max_steps=steps, **settings)
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
@@ -125,7 +125,7 @@ def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_c
 
 
 def test_trainer_auto_below_the_share_runs_the_default_schedule(make_args, monkeypatch):
-    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", _share() + 1e-6)
+    monkeypatch.setattr(policy_rules, "UNTIED_FROM_START_SHARE", _share() + 1e-6)
     callback = untie.UntieCallback(policy="auto", untie_when=None, untie_at=5)
     trainer = tf.Trainer(model=tiny_model("gpt2"), args=make_args(), train_dataset=ToyLMDataset(), callbacks=[callback])
     trainer.train()
@@ -170,7 +170,7 @@ def test_a_run_attached_again_chooses_again_for_the_new_model(monkeypatch):
 
     big = tiny_model("llama")  # 23% embedding
     small = tiny_model("gpt2")  # 15%
-    monkeypatch.setattr(policy, "UNTIED_FROM_START_SHARE", (_share("llama") + _share("gpt2")) / 2)
+    monkeypatch.setattr(policy_rules, "UNTIED_FROM_START_SHARE", (_share("llama") + _share("gpt2")) / 2)
     run = UntieRun(untie.UntieConfig(policy="auto", untie_when=None, untie_at=5))
     run.attach(big)
     assert run.choice.untied_from_start and run.untie_at == 0 and not untie.is_tied(big)

@@ -34,7 +34,7 @@ PUBLIC_API = (
 )
 #: Public name -> the module that defines it (from `PUBLIC_API`).
 _EXPORTS = {name: module for _section, module, names in PUBLIC_API for name in names}
-__version__ = "0.1.0"
+from untie._version import __version__ as __version__  # noqa: E402  (a leaf module; re-exported)
 
 # -- generated from PUBLIC_API by scripts/public_api.py: do not edit by hand ------------------------------------------
 # fmt: off

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Any, Literal, NoReturn
 
+from untie._version import __version__
 from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 from untie.signals.triggers import UntieWhen, pair_signal
 
@@ -283,8 +284,6 @@ class UntieConfig:
 
     def to_json(self) -> str:
         """The settings as JSON, with the library version that wrote them (`untie_version`)."""
-        from untie import __version__
-
         return json.dumps({**self.to_json_dict(), VERSION_KEY: __version__}, indent=2, sort_keys=True)
 
     def to_json_file(self, path: str | os.PathLike) -> None:
@@ -488,8 +487,6 @@ def _token_id(value: Any, pair: Any, fix: str) -> int:
 
 
 def _warn_if_newer(written_by: str) -> None:
-    from untie import __version__
-
     def key(version: str) -> tuple[int, ...]:
         return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Literal
 
 from untie.config import DEFAULT_POLICY, SCHEDULE_SETTINGS, UntieConfig
 from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, StructurePlan, plan_structure
-from untie.structure.policy import PolicyChoice, PolicyReading, choose, settle
+from untie.structure.policy_rules import PolicyChoice, PolicyReading, choose, settle
 
 if TYPE_CHECKING:  # a type only: the rule is the config's (`UntieConfig.rule`); signals/ imports structure/
     from untie.signals.triggers import UntieWhen

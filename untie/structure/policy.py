@@ -30,9 +30,8 @@ the run state (`PolicyChoice.to_dict`), so a checkpoint says what its run chose 
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -41,14 +40,16 @@ from torch import nn
 from untie import _compat
 from untie.config import POLICIES, PolicyName
 from untie.distributed import broadcast_decision, full_shape, gathered, is_sharded, world_size
-from untie.structure.plan import SavedFacts
+from untie.structure.policy_rules import (
+    UNTIED_FROM_START_SHARE,
+    Freshness,
+    PolicyChoice,
+    PolicyReading,
+    choose,
+    settle,
+)
 from untie.structure.surgery import input_weight
 
-#: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
-#: midpoint of 40% (the first map's d 256, where tie-then-untie held its own) and 56% (d 128 x 4, where untied from the
-#: start beat the default at every budget in both development seeds), rounded to 5%, by the rule written before those
-#: runs ended. Fixed before the held-out validation; see docs/recipes/decision-map.md, "The policy".
-UNTIED_FROM_START_SHARE = 0.5
 #: The sample of the input embedding `weights_evidence` compares with a fresh draw: at most this many entries (rows
 #: evenly spaced over the vocabulary), and at least `_MIN_ROWS` rows where the vocabulary has them.
 _SAMPLE_ENTRIES = 1 << 22
@@ -65,6 +66,7 @@ _ROW_SPREAD_FLOOR = 0.25
 #: a learnable 300-symbol task: 1.26).
 _TOP_DIRECTION_FLOOR = 0.15
 
+#: The pure rules live in `untie.structure.policy_rules` (torch-free); they are re-exported here with the readers.
 __all__ = [
     "POLICIES",
     "UNTIED_FROM_START_SHARE",
@@ -74,57 +76,10 @@ __all__ = [
     "built_fresh",
     "choose",
     "choose_plan",
+    "settle",
     "embedding_share",
     "weights_evidence",
 ]
-
-Plan = Literal["as set", "untied from the start"]
-
-
-@dataclass(frozen=True)
-class PolicyChoice:
-    """What the policy chose for one run, and what it chose from."""
-
-    policy: str
-    """The policy asked for (`POLICIES`)."""
-    plan: Plan
-    """"untied from the start" (``untie_at=0``, no trigger) or "as set" (the settings' untie_at / untie_when)."""
-    reason: str
-    """Why, in words (the log line at train begin says it)."""
-    embedding_share: float | None = None
-    """The input embedding's share of the model's parameters (a tied matrix counted once); None where not read."""
-    parameters: int | None = None
-    """The model's parameters, a tied matrix counted once."""
-    head_init: str = "copy"
-    """How the head untied from the start begins (`UntieConfig.head_init` "auto" follows it): "model" (the model's
-    own initialiser) for a model built fresh, "copy" of the embedding otherwise."""
-    warning: str | None = None
-    """Where the weights' evidence and the config's name disagree (`built_fresh`): said once, at attach."""
-
-    @property
-    def untied_from_start(self) -> bool:
-        return self.plan == "untied from the start"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def message(self) -> str:
-        """The reason, with the embedding's share (what `untie inspect` and the run's line say)."""
-        share = "" if self.embedding_share is None else f" (embedding {self.embedding_share:.0%} of the parameters)"
-        return f"policy {self.policy!r}: {self.plan}{share}: {self.reason}"
-
-
-def settle(choice: PolicyChoice, saved: SavedFacts | None) -> PolicyChoice:
-    """The plan once the checkpoint, if any, is known: a checkpoint whose run was still tied decides over an untie
-    before the first step that the policy chose for a fresh start (the resumed run continues its tied phase); a fresh
-    start, or a checkpoint saved untied, keeps the choice. Pure: both adapters decide with it."""
-    if saved is None or saved.untied is not False or not choice.untied_from_start:
-        return choice
-    reason = (
-        f"{saved.where}: the checkpoint's run was still tied, so it continues its tied phase (the default plan trains "
-        "untied from step 0 only a fresh run, not a saved one)"
-    )
-    return dataclasses.replace(choice, plan="as set", reason=reason, head_init="copy")
 
 
 def parameter_count(model: nn.Module) -> int:
@@ -285,15 +240,6 @@ def rank_0s_verdict(evidence: WeightsEvidence) -> WeightsEvidence:
     return WeightsEvidence(verdict, f"rank 0 reads its weights as {verdict}; this rank's: {evidence.detail}")
 
 
-@dataclass(frozen=True)
-class Freshness:
-    """Whether a run counts its model as built fresh (`built_fresh`), why, and a warning to give."""
-
-    fresh: bool
-    why: str
-    warning: str | None = None
-
-
 def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: torch.Tensor | None = None) -> Freshness:
     """Whether `model` counts as built fresh (its weights an initialiser's draw no training touched): as
     `from_scratch` says (`UntieConfig.from_scratch`), else only on positive evidence (`weights_evidence`). The
@@ -336,17 +282,6 @@ def built_fresh(model: nn.Module, from_scratch: bool | None = None, embedding: t
     )
 
 
-@dataclass(frozen=True)
-class PolicyReading:
-    """What a policy reads off the model (`read_for_policy`), for `choose` to decide from: read once, at attach."""
-
-    share: float
-    """The input embedding's share of the parameters (`embedding_share`)."""
-    parameters: int
-    freshness: Freshness | None
-    """Whether it counts as built fresh (`built_fresh`); None where it arrived untied (nothing to vouch for)."""
-
-
 def read_for_policy(
     policy: str,
     model: nn.Module,
@@ -363,41 +298,6 @@ def read_for_policy(
         return None
     share, total = embedding_share(model)
     return PolicyReading(share, total, built_fresh(model, from_scratch, embedding) if tied else None)
-
-
-def choose(
-    policy: str, *, tied: bool, peft: bool, reading: PolicyReading | None, threshold: float | None = None
-) -> PolicyChoice:
-    """The plan for a run under `policy` (`POLICIES`) of a model that arrives `tied` (or wrapped by PEFT), from what
-    `read_for_policy` read. Pure.
-
-    Untied from the start, a model built fresh gets a head drawn by its own initialiser: on the decision map's
-    development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one, and in the
-    study's cell A 0.008 nat worse. A model holding trained weights gets a head that starts as a copy: untied from the
-    start under "untie-at-start" (the default), as set under the other policies.
-    `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`)."""
-    if policy == "off":
-        return PolicyChoice(policy, "as set", "policy='off' runs the schedule as set")
-    if peft:
-        return PolicyChoice(policy, "as set", "a PEFT model trains its adapters; the embedding's tying is its base's")
-    if reading is None:  # attached under settings that read nothing (a run adopted under the checkpoint's settings)
-        return PolicyChoice(policy, "as set", "the model's weights were not read when the run was attached")
-    share, total, fresh = reading.share, reading.parameters, reading.freshness
-    if not tied or fresh is None:
-        return PolicyChoice(
-            policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
-        )
-    if not fresh.fresh and policy == "untie-at-start":
-        reason = f"{fresh.why}; a loaded tied model unties at once, its head a copy (the study's fine-tuning table)"
-        return PolicyChoice(policy, "untied from the start", reason, share, total, "copy", fresh.warning)
-    if not fresh.fresh:
-        return PolicyChoice(policy, "as set", fresh.why, share, total, warning=fresh.warning)
-    limit = UNTIED_FROM_START_SHARE if threshold is None else threshold
-    if policy == "auto" and share < limit:
-        reason = f"{fresh.why}; under {limit:.0%} of the parameters in the embedding, policy 'auto' runs the schedule"
-        return PolicyChoice(policy, "as set", reason, share, total, warning=fresh.warning)
-    reason = f"{fresh.why}; from scratch, a tied phase cost more than it saved on the decision map"
-    return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
 
 
 def choose_plan(

@@ -106,9 +106,9 @@ class ExorArguments:
     kernels: str = field(
         default="portable",
         metadata={
-            "help": "CPU float kernels: portable (default: the same numbers from a seed on every x86-64 CPU, "
-            "untie_recipes.kernels) or native (the fastest this CPU offers; a chaotic run's numbers then depend on "
-            "the CPU kind)."
+            "help": "CPU float kernels: portable (default: ATen, MKL and oneDNN pinned to baseline paths, "
+            "untie_recipes.kernels; two AVX-512 CPU kinds still differed) or native (the fastest this CPU offers; a "
+            "chaotic run's numbers then depend on the CPU kind)."
         },
     )
     overwrite: bool = field(default=False, metadata={"help": "Train runs again even if their record exists."})
