@@ -253,6 +253,45 @@ def test_the_library_folders_import_one_another_without_a_loop():
     assert "engines" not in edges["structure"] and "core" not in edges["checkpoints"]
 
 
+def _module_imports() -> dict[str, set[str]]:
+    """Each library module's imports of other library modules: every import statement, at the top, in a function, or
+    under ``if TYPE_CHECKING:`` (a type-only arrow is still an arrow a reader follows)."""
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in targets if t in modules and t not in (name, "untie")}
+    return graph
+
+
+def test_no_module_of_the_library_imports_one_that_imports_it_back_at_any_level():
+    """Issue 79: no import cycle between modules, counting in-function and type-only imports (the ones that hid
+    core/run -> measuring -> messages -> run and structure/surgery <-> peft_support)."""
+    graph = _module_imports()
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        for nxt in graph[start]:
+            if nxt == goal:
+                return True
+            if nxt not in seen:
+                seen.add(nxt)
+                if reaches(nxt, goal, seen):
+                    return True
+        return False
+
+    cycles = sorted(f"{a} -> {b}" for a in graph for b in graph[a] if reaches(b, a, {b}))
+    assert not cycles, cycles
+
+
 def test_the_run_holds_state_and_executes_a_decision_it_does_not_make():
     """Issue 67: `UntieRun` stays under 400 lines and decides nothing itself: the policy, the schedule and the
     structure plans are `untie.structure.decision.decide`'s (its only import of them), the phase table is

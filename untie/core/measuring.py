@@ -11,7 +11,6 @@ import math
 from torch import nn
 
 from untie import _compat
-from untie.core.messages import unmeasured
 from untie.distributed import full_shape, gather_rows, gathered, is_sharded
 from untie.errors import UntieValueError
 from untie.registry import Registry
@@ -164,3 +163,14 @@ class Measurements:
         logs.update({f"untie/{k}": v for k, v in self.latest.items() if not math.isnan(v)})
         self.latest = {}
         return logs
+
+
+def unmeasured(owner: str) -> str:
+    """A measurement step ran no backward through the tied matrix's two roles."""
+    return (
+        f"{owner}: a measurement step ran no backward through the tied matrix's two roles, so the role signals (and "
+        "the divergence trigger, which then waits for the deadline) are missing. Is the matrix frozen? Under "
+        "torch.compile, module hooks added after a model of the same class was compiled in this process are not "
+        "traced (torch._dynamo.config.skip_nnmodule_hook_guards): call torch._dynamo.reset() before building the "
+        "Trainer."
+    )

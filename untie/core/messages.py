@@ -1,21 +1,67 @@
 """What a run says about itself, in words: the one line at train begin (`plan_line`), a resume under changed settings
-(`changed_settings`), a run too short for its trigger (`short_run_notice`), a measurement that read nothing
-(`unmeasured`). Each reads the run (`untie.core.run.UntieRun`) and changes nothing: the run decides, this says it."""
+(`changed_settings`), a run too short for its trigger (`short_run_notice`). Each reads what a run shows (`SpokenRun`,
+which `untie.core.run.UntieRun` is) and changes nothing: the run decides, this says it. It imports nothing of the run
+itself, so no import, even a type-only one, leads back from here to it."""
 
 from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from untie import _compat
 from untie.config import UntieConfig
 from untie.signals.triggers import UntieWhen, rule_name
 from untie.structure.decision import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
 from untie.structure.peft_support import split_by_peft
+from untie.structure.surgery import is_tied, untie_recorded
 
 if TYPE_CHECKING:
-    from untie.core.run import UntieRun
+    from torch import nn
+
+    from untie.core.measuring import Measurements
+    from untie.core.model_structure import ModelStructure
+    from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger
+    from untie.structure.decision import Decision
+    from untie.structure.policy_rules import PolicyChoice
+    from untie.structure.role_rates import RoleRates
+
+
+class SpokenRun(Protocol):
+    """What the lines read off a run (`untie.core.run.UntieRun` is one): its settings, its decision and schedule, and
+    where it stands. Read-only."""
+
+    @property
+    def owner(self) -> str: ...
+    @property
+    def config(self) -> UntieConfig: ...
+    @property
+    def choice(self) -> PolicyChoice | None: ...
+    @property
+    def decision(self) -> Decision | None: ...
+    @property
+    def deadline(self) -> ScheduledTrigger: ...
+    @property
+    def divergence(self) -> DivergenceTrigger | None: ...
+    @property
+    def untied(self) -> bool: ...
+    @property
+    def untie_step(self) -> int | None: ...
+    @property
+    def untie_reason(self) -> str | None: ...
+    @property
+    def arrived_untied(self) -> bool: ...
+    @property
+    def pairs(self) -> list[tuple[int, int]]: ...
+    @property
+    def model(self) -> nn.Module | None: ...
+    @property
+    def structure(self) -> ModelStructure | None: ...
+    @property
+    def rates(self) -> RoleRates: ...
+    @property
+    def measurements(self) -> Measurements: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +78,7 @@ def say_once(said: set[str], texts) -> None:
                 _compat.warn_in_user_code(text, category)
 
 
-def announce(run: UntieRun, step: int, max_steps: int | None) -> str:
+def announce(run: SpokenRun, step: int, max_steps: int | None) -> str:
     """Say what the run begun at `step` will do, in one line in its own numbers (`plan_line`; returned, the run keeps
     it in its state): a warning where a policy decided, a note where the schedule was set; and a trigger that cannot
     fire in the run (`short_run_notice`)."""
@@ -46,7 +92,7 @@ def announce(run: UntieRun, step: int, max_steps: int | None) -> str:
     return line
 
 
-def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
+def plan_line(run: SpokenRun, step: int, max_steps: int | None) -> str:
     """What the run begun at `step` of `max_steps` will do and why: "untie: trains untied from step 0; the head is
     drawn by the model's initialiser, because ..." / "untie: trains tied; unties when the divergence trigger fires,
     at step 1,234 at the latest, because ..."."""
@@ -62,7 +108,8 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
             )
         if run.arrived_untied:
             return f"untie: {start}{ARRIVED_UNTIED}"
-        split = split_by_peft(run.model) if run.model is not None else None
+        model = run.model
+        split = None if model is None else split_by_peft(model, tied=is_tied(model), recorded=untie_recorded(model))
         if split is not None:
             return f"untie: {start}trains untied from step 0: {split}"
         asked = " (untie_at=0)" if run.config.was_set("untie_at") and run.config.untie_at == 0 else ""
@@ -80,7 +127,7 @@ def plan_line(run: UntieRun, step: int, max_steps: int | None) -> str:
     return f"untie: {start}{tied_text(when, reason, emulated)}"
 
 
-def warn_changed_settings(run: UntieRun, saved_config: dict, step: int) -> None:
+def warn_changed_settings(run: SpokenRun, saved_config: dict, step: int) -> None:
     """Warn, in the user's code, where a resume runs under other schedule settings than its checkpoint's
     (`changed_settings`)."""
     changed = changed_settings(run, saved_config, step)
@@ -88,7 +135,7 @@ def warn_changed_settings(run: UntieRun, saved_config: dict, step: int) -> None:
         _compat.warn_in_user_code(changed)
 
 
-def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None:
+def changed_settings(run: SpokenRun, saved_config: dict, step: int) -> str | None:
     """What a resume at `step` under other schedule settings than the checkpoint's run (`saved_config`, as JSON)
     does, in words; None where they are the same. A setting the checkpoint leaves out was not set: its default."""
     now = json.loads(json.dumps(run.config.to_dict()))
@@ -115,7 +162,7 @@ def changed_settings(run: UntieRun, saved_config: dict, step: int) -> str | None
     )
 
 
-def _same(run: UntieRun, key: str, saved, now) -> bool:
+def _same(run: SpokenRun, key: str, saved, now) -> bool:
     """Whether a checkpoint's setting (JSON) is this run's (`now`); rules compare by what they resolve to."""
     if key != "untie_when":
         return saved == now
@@ -127,7 +174,7 @@ def _same(run: UntieRun, key: str, saved, now) -> bool:
     return (then and then.to_dict()) == (asked and asked.to_dict())
 
 
-def short_run_notice(run: UntieRun, step: int, max_steps: int | None) -> None:
+def short_run_notice(run: SpokenRun, step: int, max_steps: int | None) -> None:
     """Say once when `metrics_every` leaves the trigger too few measurements before the deadline (or the run's end)
     to fire, or leaves no measurement at all. A warning where it matters to what the user asked: the trigger was set
     (`untie_when`), or there is no deadline, so the model stays tied because the trigger cannot fire. A note (logged)
@@ -160,14 +207,3 @@ def short_run_notice(run: UntieRun, step: int, max_steps: int | None) -> None:
             last,
             "untie" if run.deadline.step else "end of the run",
         )
-
-
-def unmeasured(owner: str) -> str:
-    """A measurement step ran no backward through the tied matrix's two roles."""
-    return (
-        f"{owner}: a measurement step ran no backward through the tied matrix's two roles, so the role signals (and "
-        "the divergence trigger, which then waits for the deadline) are missing. Is the matrix frozen? Under "
-        "torch.compile, module hooks added after a model of the same class was compiled in this process are not "
-        "traced (torch._dynamo.config.skip_nnmodule_hook_guards): call torch._dynamo.reset() before building the "
-        "Trainer."
-    )

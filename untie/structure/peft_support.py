@@ -81,12 +81,11 @@ def multimodal_levels(model: nn.Module) -> bool:
     return config is not None and hasattr(config, "get_text_config") and config.get_text_config() is not config
 
 
-def split_by_peft(model: nn.Module) -> str | None:
+def split_by_peft(model: nn.Module, *, tied: bool, recorded: bool) -> str | None:
     """What PEFT did to a tied `model` it wrapped with `modules_to_save`, in words, for the run's line; None where it
-    did not split it (not a PEFT model, no copy, or a config that already says untied)."""
-    from untie.structure.surgery import is_tied, untie_recorded
-
-    if not is_peft_model(model) or is_tied(model) or untie_recorded(model):
+    did not split it (not a PEFT model, still `tied`, no copy, or a config that already says untied: `recorded`).
+    The caller reads `tied` and `recorded` (`untie.structure.surgery`), which imports this module."""
+    if not is_peft_model(model) or tied or recorded:
         return None
     roles = split_by_modules_to_save(model)
     if not roles:
