@@ -299,6 +299,21 @@ def test_trainers_evaluation_on_start_reports_the_head_the_run_trains(tmp_path):
     assert torch.equal(output_weight(trainer.model), input_weight(trainer.model))  # lr 0: the copy the check made
 
 
+def test_an_evaluation_on_start_without_labels_leaves_the_verdict_to_the_first_training_batch(tmp_path):
+    """The evaluation on start is judged only where it can tell: with no labelled position in it, a fresh model's
+    drawn head is not turned into a copy there; the first training batch judges it, and keeps the draw."""
+    torch.manual_seed(3)
+    trainer = _trainer(tf.LlamaForCausalLM(llama_config()), str(tmp_path))
+    unlabelled = [{"input_ids": row, "labels": torch.full_like(row, -100)} for row in step_task(rows=16, seed=2)]
+    trainer.eval_dataset = unlabelled
+    trainer.args.eval_on_start = True
+    trainer.args.per_device_eval_batch_size = 16
+    trainer.train()
+    assert not torch.equal(output_weight(trainer.model), input_weight(trainer.model))  # lr 0: the draw kept
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, UntieCallback))
+    assert "predicts no better with its tied head than with a drawn one" in callback.plan
+
+
 def test_forwards_without_gradients_are_not_judged_and_padding_is_not_evidence():
     """Evaluation or generation before training passes untouched (no verdict, no collective); the first forward that
     trains is judged, on the positions that can tell (padding and repeated tokens left out)."""

@@ -141,7 +141,7 @@ class UntieConfig:
             weights runs untie_at / untie_when (by default: tied, the trigger, the deadline). Both were validated for
             models built fresh on held-out cells (docs/recipes/decision-map.md, "`fresh-untied` held out: the
             verdict"). 'auto' is retired: its held-out validation failed (docs/recipes/decision-map.md); it is still
-            read, with a warning, and runs as 'fresh-untied' above untie.structure.policy.UNTIED_FROM_START_SHARE
+            read, with a warning, and runs as 'fresh-untied' above untie.structure.policy_rules.UNTIED_FROM_START_SHARE
             (0.5) of the parameters in the embedding.
         embedding_lr_scale: The input embedding's learning rate, as a multiple of the rate of the optimizer group it
             came from (the group's rate at every step, warm-up and decay included): 1.0 (default) keeps it; 0.1 trains

@@ -182,6 +182,9 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
             check.judge_evaluation = True
 
     def on_step_begin(self, args, state, control, **kwargs):
+        check = self.run.structure.first_batch if self.run.structure is not None else None
+        if check is not None:  # only the evaluation on start is judged: not one rank's sample later (no collective)
+            check.judge_evaluation = False
         self.run.arm(state.global_step + 1)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):

@@ -205,6 +205,11 @@ class FirstBatchCheck:
             return
         hidden = args[0]
         found = aligned_targets(self.model, hidden.detach(), *self._call) if isinstance(hidden, torch.Tensor) else None
+        if not torch.is_grad_enabled():  # the evaluation on start: judged only where it can tell (rank 0's batch)
+            self.judge_evaluation = False  # one evaluation forward, judged or not: later ones pass untouched
+            if not broadcast_decision(found is not None and found[1].numel() > 0):
+                self._call = None  # no labels to read there: the first forward that trains is judged instead
+                return
         if found is None:
             verdict = HeadVerdict(
                 "copy",
@@ -224,6 +229,9 @@ class FirstBatchCheck:
 
     def _after_forward(self, module: nn.Module, args: tuple, output) -> None:
         judged, self._call = self._call is not None, None
+        if not torch.is_grad_enabled():  # an evaluation on start whose output module did not run: it decides nothing
+            self.judge_evaluation = False
+            return
         if self.verdict is None and judged:
             why = "the output module did not run in the first forward: the head starts as a copy"
             self._decide(HeadVerdict("copy", why))

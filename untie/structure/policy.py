@@ -67,6 +67,7 @@ _ROW_SPREAD_FLOOR = 0.25
 _TOP_DIRECTION_FLOOR = 0.15
 
 #: The pure rules live in `untie.structure.policy_rules` (torch-free); they are re-exported here with the readers.
+#: `choose` reads `policy_rules.UNTIED_FROM_START_SHARE`: patch it there (patching this name here changes nothing).
 __all__ = [
     "POLICIES",
     "UNTIED_FROM_START_SHARE",
