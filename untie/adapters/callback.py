@@ -175,16 +175,12 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         saved = saved_callback_state(getattr(state, "stateful_callbacks", None)) if state.global_step else {}
         where = "the checkpoint's trainer_state.json"
         self.run.start(optimizer, state.global_step, state.max_steps, saved or None, where)
-        check = self.run.structure.first_batch if self.run.structure is not None else None
-        if check is not None and args.eval_on_start:
-            # Trainer evaluates next, on every rank: that forward judges a drawn head, so that the step-0 report is
-            # of the head the run trains (untie.structure.head_start).
-            check.judge_evaluation = True
+        # Trainer evaluates next, on every rank: that forward judges a drawn head, so that the step-0 report is of the
+        # head the run trains (untie.structure.head_start).
+        self._judge_evaluation(bool(args.eval_on_start))
 
     def on_step_begin(self, args, state, control, **kwargs):
-        check = self.run.structure.first_batch if self.run.structure is not None else None
-        if check is not None:  # only the evaluation on start is judged: not one rank's sample later (no collective)
-            check.judge_evaluation = False
+        self._judge_evaluation(False)  # only the evaluation on start is judged: not one rank's sample later
         self.run.arm(state.global_step + 1)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -213,6 +209,12 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         self.run.close()
 
     # -- what the events use ----------------------------------------------------------------------------------------
+    def _judge_evaluation(self, judged: bool) -> None:
+        """Whether the first-batch check of a drawn head (if one waits) judges an evaluation forward."""
+        check = self.run.structure.first_batch if self.run.structure is not None else None
+        if check is not None:
+            check.judge_evaluation = judged
+
     def _splitting_groups(self, trainer, create_optimizer):
         """`trainer.create_optimizer`, followed by the run's per-role param groups in the optimizer it returns (and in
         a scheduler passed to Trainer, built before them)."""
