@@ -12,7 +12,7 @@ import torch
 import transformers as tf
 
 from untie import UntieCallback, Untier
-from untie.structure.head_start import FLOOR, judge
+from untie.structure.head_start import CHUNK, FLOOR, LOGIT_BUDGET, aligned_targets, judge
 from untie.structure.policy import weights_evidence
 from untie.structure.surgery import input_weight, is_tied, output_weight
 from untie.testing import (
@@ -119,13 +119,17 @@ def test_weights_loaded_after_the_trainer_is_built_keep_their_head(tmp_path, cap
     assert any("the head starts as a copy" in r.getMessage() for r in caplog.records)
 
 
-def test_a_lightly_trained_t5_from_pretrained_keeps_its_head(tmp_path):
-    config = tf.T5Config(
+def t5_config(initializer_factor: float = 1.0) -> tf.T5Config:
+    return tf.T5Config(
         vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=16, num_layers=1, num_decoder_layers=1, num_heads=2,
         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
+        initializer_factor=initializer_factor,
     )  # fmt: skip
+
+
+def test_a_lightly_trained_t5_from_pretrained_keeps_its_head(tmp_path):
     torch.manual_seed(0)
-    t5 = tf.T5ForConditionalGeneration(config)
+    t5 = tf.T5ForConditionalGeneration(t5_config())
     data = step_task(rows=64, length=12)
     optimizer = torch.optim.AdamW(t5.parameters(), lr=3e-3)
     for step in range(20):
@@ -372,3 +376,48 @@ def test_weights_loaded_after_untier_and_before_the_first_step_are_kept_and_said
     assert untier.policy_choice.head_init == "copy"
     assert untier.plan.startswith("untie: trains untied from step 0; the head starts as a copy")
     assert "weights loaded after the run was attached replaced the draw" in untier.plan
+
+
+# -- what the check costs and what it scores (issue 78, items 4 and 8) ------------------------------------------------
+def test_the_check_scores_at_most_half_the_positions_the_head_runs_on():
+    """A training step runs the head forward and backward over every position; the check runs two heads forward over
+    at most half of them, so it costs less than the step at any vocabulary."""
+    model = tf.LlamaForCausalLM(llama_config())
+    ids = step_task(rows=4, length=24, seed=1)
+    hidden = torch.randn(4, 24, 32)
+    found = aligned_targets(model, hidden, (), {"input_ids": ids, "labels": ids})
+    assert found is not None and 0 < found[1].numel() <= 4 * 24 // 2
+
+
+def test_the_temperature_sweep_holds_one_temperatures_logits_at_a_time():
+    """The sweep over `TEMPERATURES` once held every temperature's logits of a chunk at once (13 x 128 x V floats:
+    218 MB at V = 32,768); it now holds the positions' logits and one temperature's."""
+    vocab, width = 32768, 8
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(CHUNK, width, generator=generator)
+    targets = torch.randint(vocab, (CHUNK,), generator=generator)
+    heads = [0.02 * torch.randn(vocab, width, generator=generator) for _ in range(2)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        judge(hidden, targets, *heads)
+    largest = max(event.self_cpu_memory_usage for event in profile.events())
+    assert largest <= 2 * CHUNK * vocab * 4  # the positions' float32 logits (and one temporary of their size)
+
+
+def test_the_positions_judged_are_capped_so_their_logits_fit_the_budget():
+    vocab = 4 * 1024
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(LOGIT_BUDGET // vocab + 500, 8, generator=generator)
+    targets = torch.randint(vocab, (hidden.shape[0],), generator=generator)
+    heads = [0.02 * torch.randn(vocab, 8, generator=generator) for _ in range(2)]
+    assert judge(hidden, targets, *heads).positions == LOGIT_BUDGET // vocab
+
+
+def test_a_decoders_position_that_repeats_the_label_before_it_is_not_evidence():
+    """A fresh tied encoder-decoder predicts the token its decoder position reads (the label before it) as a fresh
+    causal LM predicts its input token: those positions are left out, as they are for a causal LM."""
+    model = tf.T5ForConditionalGeneration(t5_config())
+    labels = torch.tensor([[5, 5, 6, 7, 7, 7, 8, 9], [-100] * 8])
+    hidden = torch.randn(2, 8, 32)
+    found = aligned_targets(model, hidden, (), {"input_ids": torch.tensor([[3, 4], [3, 4]]), "labels": labels})
+    assert found is not None
+    assert found[1].tolist() == [5, 6, 7, 8, 9]  # the first reads the start token; 5 -> 5 and 7 -> 7 are out

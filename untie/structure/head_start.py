@@ -48,13 +48,17 @@ logger = logging.getLogger(__name__)
 #: above that. A model that has learned at least this much on the batch keeps its head.
 FLOOR = 0.05
 SIGMAS = 3.0
-#: At most this many labelled positions are scored (evenly spaced), in chunks of `CHUNK`: the logits of two heads over
-#: a 262k vocabulary stay within a few hundred MB, computed in the heads' own dtype.
+#: At most this many labelled positions are scored (evenly spaced), and at most half the positions the head runs on in
+#: that forward: a training step runs the head forward and backward over every position (three products of positions x
+#: V x d), the check two heads' forward over at most half of them (one such product), so at any vocabulary the check
+#: costs less than one training step (`benchmarks/first_step_cost.py`). The products run `CHUNK` positions at a time.
 MAX_POSITIONS = 4096
 CHUNK = 128
-#: The temperatures each head's logits are scored at, its best kept: a model may scale, cap or divide the head's output
-#: before its loss (Cohere's `logit_scale`, Granite's `logits_scaling`, Gemma's soft cap), which the head's raw logits
-#: do not show. Each head is judged at the temperature that suits it best, so neither is misjudged by a scale.
+#: At most this many logits (positions x V, float32: 128 MiB) are held at once: the positions scored are capped to fit
+#: (`judge`), so that each head's best temperature is chosen on every position it is scored on. The mean loss is
+#: convex in the temperature, so the best of `TEMPERATURES` is found by bisection on the sign of its slope: about five
+#: passes over those logits, not one per temperature.
+LOGIT_BUDGET = 1 << 25
 TEMPERATURES = tuple(2.0**k for k in range(-6, 7))
 
 
@@ -74,20 +78,58 @@ class HeadVerdict:
     """The labelled positions scored."""
 
 
+def _loss_and_slope(logits: torch.Tensor, picked: torch.Tensor, scale: float) -> tuple[float, float]:
+    """The mean cross-entropy of the picked logits at `scale` x the logits, and its derivative in `scale` (the softmax's
+    mean logit minus the picked one). One exponential pass; the product of the probabilities and the logits as a
+    batched dot, with no second (N, V) buffer."""
+    scaled = scale * logits
+    top = scaled.amax(dim=-1, keepdim=True)
+    weights = scaled.sub_(top).exp_()
+    total = weights.sum(dim=-1)
+    expected = torch.bmm(weights.unsqueeze(1), logits.unsqueeze(2)).view(-1) / total
+    loss = total.log() + top.view(-1) - scale * picked
+    return float(loss.double().mean()), float((expected - picked).double().mean())
+
+
+def _best_scale(logits: torch.Tensor, picked: torch.Tensor) -> float:
+    """The temperature of `TEMPERATURES` with the lowest mean loss on these positions. The mean loss is convex in the
+    temperature (a log-sum-exp of linear functions minus a linear one), so the first temperature whose slope is not
+    negative, or the one before it, is the best: found by bisection. Where a reading is not finite, the full sweep."""
+    readings: dict[int, tuple[float, float]] = {}
+
+    def read(index: int) -> tuple[float, float]:
+        if index not in readings:
+            readings[index] = _loss_and_slope(logits, picked, TEMPERATURES[index])
+        return readings[index]
+
+    low, high = 0, len(TEMPERATURES) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if not math.isfinite(read(middle)[1]):
+            break
+        low, high = (middle + 1, high) if read(middle)[1] < 0 else (low, middle)
+    else:
+        candidates = [i for i in (low - 1, low) if i >= 0]
+        if all(math.isfinite(read(i)[0]) for i in candidates):
+            return TEMPERATURES[min(candidates, key=lambda i: read(i)[0])]
+    means = [read(i)[0] for i in range(len(TEMPERATURES))]
+    return TEMPERATURES[min(range(len(means)), key=lambda i: (not math.isfinite(means[i]), means[i]))]
+
+
 def _losses(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Per-position cross-entropy of `targets` under `weight` (and `bias`) at each of `TEMPERATURES`: (T, N) float64.
-    Chunked; the product in the head's dtype, the loss in float32; autocast off (its cache would keep this call's cast
-    of the head for the rest of the forward)."""
+    """Per-position cross-entropy of `targets` under `weight` (and `bias`) at the head's best temperature over these
+    positions (`TEMPERATURES`): (N,) float64. The product in the head's dtype, `CHUNK` positions at a time, the logits
+    and the loss in float32; autocast off (its cache would keep this call's cast of the head for the rest of the
+    forward)."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach().to(weight.dtype)
-    scales = torch.tensor(TEMPERATURES, device=hidden.device).view(-1, 1, 1)
-    rows = []
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        for chunk, wanted in zip(hidden.split(CHUNK), targets.split(CHUNK), strict=True):
-            logits = F.linear(chunk.to(weight.dtype), weight, bias).float()
-            picked = logits.gather(1, wanted.view(-1, 1)).view(1, -1)
-            rows.append((torch.logsumexp(scales * logits, dim=-1) - scales.view(-1, 1) * picked).double())
-    return torch.cat(rows, dim=1)
+        logits = torch.empty(hidden.shape[0], weight.shape[0], device=hidden.device)
+        for start in range(0, hidden.shape[0], CHUNK):
+            logits[start : start + CHUNK] = F.linear(hidden[start : start + CHUNK].to(weight.dtype), weight, bias)
+        picked = logits.gather(1, targets.view(-1, 1)).view(-1)
+        scale = _best_scale(logits, picked)
+        return F.cross_entropy(scale * logits, targets, reduction="none").double()
 
 
 def judge(
@@ -102,8 +144,11 @@ def judge(
     module docstring). Pure."""
     if hidden.shape[0] == 0:
         return HeadVerdict("copy", "the first batch had no labelled position to score: the head starts as a copy")
-    with_draw, with_copy = _losses(hidden, targets, drawn, bias), _losses(hidden, targets, copy, bias)
-    difference = with_draw[with_draw.mean(1).argmin()] - with_copy[with_copy.mean(1).argmin()]
+    limit = max(1, LOGIT_BUDGET // max(1, drawn.shape[0]))
+    if hidden.shape[0] > limit:  # evenly spaced, as the positions were chosen
+        keep = torch.linspace(0, hidden.shape[0] - 1, limit, device=hidden.device).round().long()
+        hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
+    difference = _losses(hidden, targets, drawn, bias) - _losses(hidden, targets, copy, bias)
     count = difference.numel()
     advantage = float(difference.mean())
     error = float(difference.std()) / math.sqrt(count) if count > 1 else math.inf
@@ -127,10 +172,12 @@ def aligned_targets(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The hidden states fed to the head and the label each predicts, flattened to (N, d) and (N,), from the model's
     forward arguments: `labels`, or for a causal LM without them the `input_ids` (next-token targets). Scored are the
-    labelled positions (at most `MAX_POSITIONS`, evenly spaced) that are not padding (`attention_mask`, the pad
-    token) and whose target is not the token the position reads (a fresh tied model predicts its input token again:
-    no evidence of training). None where the alignment cannot be read (another loss type, labels of another shape)."""
+    labelled positions (at most `MAX_POSITIONS` and half the positions the head runs on, evenly spaced) that are not
+    padding (`attention_mask`, the pad token) and whose target is not the token the position reads (a fresh tied model
+    predicts its input token again: no evidence of training; a decoder's position reads the label before it). None
+    where the alignment cannot be read (another loss type, labels of another shape)."""
     alignment = _compat.loss_alignment(model)
+    runs_on = hidden.numel() // max(1, hidden.shape[-1])  # the positions the head runs on in this forward
     input_ids = _tensor(kwargs.get("input_ids", args[0] if args else None))
     labels = _tensor(kwargs.get("labels"))
     if labels is None and alignment == "shifted":
@@ -149,7 +196,7 @@ def aligned_targets(
     elif alignment != "aligned" or labels.shape != hidden.shape[:-1]:
         return None
     elif getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        reads = None  # the input ids are the encoder's: a decoder position reads the previous label
+        reads = _decoder_reads(model, labels, _tensor(kwargs.get("decoder_input_ids")))
     keep = labels >= 0
     if mask is not None:
         keep &= mask.to(keep.device) > 0
@@ -160,9 +207,23 @@ def aligned_targets(
         keep &= labels != reads.to(labels.device)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     keep = keep.reshape(-1).to(hidden.device).nonzero().flatten()
-    if keep.numel() > MAX_POSITIONS:
-        keep = keep[torch.linspace(0, keep.numel() - 1, MAX_POSITIONS, device=keep.device).round().long()]
+    limit = min(MAX_POSITIONS, max(1, runs_on // 2))
+    if keep.numel() > limit:
+        keep = keep[torch.linspace(0, keep.numel() - 1, limit, device=keep.device).round().long()]
     return hidden.index_select(0, keep), labels.reshape(-1).to(hidden.device).index_select(0, keep)
+
+
+def _decoder_reads(model: nn.Module, labels: torch.Tensor, decoder_input_ids: torch.Tensor | None) -> torch.Tensor:
+    """The token each decoder position of an encoder-decoder model reads: its `decoder_input_ids` where given, else
+    the labels shifted right behind the decoder's start token (-100 read as padding), as the model builds them."""
+    if decoder_input_ids is not None and decoder_input_ids.shape == labels.shape:
+        return decoder_input_ids
+    config = getattr(model, "config", None)
+    start = getattr(config, "decoder_start_token_id", None)
+    pad = getattr(config, "pad_token_id", None)
+    reads = labels.roll(1, dims=-1)
+    reads[..., 0] = start if isinstance(start, int) else -1
+    return reads.masked_fill(reads == -100, pad if isinstance(pad, int) else -1)
 
 
 class FirstBatchCheck:
