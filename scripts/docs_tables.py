@@ -472,6 +472,17 @@ TABLES: dict[str, Table] = {
         output="results.md",
         cost="timing",
     ),
+    # The "before" table is the same command run with the library of the commit its page names (the check scored up
+    # to 4,096 positions at each of 13 temperatures).
+    **{
+        name: Table(
+            page="docs/benchmarks.md",
+            commands=(("python", "benchmarks/first_step_cost.py", "--output_dir", "{out}"),),
+            output="results.md",
+            cost=cost,
+        )
+        for name, cost in (("first-step-cost", "timing"), ("first-step-cost-before", "record"))
+    },
     "untie-latency": Table(
         page="docs/benchmarks.md",
         commands=(("python", "benchmarks/untie_latency.py", "--repeats", "3", "--output_dir", "{out}"),),
