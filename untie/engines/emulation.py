@@ -27,13 +27,14 @@ from untie.config import OptimizerStateInit
 from untie.distributed import full_shape
 from untie.errors import UntieValueError
 from untie.registry import Registry
-from untie.structure.surgery import _embedding_modules, inner_optimizer, start_state_like
+from untie.roles import embedding_modules
+from untie.structure.surgery import inner_optimizer, start_state_like
 
 
 def separate_roles(model: nn.Module, owner: str) -> tuple[Any, Any]:
     """The model's embedding and head modules, refused unless the head has its own parameter of the embedding's
     shape (what an emulation of tying keeps equal to the embedding)."""
-    embedding, head = _embedding_modules(model)
+    embedding, head = embedding_modules(model)
     if embedding.weight is head.weight:
         raise UntieValueError(
             f"{owner} needs a model whose head has its own parameter; this one is really tied. Call "

@@ -43,6 +43,7 @@ from untie import _compat
 from untie.distributed import full_shape, gather_rows, is_sharded, union_rows, world_size
 from untie.errors import UntieValueError
 from untie.registry import Registry
+from untie.roles import embedding_modules
 from untie.signals.metrics import (
     Pairs,
     RoleGradients,
@@ -53,7 +54,6 @@ from untie.signals.metrics import (
     pair_gap_sums_from_log_probs,
     targets_from_gradient,
 )
-from untie.structure.surgery import _embedding_modules
 
 logger = logging.getLogger("untie")
 
@@ -83,7 +83,7 @@ class RoleGradientProbe:
     """
 
     def __init__(self, model: nn.Module, pairs: Pairs = (), emulation=None, registry: Registry | None = None) -> None:
-        embedding, self.head = _embedding_modules(model)
+        embedding, self.head = embedding_modules(model)
         if emulation is not None:
             # The head has its own parameter, kept equal to the embedding, and the embedding receives the tied
             # gradient; the roles are the same two module uses.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -17,6 +16,7 @@ from untie import _compat
 from untie.config import OPTIMIZER_STATES, TIE_INITS, OptimizerStateInit, TieInit
 from untie.distributed import full_shape, gathered, is_split
 from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
+from untie.roles import embedding_modules, input_weight, output_weight
 from untie.structure.peft_support import refuse_peft_surgery
 
 #: Config attribute written on untie, so a reloaded checkpoint can be recognised as deliberately untied even
@@ -42,48 +42,13 @@ class EmbeddingLayout:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def input_weight(model: Any) -> nn.Parameter:
-    """The input embedding's weight: the shared matrix while tied (`model` a Hugging Face model)."""
-    return model.get_input_embeddings().weight
-
-
-def output_weight(model: Any) -> nn.Parameter:
-    """The LM head's weight: the input embedding's own parameter while tied."""
-    return model.get_output_embeddings().weight
-
-
-def _embedding_modules(model: Any) -> tuple[Any, Any]:
-    """The input embedding and the LM head modules (each a module with a `weight` parameter)."""
-    if not hasattr(model, "get_input_embeddings") or not hasattr(model, "get_output_embeddings"):
-        raise UntieTypeError(
-            f"{type(model).__name__} is not a Hugging Face PreTrainedModel (no get_input_embeddings / "
-            "get_output_embeddings). Pass the model itself, not a wrapper such as DDP, or unwrap it first "
-            "(accelerator.unwrap_model(model))."
-        )
-    input_emb = model.get_input_embeddings()
-    output_emb = model.get_output_embeddings()
-    if output_emb is None:
-        raise UntieValueError(
-            f"{type(model).__name__} has no output embeddings (get_output_embeddings() returned None), so there is "
-            "nothing to tie or untie. Load the model with a language-modeling head, e.g. AutoModelForCausalLM or "
-            "AutoModelForMaskedLM instead of AutoModel."
-        )
-    if input_emb is None or not hasattr(input_emb, "weight") or not hasattr(output_emb, "weight"):
-        raise UntieValueError(
-            f"{type(model).__name__}: input or output embedding module has no `weight` "
-            f"(input: {type(input_emb).__name__}, output: {type(output_emb).__name__}); untie supports models whose "
-            "LM head is a linear projection onto the vocabulary."
-        )
-    return input_emb, output_emb
-
-
 def _names_of(model: nn.Module, param: nn.Parameter) -> list[str]:
     return [n for n, p in model.named_parameters(remove_duplicate=False) if p is param]
 
 
 def embedding_layout(model: nn.Module) -> EmbeddingLayout:
     """Find the parameter names of the input embedding, the LM head weight and its bias (if any)."""
-    input_emb, output_emb = _embedding_modules(model)
+    input_emb, output_emb = embedding_modules(model)
     module_names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     out_prefix = module_names[id(output_emb)]
     in_prefix = module_names[id(input_emb)]
@@ -122,7 +87,7 @@ def _set(model: nn.Module, name: str, value: nn.Parameter) -> None:
 
 def is_tied(model: nn.Module) -> bool:
     """True when the LM head's weight *is* the input embedding's parameter (shared storage, not equal values)."""
-    input_emb, output_emb = _embedding_modules(model)
+    input_emb, output_emb = embedding_modules(model)
     return output_emb.weight is input_emb.weight
 
 
@@ -380,7 +345,7 @@ def _refuse_packed_weights(model: nn.Module, action: str) -> None:
     """Refuse an embedding or head whose weight is not a tensor: a dynamically quantized module
     (`torch.ao.quantization.quantize_dynamic`) packs it as int8 behind a `weight()` method, which no one can tie,
     untie or train (is_tied() would call such a model untied, and surgery would return without a word)."""
-    embedding, head = _embedding_modules(model)
+    embedding, head = embedding_modules(model)
     roles = (("LM head", head), ("input embedding", embedding))
     for role, module in roles:
         if module is not None and not isinstance(getattr(module, "weight", None), torch.Tensor):
