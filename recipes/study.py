@@ -14,6 +14,8 @@ seeds. The protocol and the rule that turns its tables into the default: docs/re
     python recipes/study.py --preset share --rates tied  &  python recipes/study.py --preset share --rates untied
     python recipes/study.py --preset device --export_corpus runs/corpus-vocab32768   # build and export its corpus
     python recipes/study.py --preset device --corpus_dir runs/corpus-vocab32768      # the device tier, one call
+    python recipes/study.py --preset ladder --cells L4k --export_corpus runs/ladder  # the share ladder's text and
+    python recipes/study_ladder.py --corpus_dir runs/ladder                          # 4k tokenizer; then its call
 
 Finished runs are records under ``--output_dir/records`` (copied to ``--records_dir``, the committed folder, and
 read back from it at the start, so a fresh machine skips them), skipped by a rerun; an interrupted run resumes from
@@ -40,9 +42,22 @@ import torch
 from tqdm.auto import tqdm
 
 from untie_recipes.common import parse
-from untie_recipes.tasks.decision_map.corpus import BLOCK, SOURCES, TokenizedCorpus, default_cache_dir, load_corpus
+from untie_recipes.tasks.decision_map.corpus import (
+    BLOCK,
+    SOURCES,
+    TokenizedCorpus,
+    default_cache_dir,
+    documents,
+    load_corpus,
+)
 from untie_recipes.tasks.study import training
-from untie_recipes.tasks.study.corpus_files import export_corpus, load_exported
+from untie_recipes.tasks.study.corpus_files import (
+    LADDER_TEXT,
+    export_corpus,
+    export_ladder,
+    load_exported,
+    load_ladder,
+)
 from untie_recipes.tasks.study.finetune import (
     FINETUNE_ARMS,
     FINETUNE_CELL,
@@ -57,8 +72,10 @@ from untie_recipes.tasks.study.protocol import (
     CPU_CELLS,
     DEVELOPMENT_SEEDS,
     DEVICE_CELLS,
+    LADDER_CELLS,
     SCALE_SWEEP,
     SHARE_CELLS,
+    arm_spec,
     best_value,
     check_seeds,
     half_budget,
@@ -86,6 +103,10 @@ PRESETS = {
     "device": {"cells": list(DEVICE_CELLS), "vocab_size": 32768, "batch_size": 32, "device": "cuda",
                "time_limit": 450.0, "output_dir": "runs/study-device", "records_dir": str(DATA / "device" / "records"),
                "corpus_pin": str(DATA / "corpus-vocab32768.json"), "allow_repeats": True, "finetune": False},
+    # The share ladder (issue 77, item 6): one cell per process (its vocabulary, its pin, its folder), started in
+    # parallel by recipes/study_ladder.py; `resolve` fills in the cell's vocabulary, pin and output folder.
+    "ladder": {"batch_size": 32, "device": "cuda", "time_limit": 450.0, "allow_repeats": True, "finetune": False,
+               "records_dir": str(DATA / "ladder" / "records")},
 }  # fmt: skip
 
 
@@ -131,6 +152,16 @@ class StudyArguments:
     def resolve(self) -> None:
         if self.preset not in PRESETS:
             raise SystemExit(f"--preset {self.preset!r}: choose one of {sorted(PRESETS)}.")
+        if self.preset == "ladder" and not self.report_only:
+            if not self.cells or len(self.cells) != 1 or self.cells[0] not in LADDER_CELLS:
+                raise SystemExit(
+                    f"--preset ladder runs one cell of {list(LADDER_CELLS)} per process (its own vocabulary and "
+                    "folder): pass --cells with one of them, or start them all with recipes/study_ladder.py."
+                )
+            vocab = CELL_VOCABS[self.cells[0]]
+            self.vocab_size = self.vocab_size or vocab
+            self.corpus_pin = self.corpus_pin or str(DATA / f"corpus-vocab{vocab}.json")
+            self.output_dir = self.output_dir or f"runs/study-ladder/{self.cells[0]}"
         for key, value in PRESETS[self.preset].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
@@ -170,7 +201,8 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
             )
     rates = tuple(rate for rate in PLAIN if rate in args.rates)
     total = sum(p["sweep_steps"] * len(rates) // len(PLAIN) + len(args.seeds) * sum(
-                    p["budget_steps"] - p["branch_steps"].get(arm, 0) for arm in p["arms"] if ARMS[arm].plain in rates)
+                    p["budget_steps"] - p["branch_steps"].get(arm, 0) for arm in p["arms"]
+                    if arm_spec(arm).plain in rates)
                 for p in plans.values())  # fmt: skip
     if "tied" not in rates:
         target = None  # the fine-tuning starts from the tied run's checkpoint: the tied process runs it
@@ -246,6 +278,8 @@ def load_target(args: StudyArguments, corpus: TokenizedCorpus) -> TokenizedCorpu
 
 def load(args: StudyArguments) -> tuple[TokenizedCorpus, dict]:
     """The corpus and its pin: from an exported folder (`--corpus_dir`), or built and cached."""
+    if args.corpus_dir and (Path(args.corpus_dir) / LADDER_TEXT).exists():  # the ladder's text: cut here
+        return load_ladder(Path(args.corpus_dir), args.vocab_size)
     if args.corpus_dir:
         return load_exported(Path(args.corpus_dir))
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -318,6 +352,11 @@ def main(argv: list[str] | None = None) -> dict:
         import_records(Path(args.records_dir) if args.records_dir else None, output_dir / "records")
         return report(output_dir)
     corpus, pin = load(args)
+    if args.export_corpus and args.preset == "ladder":  # the text once, this cell's tokenizer, its committed pin
+        cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+        export_ladder(lambda: documents(SOURCES, cache_dir), corpus, Path(args.export_corpus), pin)
+        check_pin(pin, Path(args.corpus_pin), args.repin)
+        return pin
     if args.export_corpus:
         export_corpus(corpus, Path(args.export_corpus), pin)
         return pin

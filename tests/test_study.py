@@ -39,13 +39,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def small_corpus():
-    """Random sentences of a few words (some in two cases: the tokenizer's pairs), cut into blocks."""
+def small_texts() -> list[str]:
+    """Random sentences of a few words (some in two cases: the tokenizer's pairs)."""
     generator = torch.Generator().manual_seed(0)
     picks = torch.randint(len(WORDS), (300, 60), generator=generator)
-    texts = [" ".join(WORDS[i] for i in row) + "." for row in picks.tolist()]
-    return corpus_module.build_corpus(texts, ("test",), vocab_size=300)
+    return [" ".join(WORDS[i] for i in row) + "." for row in picks.tolist()]
+
+
+@pytest.fixture(scope="module")
+def small_corpus():
+    """`small_texts` cut into blocks."""
+    return corpus_module.build_corpus(small_texts(), ("test",), vocab_size=300)
 
 
 @pytest.fixture
@@ -587,3 +591,71 @@ def test_cell_b_scale_sweep_chooses_k_for_the_other_cells_once_complete():
     protocol.check_seeds("C", (1, 2, 3), held_out=False)
     with pytest.raises(SystemExit, match="reserved"):
         protocol.check_seeds("C", (31,), held_out=False)
+
+
+# -- the device tier's share ladder (issue 77, item 6) -----------------------------------------------------------------
+def test_the_ladders_cells_hold_about_25_57_and_84_percent_of_their_parameters_in_the_embedding():
+    shares = [runs.cell_plan(cell, protocol.CELL_VOCABS[cell], 32)["embedding_share"] for cell in protocol.LADDER_CELLS]
+    assert protocol.LADDER_CELLS[0] == "L4k"  # the most informative share first
+    assert [round(share, 2) for share in shares] == [0.25, 0.57, 0.84]
+    assert {protocol.CELLS[cell].width for cell in protocol.LADDER_CELLS} == {256}
+
+
+def test_the_ladder_carries_its_text_once_and_each_vocabulary_cuts_the_blocks_it_pinned(tmp_path):
+    from untie_recipes.tasks.study import corpus_files, provenance
+
+    texts, calls = small_texts(), []
+
+    def documents() -> list[str]:
+        calls.append(1)
+        return texts
+
+    built = {}
+    for vocab in (300, 320):
+        corpus = corpus_module.build_corpus(texts, ("test",), vocab_size=vocab)
+        built[vocab] = corpus
+        pin = {"sources": ["test"], "blocks_sha256": provenance.blocks_digest(corpus)}
+        corpus_files.export_ladder(documents, corpus, tmp_path / "ladder", pin)
+    assert len(calls) == 1  # the text is written once, beside every vocabulary
+    for corpus in built.values():
+        cut, _ = corpus_files.load_ladder(tmp_path / "ladder", len(corpus.tokenizer))
+        assert torch.equal(cut.train, corpus.train) and torch.equal(cut.validation, corpus.validation)
+    with pytest.raises(SystemExit, match="no 999-token vocabulary"):
+        corpus_files.load_ladder(tmp_path / "ladder", 999)
+
+
+def test_a_ladder_cell_trains_every_arm_from_the_carried_text(recipe, small_corpus, tmp_path, monkeypatch):
+    """On the CPU at a tiny shape: the cell's text and tokenizer exported, then its one process per rate from them."""
+    monkeypatch.setitem(protocol.CELLS, "L4k", dataclasses.replace(TINY, name="L4k", arms=protocol.LADDER_ARMS))
+    monkeypatch.setattr(recipe, "documents", lambda sources, cache_dir: small_texts())
+    common = ["--preset", "ladder", "--cells", "L4k", "--vocab_size", str(len(small_corpus.tokenizer)),
+              "--corpus_pin", str(tmp_path / "pin.json")]  # fmt: skip
+    recipe.main([*common, "--export_corpus", str(tmp_path / "ladder")])
+    assert json.loads((tmp_path / "pin.json").read_text())["blocks_sha256"] == provenance_digest(small_corpus)
+    for rate in ("tied", "untied"):
+        recipe.main([*common, "--device", "cpu", "--corpus_dir", str(tmp_path / "ladder"), "--rates", rate,
+                     "--seeds", "1", "--batch_size", "4", "--warmup", "2", "--curve_points", "4", "--curve_blocks",
+                     "8", "--time_limit", "0", "--output_dir", str(tmp_path / "out"), "--records_dir",
+                     str(tmp_path / "committed"), "--disable_tqdm"])  # fmt: skip
+    names = {path.name for path in (tmp_path / "committed").glob("L4k-s1-*.json")}
+    assert names == {f"L4k-s1-{arm.replace('/', 'of')}.json" for arm in protocol.LADDER_ARMS}
+
+
+def provenance_digest(corpus) -> str:
+    from untie_recipes.tasks.study import provenance
+
+    return provenance.blocks_digest(corpus)
+
+
+def test_the_ladder_starts_one_process_per_cell_and_rate_the_4k_cell_first(capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("ladder_recipe", ROOT / "recipes" / "study_ladder.py")
+    ladder = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ladder_recipe", ladder)
+    spec.loader.exec_module(ladder)
+    assert ladder.main(["--dry_run", "--corpus_dir", "carried"]) == {}
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(protocol.LADDER_CELLS) * 2
+    assert "--cells L4k --rates tied --seeds 1 2 --corpus_dir carried" in lines[0]
+    assert all("--preset ladder" in line and "--time_limit 420" in line for line in lines)
+    with pytest.raises(SystemExit, match="the ladder's cells"):
+        ladder.main(["--dry_run", "--cells", "L8k"])

@@ -256,14 +256,24 @@ def cut_blocks(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids[:usable], dtype=torch.int64).view(-1, BLOCK)
 
 
-def build_corpus(docs: list[str], sources: tuple[str, ...], vocab_size: int = VOCAB_SIZE) -> TokenizedCorpus:
-    """Split documents (every `VALIDATION_EVERY`-th held out), train the tokenizer on the rest, cut both into blocks."""
+def split_documents(docs: list[str]) -> tuple[list[str], list[str]]:
+    """The training and validation documents: every `VALIDATION_EVERY`-th held out."""
     train_docs = [d for i, d in enumerate(docs) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
     validation_docs = [d for i, d in enumerate(docs) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
-    tokenizer = _train_tokenizer(train_docs, vocab_size)
+    return train_docs, validation_docs
+
+
+def cut_corpus(docs: list[str], tokenizer, sources: tuple[str, ...]) -> TokenizedCorpus:
+    """The documents split (`split_documents`) and cut into blocks with a tokenizer already trained."""
+    train_docs, validation_docs = split_documents(docs)
     return TokenizedCorpus(
         cut_blocks(tokenizer, train_docs), cut_blocks(tokenizer, validation_docs), tokenizer, sources
     )
+
+
+def build_corpus(docs: list[str], sources: tuple[str, ...], vocab_size: int = VOCAB_SIZE) -> TokenizedCorpus:
+    """Split documents (every `VALIDATION_EVERY`-th held out), train the tokenizer on the rest, cut both into blocks."""
+    return cut_corpus(docs, _train_tokenizer(split_documents(docs)[0], vocab_size), sources)
 
 
 def _debian_provenance(cache_dir: Path) -> dict | None:

@@ -5,22 +5,30 @@ checks the blocks against the pin's digest.
 
     python recipes/study.py --preset device --export_corpus runs/corpus-vocab32768   # here: build (once) and export
     python recipes/study.py --preset device --corpus_dir runs/corpus-vocab32768      # there: train from it
+
+The share ladder's three vocabularies would carry three sets of blocks (more than a device call takes), so its folder
+holds the text once instead (`export_ladder`: the documents, xz-compressed) and each vocabulary's tokenizer and pin;
+`load_ladder` cuts the blocks there, as the cache built them here, and checks them against the pin.
 """
 
 from __future__ import annotations
 
 import json
+import lzma
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers as tf
 
-from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus
+from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus, cut_corpus
 from untie_recipes.tasks.study.provenance import blocks_digest
 
 BLOCKS_FILE = "blocks-uint16.npz"
 PIN_FILE = "pin.json"
+#: The share ladder's text: the sources' documents in their fixed order, as a JSON list, xz-compressed.
+LADDER_TEXT = "documents.json.xz"
 
 
 def export_corpus(corpus: TokenizedCorpus, folder: Path, pin: dict) -> None:
@@ -45,4 +53,34 @@ def load_exported(folder: Path) -> tuple[TokenizedCorpus, dict]:
     )
     if blocks_digest(corpus) != pin["blocks_sha256"]:
         raise SystemExit(f"{folder}: its blocks do not match its pin's SHA-256: a damaged or edited export.")
+    return corpus, pin
+
+
+def export_ladder(documents: Callable[[], list[str]], corpus: TokenizedCorpus, folder: Path, pin: dict) -> None:
+    """Write the sources' documents into `folder` once (`LADDER_TEXT`; `documents` is called only where the file is
+    missing) and this corpus's tokenizer and pin under ``vocab<V>/``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / LADDER_TEXT).exists():
+        partial = folder / f"{LADDER_TEXT}.partial"
+        with lzma.open(partial, "wt", encoding="utf-8") as handle:
+            json.dump(documents(), handle)
+        partial.replace(folder / LADDER_TEXT)
+    vocabulary = folder / f"vocab{len(corpus.tokenizer)}"
+    corpus.tokenizer.save_pretrained(vocabulary)
+    (vocabulary / PIN_FILE).write_text(json.dumps(pin, indent=2) + "\n")
+
+
+def load_ladder(folder: Path, vocab_size: int) -> tuple[TokenizedCorpus, dict]:
+    """The corpus of `vocab_size` and its pin from an `export_ladder` folder: the documents cut with its tokenizer;
+    refused if the blocks do not match the pin."""
+    vocabulary = folder / f"vocab{vocab_size}"
+    if not (vocabulary / PIN_FILE).exists():
+        raise SystemExit(f"{folder} holds no {vocab_size}-token vocabulary: export it there first (--export_corpus).")
+    pin = json.loads((vocabulary / PIN_FILE).read_text())
+    with lzma.open(folder / LADDER_TEXT, "rt", encoding="utf-8") as handle:
+        documents = json.load(handle)
+    tokenizer = tf.PreTrainedTokenizerFast.from_pretrained(vocabulary)
+    corpus = cut_corpus(documents, tokenizer, tuple(pin["sources"]))
+    if blocks_digest(corpus) != pin["blocks_sha256"]:
+        raise SystemExit(f"{vocabulary}: the blocks cut from its text do not match its pin's SHA-256.")
     return corpus, pin

@@ -125,8 +125,16 @@ CELL_C_ARMS = ("tied", "untied", "untie@1/3", "untie@2/3", "untie@0.9")
 CPU_CELLS = ("A", "B")
 #: Round two's CPU cells (issue 77), each on its own vocabulary of the same sources (`CELL_VOCABS`).
 SHARE_CELLS = ("C",)
+#: The device tier's share ladder (issue 77, item 6): one body, 256 wide and 4 deep, at three BPE vocabularies of the
+#: same text: about 25%, 57% and 84% of the parameters in the embedding. The most informative share (4k) comes first.
+LADDER_VOCABS = {"L4k": 4096, "L16k": 16384, "L64k": 65536}
+LADDER_CELLS = tuple(LADDER_VOCABS)
+#: The ladder's arms: tied, untied (drawn), untied with the input embedding at 16 x the rate (the k cell B's sweep
+#: chose: docs/recipes/study.md), and a tied phase to 2/3; on 2 development seeds.
+LADDER_ARMS = ("tied", "untied", scaled_arm(16.0), "untie@2/3")
+LADDER_SEEDS = (1, 2)
 #: The BPE vocabulary each round-two cell's corpus is cut with (round one's cells: 8,192).
-CELL_VOCABS = {"C": 2048}
+CELL_VOCABS = {"C": 2048, **LADDER_VOCABS}
 #: The device tier's cells (issue 68, item 3): widths 64 x 2, 128 x 4 and 256 x 8 at 4 and 10 tokens per parameter,
 #: at a 32,768 vocabulary, every arm; the sweep centred on the decision map's rate for the width.
 DEVICE_SHAPES = {64: (2, 3e-3), 128: (4, 2e-3), 256: (8, 1e-3)}
@@ -147,6 +155,10 @@ CELLS: dict[str, Cell] = {
     "C": Cell(
         "C", width=128, layers=4, tokens_per_parameter=4.0, lr_centre=2e-3, arms=CELL_C_ARMS, scale_sweep=False
     ),  # fmt: skip
+    **{
+        name: Cell(name, width=256, layers=4, tokens_per_parameter=4.0, lr_centre=1e-3, arms=LADDER_ARMS)
+        for name in LADDER_CELLS
+    },  # fmt: skip
     **{
         f"D{w}x{layers}t{t}": Cell(f"D{w}x{layers}t{t}", w, layers, float(t), lr, CELL_A_ARMS)
         for w, (layers, lr) in DEVICE_SHAPES.items()

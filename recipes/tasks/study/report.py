@@ -15,7 +15,7 @@ from pathlib import Path
 from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.study.finetune import FINETUNE_ARMS, FineTuneRecord
 from untie_recipes.tasks.study.markdown import markdown, summary_markdown
-from untie_recipes.tasks.study.protocol import ARMS, CELLS
+from untie_recipes.tasks.study.protocol import CELLS, arm_spec
 from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_reach
 from untie_recipes.tasks.study.sweep import PLAIN, summarize
 from untie_recipes.tasks.study.training import StudyRecord
@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 def fixed_arms(cell: str) -> tuple[str, ...]:
     """The cell's branches at a fixed fraction with the optimizer state copied: "the best fixed fraction" is among
     these (round two's branches of a round-one cell are not: its tables stay round one's)."""
-    return tuple(a for a in CELLS[cell].arms if ARMS[a].fraction is not None and ARMS[a].optimizer_state == "copy")
+    return tuple(
+        a for a in CELLS[cell].arms if arm_spec(a).fraction is not None and arm_spec(a).optimizer_state == "copy"
+    )
 
 
 def load_records(folder: Path) -> list[StudyRecord]:

@@ -1,0 +1,111 @@
+"""The device tier's share ladder (issue 77, item 6) in one call: one `recipes/study.py --preset ladder` process per
+cell and swept rate, all at once on the one GPU, each stopping cleanly at the time limit (the same command continues
+on the next call, and a fresh machine skips the runs whose records are committed), then the report of every finished
+run. The cells are one body, 256 wide and 4 deep, at 4k, 16k and 64k BPE vocabularies of the study's text (about 25%,
+57% and 84% of the parameters in the embedding); the arms tied, untied, untied with the input embedding at 16x the rate
+and a tied phase to 2/3, on 2 development seeds (docs/recipes/study.md, "The share ladder").
+
+    python recipes/study.py --preset ladder --cells L4k --export_corpus runs/ladder    # here, once per cell: the
+    python recipes/study.py --preset ladder --cells L16k --export_corpus runs/ladder   # text (once) and each
+    python recipes/study.py --preset ladder --cells L64k --export_corpus runs/ladder   # vocabulary's tokenizer
+    python recipes/study_ladder.py --corpus_dir runs/ladder --time_limit 420            # on the device, per call
+    python recipes/study_ladder.py --dry_run                                            # the commands it starts
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from untie_recipes.common import parse
+from untie_recipes.tasks.study.protocol import LADDER_CELLS, LADDER_SEEDS
+
+RECIPES = Path(__file__).resolve().parent
+STUDY = RECIPES / "study.py"
+RATES = ("tied", "untied")
+
+
+@dataclass
+class LadderArguments:
+    corpus_dir: str = field(
+        default="runs/ladder", metadata={"help": "the folder --export_corpus wrote (text, vocabularies)"}
+    )
+    cells: list[str] = field(
+        default_factory=lambda: list(LADDER_CELLS), metadata={"help": "the ladder's cells, in order"}
+    )
+    seeds: list[int] = field(default_factory=lambda: list(LADDER_SEEDS), metadata={"help": "development seeds"})
+    time_limit: float = field(default=420.0, metadata={"help": "seconds each process trains before it stops cleanly"})
+    device: str = field(default="cuda", metadata={"help": "cuda (one device, shared by the processes), or cpu"})
+    output_dir: str = field(
+        default="runs/study-ladder", metadata={"help": "one folder per cell under it, and the logs"}
+    )
+    records_dir: str | None = field(default=None, metadata={"help": "the committed records (default: the preset's)"})
+    extra: list[str] = field(default_factory=list, metadata={"help": "more flags for every study process"})
+    dry_run: bool = field(default=False, metadata={"help": "print the commands, start nothing"})
+    disable_tqdm: bool = field(default=False, metadata={"help": "no progress line"})
+
+
+def commands(args: LadderArguments) -> list[tuple[str, list[str]]]:
+    """One study process per cell and swept rate, the first cell's first: (name, command)."""
+    unknown = sorted(set(args.cells) - set(LADDER_CELLS))
+    if unknown:
+        raise SystemExit(f"--cells {unknown}: the ladder's cells are {list(LADDER_CELLS)}.")
+    records = ["--records_dir", args.records_dir] if args.records_dir is not None else []
+    return [
+        (f"{cell}-{rate}", [sys.executable, str(STUDY), "--preset", "ladder", "--cells", cell, "--rates", rate,
+                            "--seeds", *map(str, args.seeds), "--corpus_dir", args.corpus_dir, "--device", args.device,
+                            "--time_limit", f"{args.time_limit:g}", "--output_dir", f"{args.output_dir}/{cell}",
+                            *records, "--disable_tqdm", *args.extra])
+        for cell in args.cells
+        for rate in RATES
+    ]  # fmt: skip
+
+
+def run_all(args: LadderArguments, started: list[tuple[str, list[str]]]) -> dict[str, int]:
+    """Start every process at once (each one's log beside its folder), show one line until they end, and return each
+    one's exit status."""
+    logs = Path(args.output_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    processes = {}
+    for name, command in started:
+        with open(logs / f"{name}.log", "w") as log:
+            processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    bar = tqdm(total=len(processes), desc="Share ladder", unit="process", disable=args.disable_tqdm)
+    finished: dict[str, int] = {}
+    while len(finished) < len(processes):
+        for name, process in processes.items():
+            if name not in finished and process.poll() is not None:
+                finished[name] = process.returncode
+                bar.update(1)
+        time.sleep(1.0)
+    bar.close()
+    return finished
+
+
+def main(argv: list[str] | None = None) -> dict[str, int]:
+    (args,), _ = parse((LadderArguments,), argv)
+    started = commands(args)
+    if args.dry_run:
+        for _, command in started:
+            print(" ".join(command))
+        return {}
+    statuses = run_all(args, started)
+    failed = {name: status for name, status in statuses.items() if status != 0}
+    for name in failed:
+        print(f"{name}: exit status {failed[name]}; its log: {args.output_dir}/{name}.log", file=sys.stderr)
+    records = ["--records_dir", args.records_dir] if args.records_dir is not None else []
+    report = [sys.executable, str(STUDY), "--preset", "ladder", "--report_only", "--output_dir",
+              f"{args.output_dir}/report", *records]  # fmt: skip
+    subprocess.run(report, check=True)
+    if failed:
+        raise SystemExit(1)
+    return statuses
+
+
+if __name__ == "__main__":
+    main()
