@@ -9,10 +9,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
 
 from untie import UntieCallback, Untier
-from untie.structure.head_start import CHUNK, FLOOR, LOGIT_BUDGET, aligned_targets, judge
+from untie.structure import head_start
+from untie.structure.head_start import CHUNK, FLOOR, aligned_targets, judge
 from untie.structure.policy import weights_evidence
 from untie.structure.surgery import input_weight, is_tied, output_weight
 from untie.testing import (
@@ -403,13 +405,71 @@ def test_the_temperature_sweep_holds_one_temperatures_logits_at_a_time():
     assert largest <= 2 * CHUNK * vocab * 4  # the positions' float32 logits (and one temporary of their size)
 
 
-def test_the_positions_judged_are_capped_so_their_logits_fit_the_budget():
-    vocab = 4 * 1024
+def test_every_position_is_scored_and_the_temperature_is_chosen_on_those_the_budget_holds(monkeypatch):
+    """Positions beyond what `LOGIT_BUDGET` holds at once are scored too (a chunk at a time): capping them to the
+    budget left 128 positions at V = 262,144, too few to see a lightly trained head."""
+    vocab, count = 300, 500
+    monkeypatch.setattr(head_start, "LOGIT_BUDGET", vocab * 64)
     generator = torch.Generator().manual_seed(0)
-    hidden = torch.randn(LOGIT_BUDGET // vocab + 500, 8, generator=generator)
-    targets = torch.randint(vocab, (hidden.shape[0],), generator=generator)
-    heads = [0.02 * torch.randn(vocab, 8, generator=generator) for _ in range(2)]
-    assert judge(hidden, targets, *heads).positions == LOGIT_BUDGET // vocab
+    hidden = torch.randn(count, 8, generator=generator)
+    targets = torch.randint(vocab, (count,), generator=generator)
+    head = 0.5 * torch.randn(vocab, 8, generator=generator)
+    losses = head_start._losses(hidden, targets, head, None)
+    sweep = head_start._spaced(count, 64, hidden.device)
+    logits = hidden[sweep] @ head.T
+    means = [float(F.cross_entropy(t * logits, targets[sweep])) for t in head_start.TEMPERATURES]
+    best = head_start.TEMPERATURES[min(range(len(means)), key=means.__getitem__)]
+    assert losses.shape == (count,)
+    assert torch.allclose(
+        losses, F.cross_entropy(best * hidden @ head.T, targets, reduction="none").double(), atol=1e-5
+    )
+    assert judge(hidden, targets, head, 0.5 * torch.randn(vocab, 8, generator=generator)).positions == count
+
+
+def test_on_few_positions_the_bound_reads_students_t_and_a_logit_of_minus_infinity_needs_no_full_sweep(monkeypatch):
+    """Three positions' standard error is itself a guess: 3 of them at 3 standard errors made fresh models of a 1 x 4
+    batch copies (2 in 30, an independent tester); the bound reads Student's t (19.2 errors at 3 positions)."""
+    assert head_start._sigmas(2) == pytest.approx(19.21, abs=0.01)
+    assert head_start._sigmas(1000) == pytest.approx(head_start.SIGMAS, abs=0.01)
+    assert all(head_start._sigmas(v) > head_start._sigmas(v + 1) for v in range(1, 60))
+    differences = torch.tensor([0.30, 0.28, 0.35], dtype=torch.float64)  # the copy ahead by 0.31 on 3 positions
+    error = float(differences.std()) / math.sqrt(3)
+    assert 0.31 > head_start.SIGMAS * error and 0.31 < head_start._sigmas(2) * error
+    calls = []
+    original = head_start._loss_and_slope
+    monkeypatch.setattr(head_start, "_loss_and_slope", lambda *a: calls.append(1) or original(*a))
+    logits = torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    logits[:, 7] = -math.inf  # a token the head never predicts (a masked one)
+    picked = logits[:, 3]
+    head_start._best_scale(logits, picked)
+    assert len(calls) <= 5  # a probability of 0 times a logit of -inf added NaN, and forced all 13 temperatures
+
+
+def test_the_check_holds_its_logits_in_float32_whatever_the_default_dtype():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        indices = head_start._spaced(5000, 4096, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(40, 8, generator=generator, dtype=torch.float32)
+        heads = [0.02 * torch.randn(300, 8, generator=generator, dtype=torch.float32) for _ in range(2)]
+        verdict = judge(hidden, torch.randint(300, (40,), generator=generator), *heads)
+    finally:
+        torch.set_default_dtype(previous)
+    assert indices.unique().numel() == 4096 and indices[0] == 0 and indices[-1] == 4999
+    assert verdict.start == "model" and verdict.positions == 40
+
+
+def test_a_decoders_positions_are_masked_by_the_decoders_mask_not_the_encoders():
+    model = tf.T5ForConditionalGeneration(t5_config())
+    labels = torch.tensor([[7, 8, 9, 11]])
+    hidden = torch.randn(1, 4, 32)
+    kwargs = {"input_ids": torch.tensor([[3, 4, 5, 6]]), "attention_mask": torch.tensor([[1, 1, 0, 0]])}
+    found = aligned_targets(model, hidden, (), {**kwargs, "labels": labels})
+    assert found is not None and found[1].numel() == 2  # half of 4 positions, none masked by the encoder's mask
+    decoder_mask = torch.tensor([[1, 0, 0, 0]])
+    found = aligned_targets(model, hidden, (), {**kwargs, "labels": labels, "decoder_attention_mask": decoder_mask})
+    assert found is not None and found[1].tolist() == [7]
 
 
 def test_a_decoders_position_that_repeats_the_label_before_it_is_not_evidence():

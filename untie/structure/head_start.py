@@ -48,16 +48,19 @@ logger = logging.getLogger(__name__)
 #: above that. A model that has learned at least this much on the batch keeps its head.
 FLOOR = 0.05
 SIGMAS = 3.0
+#: The one-sided tail of `SIGMAS` under a normal law: on few positions the standard error is itself a noisy estimate,
+#: so the bound takes Student's t quantile at this tail, with one degree of freedom fewer than the positions.
+TAIL = 0.5 * math.erfc(SIGMAS / math.sqrt(2.0))
 #: At most this many labelled positions are scored (evenly spaced), and at most half the positions the head runs on in
 #: that forward: a training step runs the head forward and backward over every position (three products of positions x
 #: V x d), the check two heads' forward over at most half of them (one such product), so at any vocabulary the check
 #: costs less than one training step (`benchmarks/first_step_cost.py`). The products run `CHUNK` positions at a time.
 MAX_POSITIONS = 4096
 CHUNK = 128
-#: At most this many logits (positions x V, float32: 128 MiB) are held at once: the positions scored are capped to fit
-#: (`judge`), so that each head's best temperature is chosen on every position it is scored on. The mean loss is
-#: convex in the temperature, so the best of `TEMPERATURES` is found by bisection on the sign of its slope: about five
-#: passes over those logits, not one per temperature.
+#: Each head's best temperature is chosen on at most this many logits (positions x V, float32: 128 MiB), on positions
+#: evenly spaced among those scored; every position is then scored at that temperature, a chunk at a time. The mean
+#: loss is convex in the temperature, so the best of `TEMPERATURES` is found by bisection on the sign of its slope:
+#: about four passes over those logits, not one per temperature.
 LOGIT_BUDGET = 1 << 25
 TEMPERATURES = tuple(2.0**k for k in range(-6, 7))
 
@@ -78,23 +81,36 @@ class HeadVerdict:
     """The labelled positions scored."""
 
 
+def _spaced(count: int, limit: int, device: torch.device) -> torch.Tensor:
+    """`limit` indices evenly spaced over ``range(count)`` (all of them where `count` <= `limit`), by integer arithmetic
+    (distinct whatever the default dtype)."""
+    if count <= limit:
+        return torch.arange(count, device=device)
+    return torch.arange(limit, device=device) * (count - 1) // max(1, limit - 1)
+
+
 def _loss_and_slope(logits: torch.Tensor, picked: torch.Tensor, scale: float) -> tuple[float, float]:
     """The mean cross-entropy of the picked logits at `scale` x the logits, and its derivative in `scale` (the softmax's
-    mean logit minus the picked one). One exponential pass; the product of the probabilities and the logits as a
-    batched dot, with no second (N, V) buffer."""
-    scaled = scale * logits
-    top = scaled.amax(dim=-1, keepdim=True)
-    weights = scaled.sub_(top).exp_()
-    total = weights.sum(dim=-1)
-    expected = torch.bmm(weights.unsqueeze(1), logits.unsqueeze(2)).view(-1) / total
-    loss = total.log() + top.view(-1) - scale * picked
-    return float(loss.double().mean()), float((expected - picked).double().mean())
+    mean logit minus the picked one). `CHUNK` rows at a time: one exponential pass and one buffer of a chunk's size; the
+    product of the probabilities and the logits as a batched dot (a logit of -inf, whose probability is 0, adds 0)."""
+    loss_sum, slope_sum = 0.0, 0.0
+    for rows, wanted in zip(logits.split(CHUNK), picked.split(CHUNK), strict=True):
+        scaled = scale * rows
+        top = scaled.amax(dim=-1, keepdim=True)
+        weights = scaled.sub_(top).exp_()
+        total = weights.sum(dim=-1)
+        finite = torch.where(weights > 0, rows, 0.0)
+        expected = torch.bmm(weights.unsqueeze(1), finite.unsqueeze(2)).view(-1) / total
+        loss_sum += float((total.log() + top.view(-1) - scale * wanted).double().sum())
+        slope_sum += float((expected - wanted).double().sum())
+    return loss_sum / logits.shape[0], slope_sum / logits.shape[0]
 
 
 def _best_scale(logits: torch.Tensor, picked: torch.Tensor) -> float:
     """The temperature of `TEMPERATURES` with the lowest mean loss on these positions. The mean loss is convex in the
-    temperature (a log-sum-exp of linear functions minus a linear one), so the first temperature whose slope is not
-    negative, or the one before it, is the best: found by bisection. Where a reading is not finite, the full sweep."""
+    temperature (its second derivative is the variance of the logits under the softmax), so the first temperature whose
+    slope is not negative, or the one before it, is the best: found by bisection. Where a reading is not finite, the
+    full sweep."""
     readings: dict[int, tuple[float, float]] = {}
 
     def read(index: int) -> tuple[float, float]:
@@ -117,19 +133,52 @@ def _best_scale(logits: torch.Tensor, picked: torch.Tensor) -> float:
 
 
 def _losses(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-    """Per-position cross-entropy of `targets` under `weight` (and `bias`) at the head's best temperature over these
-    positions (`TEMPERATURES`): (N,) float64. The product in the head's dtype, `CHUNK` positions at a time, the logits
-    and the loss in float32; autocast off (its cache would keep this call's cast of the head for the rest of the
-    forward)."""
+    """Per-position cross-entropy of `targets` under `weight` (and `bias`) at the head's best temperature (chosen on
+    the positions `LOGIT_BUDGET` holds, evenly spaced; all of them where they fit): (N,) float64. The product in the
+    head's dtype, `CHUNK` positions at a time, the logits and the loss in float32; autocast off (its cache would keep
+    this call's cast of the head for the rest of the forward)."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach().to(weight.dtype)
-    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        logits = torch.empty(hidden.shape[0], weight.shape[0], device=hidden.device)
-        for start in range(0, hidden.shape[0], CHUNK):
-            logits[start : start + CHUNK] = F.linear(hidden[start : start + CHUNK].to(weight.dtype), weight, bias)
-        picked = logits.gather(1, targets.view(-1, 1)).view(-1)
-        scale = _best_scale(logits, picked)
-        return F.cross_entropy(scale * logits, targets, reduction="none").double()
+    count, device = hidden.shape[0], hidden.device
+
+    def logits_of(rows: torch.Tensor) -> torch.Tensor:
+        held = torch.empty(rows.shape[0], weight.shape[0], dtype=torch.float32, device=device)
+        for start in range(0, rows.shape[0], CHUNK):
+            held[start : start + CHUNK] = F.linear(rows[start : start + CHUNK].to(weight.dtype), weight, bias)
+        return held
+
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        sweep = _spaced(count, max(1, LOGIT_BUDGET // max(1, weight.shape[0])), device)
+        held: torch.Tensor | None = logits_of(hidden.index_select(0, sweep))
+        assert held is not None
+        scale = _best_scale(held, held.gather(1, targets.index_select(0, sweep).view(-1, 1)).view(-1))
+        if sweep.numel() < count:  # the rest, a chunk at a time
+            held = None
+        losses = torch.empty(count, dtype=torch.float64, device=device)
+        for start in range(0, count, CHUNK):
+            chunk = held[start : start + CHUNK] if held is not None else logits_of(hidden[start : start + CHUNK])
+            wanted = targets[start : start + CHUNK]
+            losses[start : start + CHUNK] = F.cross_entropy(chunk.mul_(scale), wanted, reduction="none").double()
+        return losses
+
+
+def _sigmas(freedom: int) -> float:
+    """Student's t quantile at the upper tail `TAIL` with `freedom` degrees of freedom: exact for 1 and 2, else the
+    Cornish-Fisher expansion around `SIGMAS` (Abramowitz & Stegun 26.7.5: 2.3% below the exact quantile at 3, under
+    1% from 4 on), which tends to `SIGMAS` as the positions grow."""
+    if freedom <= 1:
+        return math.tan(math.pi * (0.5 - TAIL))
+    if freedom == 2:
+        p = 1.0 - TAIL
+        return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
+    z = SIGMAS
+    terms = (
+        (z**3 + z) / 4,
+        (5 * z**5 + 16 * z**3 + 3 * z) / 96,
+        (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384,
+        (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160,
+    )
+    return z + sum(term / freedom ** (k + 1) for k, term in enumerate(terms))
 
 
 def judge(
@@ -144,15 +193,11 @@ def judge(
     module docstring). Pure."""
     if hidden.shape[0] == 0:
         return HeadVerdict("copy", "the first batch had no labelled position to score: the head starts as a copy")
-    limit = max(1, LOGIT_BUDGET // max(1, drawn.shape[0]))
-    if hidden.shape[0] > limit:  # evenly spaced, as the positions were chosen
-        keep = torch.linspace(0, hidden.shape[0] - 1, limit, device=hidden.device).round().long()
-        hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     difference = _losses(hidden, targets, drawn, bias) - _losses(hidden, targets, copy, bias)
     count = difference.numel()
     advantage = float(difference.mean())
     error = float(difference.std()) / math.sqrt(count) if count > 1 else math.inf
-    bound = max(FLOOR, SIGMAS * error)
+    bound = max(FLOOR, _sigmas(count - 1) * error)
     figures = f"{advantage:+.3f} nat per token on {count:,} positions of the first batch, bound {bound:.3f}"
     if not math.isfinite(advantage):
         return HeadVerdict("copy", f"the first batch's losses are not finite ({figures})", advantage, bound, count)
@@ -173,9 +218,10 @@ def aligned_targets(
     """The hidden states fed to the head and the label each predicts, flattened to (N, d) and (N,), from the model's
     forward arguments: `labels`, or for a causal LM without them the `input_ids` (next-token targets). Scored are the
     labelled positions (at most `MAX_POSITIONS` and half the positions the head runs on, evenly spaced) that are not
-    padding (`attention_mask`, the pad token) and whose target is not the token the position reads (a fresh tied model
-    predicts its input token again: no evidence of training; a decoder's position reads the label before it). None
-    where the alignment cannot be read (another loss type, labels of another shape)."""
+    padding (`attention_mask`, a decoder's `decoder_attention_mask`, the pad token) and whose target is not the token
+    the position reads (a fresh tied model predicts its input token again: no evidence of training; a decoder's
+    position reads the label before it). None where the alignment cannot be read (another loss type, labels of another
+    shape)."""
     alignment = _compat.loss_alignment(model)
     runs_on = hidden.numel() // max(1, hidden.shape[-1])  # the positions the head runs on in this forward
     input_ids = _tensor(kwargs.get("input_ids", args[0] if args else None))
@@ -184,7 +230,8 @@ def aligned_targets(
         labels = input_ids
     if labels is None or labels.dtype not in (torch.int32, torch.int64):
         return None
-    mask = _tensor(kwargs.get("attention_mask"))
+    decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    mask = _tensor(kwargs.get("decoder_attention_mask" if decoder else "attention_mask"))  # the head's side's mask
     mask = mask if mask is not None and mask.shape == labels.shape else None
     reads = input_ids if input_ids is not None and input_ids.shape == labels.shape else None
     if alignment == "shifted":
@@ -195,7 +242,7 @@ def aligned_targets(
         reads = None if reads is None else reads[:, :-1]
     elif alignment != "aligned" or labels.shape != hidden.shape[:-1]:
         return None
-    elif getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+    elif decoder:
         reads = _decoder_reads(model, labels, _tensor(kwargs.get("decoder_input_ids")))
     keep = labels >= 0
     if mask is not None:
@@ -207,9 +254,7 @@ def aligned_targets(
         keep &= labels != reads.to(labels.device)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     keep = keep.reshape(-1).to(hidden.device).nonzero().flatten()
-    limit = min(MAX_POSITIONS, max(1, runs_on // 2))
-    if keep.numel() > limit:
-        keep = keep[torch.linspace(0, keep.numel() - 1, limit, device=keep.device).round().long()]
+    keep = keep[_spaced(keep.numel(), min(MAX_POSITIONS, max(1, runs_on // 2)), keep.device)]
     return hidden.index_select(0, keep), labels.reshape(-1).to(hidden.device).index_select(0, keep)
 
 
