@@ -639,6 +639,10 @@ def test_a_ladder_cell_trains_every_arm_from_the_carried_text(recipe, small_corp
                      str(tmp_path / "committed"), "--disable_tqdm"])  # fmt: skip
     names = {path.name for path in (tmp_path / "committed").glob("L4k-s1-*.json")}
     assert names == {f"L4k-s1-{arm.replace('/', 'of')}.json" for arm in protocol.LADDER_ARMS}
+    report = ["--preset", "ladder", "--report_only", "--output_dir", str(tmp_path / "report"), "--records_dir",
+              str(tmp_path / "committed")]  # fmt: skip
+    recipe.main(report)  # what recipes/study_ladder.py runs last
+    assert "L4k" in (tmp_path / "report" / "results.md").read_text()
 
 
 def provenance_digest(corpus) -> str:
