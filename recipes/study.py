@@ -106,7 +106,7 @@ PRESETS = {
     # The share ladder (issue 77, item 6): one cell per process (its vocabulary, its pin, its folder), started in
     # parallel by recipes/study_ladder.py; `resolve` fills in the cell's vocabulary, pin and output folder.
     "ladder": {"cells": list(LADDER_CELLS), "batch_size": 32, "device": "cuda", "time_limit": 450.0,
-               "allow_repeats": True, "finetune": False,
+               "allow_repeats": True, "finetune": False, "output_dir": "runs/study-ladder/report",
                "records_dir": str(DATA / "ladder" / "records")},
 }  # fmt: skip
 

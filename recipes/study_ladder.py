@@ -8,7 +8,7 @@ and a tied phase to 2/3, on 2 development seeds (docs/recipes/study.md, "The sha
     python recipes/study.py --preset ladder --cells L4k --export_corpus runs/ladder    # here, once per cell: the
     python recipes/study.py --preset ladder --cells L16k --export_corpus runs/ladder   # text (once) and each
     python recipes/study.py --preset ladder --cells L64k --export_corpus runs/ladder   # vocabulary's tokenizer
-    python recipes/study_ladder.py --corpus_dir runs/ladder --time_limit 420            # on the device, per call
+    python recipes/study_ladder.py --corpus_dir runs/ladder --time_limit 300            # on the device, per call
     python recipes/study_ladder.py --dry_run                                            # the commands it starts
 """
 
@@ -39,7 +39,7 @@ class LadderArguments:
         default_factory=lambda: list(LADDER_CELLS), metadata={"help": "the ladder's cells, in order"}
     )
     seeds: list[int] = field(default_factory=lambda: list(LADDER_SEEDS), metadata={"help": "development seeds"})
-    time_limit: float = field(default=420.0, metadata={"help": "seconds each process trains before it stops cleanly"})
+    time_limit: float = field(default=300.0, metadata={"help": "seconds each process trains before it stops cleanly"})
     device: str = field(default="cuda", metadata={"help": "cuda (one device, shared by the processes), or cpu"})
     output_dir: str = field(
         default="runs/study-ladder", metadata={"help": "one folder per cell under it, and the logs"}

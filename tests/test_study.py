@@ -660,6 +660,6 @@ def test_the_ladder_starts_one_process_per_cell_and_rate_the_4k_cell_first(capsy
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(protocol.LADDER_CELLS) * 2
     assert "--cells L4k --rates tied --seeds 1 2 --corpus_dir carried" in lines[0]
-    assert all("--preset ladder" in line and "--time_limit 420" in line for line in lines)
+    assert all("--preset ladder" in line and "--time_limit 300" in line for line in lines)
     with pytest.raises(SystemExit, match="the ladder's cells"):
         ladder.main(["--dry_run", "--cells", "L8k"])
