@@ -62,6 +62,9 @@ CHUNK = 128
 #: loss is convex in the temperature, so the best of `TEMPERATURES` is found by bisection on the sign of its slope:
 #: about four passes over those logits, not one per temperature.
 LOGIT_BUDGET = 1 << 25
+#: The temperatures each head's logits are scored at, its best kept: a model may scale, cap or divide the head's output
+#: before its loss (Cohere's `logit_scale`, Granite's `logits_scaling`, Gemma's soft cap), which the head's raw logits
+#: do not show. Each head is judged at the temperature that suits it best, so neither is misjudged by a scale.
 TEMPERATURES = tuple(2.0**k for k in range(-6, 7))
 
 
@@ -149,14 +152,13 @@ def _losses(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, b
 
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         sweep = _spaced(count, max(1, LOGIT_BUDGET // max(1, weight.shape[0])), device)
-        held: torch.Tensor | None = logits_of(hidden.index_select(0, sweep))
-        assert held is not None
+        held = logits_of(hidden.index_select(0, sweep))
         scale = _best_scale(held, held.gather(1, targets.index_select(0, sweep).view(-1, 1)).view(-1))
-        if sweep.numel() < count:  # the rest, a chunk at a time
-            held = None
+        reuse = sweep.numel() == count  # every position held: score them from there, else a chunk at a time
+        held = held if reuse else held.new_empty(0)  # the sweep's logits freed before the chunks are computed
         losses = torch.empty(count, dtype=torch.float64, device=device)
         for start in range(0, count, CHUNK):
-            chunk = held[start : start + CHUNK] if held is not None else logits_of(hidden[start : start + CHUNK])
+            chunk = held[start : start + CHUNK] if reuse else logits_of(hidden[start : start + CHUNK])
             wanted = targets[start : start + CHUNK]
             losses[start : start + CHUNK] = F.cross_entropy(chunk.mul_(scale), wanted, reduction="none").double()
         return losses
