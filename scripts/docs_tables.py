@@ -536,7 +536,8 @@ TABLES: dict[str, Table] = {
         cost="timing",
     ),
     # The study's answer on one screen, read from its committed records (seconds, nothing trained): a commit that adds
-    # a record regenerates these two tables (`--write when-it-pays when-it-pays-verdict`), and CI checks that it did.
+    # a record regenerates these tables (`--write when-it-pays when-it-pays-verdict`, and round two's), and CI checks
+    # that it did.
     **{
         name: Table(
             page="docs/recipes/when-it-pays.md",
@@ -546,6 +547,18 @@ TABLES: dict[str, Table] = {
             cost="data",
         )
         for index, name in enumerate(("when-it-pays", "when-it-pays-verdict"))
+    },
+    # Round two's tables (issue 77), from the same command's round-two.md: the cells' choices, the float noise between
+    # CPU kinds, and the default by embedding share.
+    **{
+        name: Table(
+            page="docs/recipes/when-it-pays.md",
+            commands=(("python", "recipes/study.py", "--report_only", "--output_dir", "{out}"),),
+            output="round-two.md",
+            extract=nth_table(index),
+            cost="data",
+        )
+        for index, name in enumerate(("when-it-pays-round-two", "when-it-pays-cross-kind", "when-it-pays-share"))
     },
 }
 

@@ -16,6 +16,7 @@ from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.study.finetune import FINETUNE_ARMS, FineTuneRecord
 from untie_recipes.tasks.study.markdown import markdown, summary_markdown
 from untie_recipes.tasks.study.protocol import CELLS, arm_spec
+from untie_recipes.tasks.study.round_two import round_two, round_two_markdown
 from untie_recipes.tasks.study.stats import pool_groups, t_interval, tokens_to_reach
 from untie_recipes.tasks.study.sweep import PLAIN, summarize
 from untie_recipes.tasks.study.training import StudyRecord
@@ -168,11 +169,12 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
         groups.append({"corpus_digest": key[0], "cpu": machine.get("cpu"), "kernel_path": machine.get("kernel_path"),
                        "device": machine.get("device"), "torch": machine.get("torch"), "runs": len(group),
                        "cells": cells, "finetune": table, "verdict": verdict(cells, table)})  # fmt: skip
-    results = {"groups": groups}
+    results = {"groups": groups, "round_two": round_two(records)}
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (output_dir / "results.md").write_text(markdown(results))
     (output_dir / "summary.md").write_text(summary_markdown([summary(g) for g in groups], groups))
+    (output_dir / "round-two.md").write_text(round_two_markdown(results["round_two"]))
     if len(groups) > 1:
         logger.warning(
             "study: the records form %d pool groups (other corpus builds or machines); the summary's first "

@@ -1,0 +1,199 @@
+"""Round two's tables and rule (docs/recipes/study.md, "Round two", issue 77), from the records.
+
+Per cell, four arms paired by seed against U (`untied`, drawn head): U_k (`untied-emb<k>`, the k cell B's scale sweep
+chose), T* (the branch at a fixed fraction with the lowest mean) and `tied`. The cell's choice is the lowest mean, but
+U_k (it changes the user's optimizer) only where it beats the best of the other three by `OPTIMIZER_BAR`. The default
+for a model built fresh is then a function of the embedding's share: each cell's choice holds to the midpoint between
+its share and its neighbour's, and the nearest cell's beyond the outermost.
+
+Records of different CPU kinds pair here (the amendment of 2026-11-29: cell B's round one ran on an AMD EPYC, its
+scale arm on an Intel Xeon); the table names the kinds, and the float noise between them is measured where one
+configuration ran on both (`cross_kind_noise`). Only records of one corpus build pair.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+from untie_recipes.tasks.study.protocol import CELLS, DEVELOPMENT_SEEDS, SCALED_ARM, arm_spec, scaled_arm
+from untie_recipes.tasks.study.stats import t_interval
+from untie_recipes.tasks.study.sweep import scale_choice
+from untie_recipes.tasks.study.training import StudyRecord
+
+#: The cells round two's rule reads: A (84%) and B (57%) from round one, C (about 25%) where users train.
+ROUND_TWO_CELLS = ("A", "B", "C")
+#: The cells whose choice includes the embedding-scale arm: B ran its sweep, C takes B's k. Cell A has no such arm.
+SCALED_CELLS = ("B", "C")
+#: How far below the best of the other arms U_k must end to be chosen (nat): it changes the user's optimizer.
+OPTIMIZER_BAR = 0.01
+
+
+def _fixed_arms(cell: str) -> list[str]:
+    """The cell's branches at a fixed fraction with the optimizer state copied, round two's included."""
+    names = CELLS[cell].arms + CELLS[cell].round_two
+    return [a for a in names if arm_spec(a).fraction is not None and arm_spec(a).optimizer_state == "copy"]
+
+
+def choice_text(arm: str) -> str:
+    """What choosing `arm` means for a user, in words."""
+    spec = arm_spec(arm)
+    if arm == "untied":
+        return "untied from step 0, head drawn"
+    if arm.startswith(SCALED_ARM):
+        return f"untied from step 0, head drawn, the input embedding at {spec.embedding_scale:g}x the rate"
+    if arm == "tied":
+        return "stay tied"
+    return f"a tied phase to {spec.fraction:.3g} of the run ({arm})"
+
+
+def cross_kind_noise(records: Sequence[StudyRecord]) -> list[dict]:
+    """Where one configuration ran on two CPU kinds: the untied sweep's run and the scale sweep's k = 1 run of the same
+    cell, rate and seed (the same training). Their final losses' difference is the kinds' float noise."""
+    plain = {(r.cell, r.lr, r.seed): r for r in records if r.kind == "sweep" and r.arm == "untied"}
+    found = []
+    for other in records:
+        if other.kind != "sweep" or other.arm != scaled_arm(1.0):
+            continue
+        base = plain.get((other.cell, other.lr, other.seed))
+        if base is None or base.machine.get("cpu") == other.machine.get("cpu"):
+            continue
+        found.append({"cell": other.cell, "lr": other.lr, "seed": other.seed, "cpus": [base.machine.get("cpu"),
+                      other.machine.get("cpu")], "difference": other.final_validation_loss -
+                      base.final_validation_loss})  # fmt: skip
+    return found
+
+
+def _arms_and_seeds(cell: str, records: Sequence[StudyRecord]) -> tuple[dict, list[str], list[int]]:
+    """The cell's arm records of U's corpus build, the arms the table reads and the seeds that have all of them."""
+    mine = [r for r in records if r.cell == cell and r.kind == "arm"]
+    digest = next((r.corpus_digest for r in mine if r.arm == "untied"), None)
+    arms = {(r.arm, r.seed): r for r in mine if r.corpus_digest == digest}
+    seeds = sorted({s for a, s in arms if a == "untied"})
+    later = CELLS[cell].round_two  # round two's branches of a round-one cell enter once recorded (cell B's untie@0.9)
+    fixed = [a for a in _fixed_arms(cell) if a not in later or any((a, s) in arms for s in seeds)]
+    wanted = ["untied", "tied", *fixed]
+    if cell in SCALED_CELLS:
+        k = scale_choice(list(records))
+        wanted.append(scaled_arm(k) if k is not None else f"{SCALED_ARM}?")
+    complete = [s for s in seeds if all((a, s) in arms for a in wanted)]
+    return arms, wanted, complete
+
+
+def round_two_table(cell: str, records: Sequence[StudyRecord]) -> dict:
+    """One cell's round-two table: its embedding share, the complete seeds, U_k, T* and tied against U (paired, 95%
+    t-intervals), the CPU kinds its records ran on, and its choice ("pending" before `DEVELOPMENT_SEEDS` are
+    complete)."""
+    arms, wanted, seeds = _arms_and_seeds(cell, records)
+    table: dict = {"cell": cell, "seeds": seeds, "choice": None, "arms": {}}
+    anyone = next((r for (a, _), r in arms.items() if a == "untied"), None)
+    if anyone is not None:
+        table["embedding_share"] = anyone.embedding_params / anyone.params
+    needed = len(DEVELOPMENT_SEEDS)
+    if len(seeds) < needed:
+        missing = sorted({a for a in wanted for s in DEVELOPMENT_SEEDS if (a, s) not in arms})
+        table["why"] = f"pending: {len(seeds)} of {needed} seeds complete (missing runs of {', '.join(missing)})"
+        return table
+    means = {a: statistics.fmean(arms[(a, s)].final_validation_loss for s in seeds) for a in wanted}
+    fixed = [a for a in wanted if arm_spec(a).fraction is not None]
+    best_fixed = min(fixed, key=lambda a: means[a])
+    scaled = next((a for a in wanted if a.startswith(SCALED_ARM)), None)
+    for role, arm in (("U", "untied"), ("U_k", scaled), ("T*", best_fixed), ("tied", "tied")):
+        if arm is None:
+            continue
+        diffs = [arms[(arm, s)].final_validation_loss - arms[("untied", s)].final_validation_loss for s in seeds]
+        cpus = sorted({arms[(arm, s)].machine.get("cpu") for s in seeds})
+        table["arms"][role] = {"arm": arm, "mean": means[arm], "vs_untied": t_interval(diffs), "cpus": cpus}
+    table.update(cell_choice(table["arms"]))
+    return table
+
+
+def cell_choice(rows: dict) -> dict:
+    """The rule: the lowest mean among U, T* and tied; U_k instead where its mean is at least `OPTIMIZER_BAR` below
+    theirs (otherwise it is an option, with its measured effect)."""
+    others = [rows[r] for r in ("U", "T*", "tied") if r in rows]
+    best = min(others, key=lambda row: row["mean"])
+    scaled = rows.get("U_k")
+    if scaled is None:
+        return {"choice": best["arm"], "why": "the lowest mean; this cell has no embedding-scale arm"}
+    margin = best["mean"] - scaled["mean"]
+    if margin >= OPTIMIZER_BAR:
+        return {
+            "choice": scaled["arm"],
+            "margin": margin,
+            "why": f"{margin:.4f} nat below the best arm without it ({best['arm']}), at least {OPTIMIZER_BAR}",
+        }
+    return {"choice": best["arm"], "margin": margin,
+            "why": f"the lowest mean without the scale; {scaled['arm']} ends {margin:+.4f} nat from it, short of "
+                   f"{OPTIMIZER_BAR}: an option"}  # fmt: skip
+
+
+def share_bands(tables: dict[str, dict]) -> dict:
+    """The default for a model built fresh by the embedding's share, from the cells' choices: each holds to the midpoint
+    with its neighbour, the outermost to 0% and 100%; neighbours with one choice merge. Pending until every cell of
+    `ROUND_TWO_CELLS` has a choice (the amendment of 2026-11-29: the library's default moves once, on all of them)."""
+    chosen = sorted(((t["embedding_share"], c, t["choice"]) for c, t in tables.items() if t.get("choice")),
+                    key=lambda item: item[0])  # fmt: skip
+    bands: list[dict] = []
+    for index, (share, cell, choice) in enumerate(chosen):
+        low = 0.0 if index == 0 else (chosen[index - 1][0] + share) / 2
+        if bands and bands[-1]["choice"] == choice:
+            bands[-1]["cells"].append(cell)
+            continue
+        if bands:
+            bands[-1]["to"] = low
+        bands.append({"from": low, "to": 1.0, "choice": choice, "cells": [cell]})
+    missing = [c for c in ROUND_TWO_CELLS if not (tables.get(c) or {}).get("choice")]
+    status = f"pending: cells {', '.join(missing)} have no choice yet" if missing else "complete"
+    return {"bands": bands, "status": status}
+
+
+def round_two(records: Sequence[StudyRecord]) -> dict:
+    """Every round-two cell's table, the share bands and the measured float noise between CPU kinds."""
+    tables = {c: round_two_table(c, records) for c in ROUND_TWO_CELLS}
+    return {"cells": tables, "share_default": share_bands(tables), "cross_kind": cross_kind_noise(records)}
+
+
+def _difference(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    paired = row["vs_untied"]
+    if paired.get("low") is None:
+        return f"{row['arm']}: {paired['mean']:+.3f}"
+    return f"{row['arm']}: {paired['mean']:+.3f} [{paired['low']:+.3f}, {paired['high']:+.3f}]"
+
+
+def round_two_markdown(result: dict) -> str:
+    """`round-two.md`: the cells' table (each arm minus U, paired, 95% t; the choice and why), the measured noise
+    between CPU kinds, and the default by embedding share."""
+    lines = ["# The study's round two: where the tie pays as the embedding's share falls", "",
+             "Written by `python recipes/study.py --report_only`.", "",
+             "| cell | embedding share | seeds | U_k vs U | T* vs U | tied vs U | CPU kinds | the cell's choice |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for cell, table in result["cells"].items():
+        share = f"{table['embedding_share']:.1%}" if "embedding_share" in table else "-"
+        seeds = ", ".join(map(str, table["seeds"])) or "none"
+        rows = table["arms"]
+        cpus = "; ".join(f"{role}: {', '.join(row['cpus'])}" for role, row in rows.items())
+        choice = f"{choice_text(table['choice'])} ({table['why']})" if table["choice"] else table["why"]
+        lines.append(f"| {cell} | {share} | {seeds} | {_difference(rows.get('U_k'))} | {_difference(rows.get('T*'))} "
+                     f"| {_difference(rows.get('tied'))} | {cpus or '-'} | {choice} |")  # fmt: skip
+    lines += [
+        "",
+        "The same training on two CPU kinds (the float noise between them):",
+        "",
+        "| cell | the training | CPU kinds | final loss, the second minus the first |",
+        "|---|---|---|---|",
+    ]
+    for noise in result["cross_kind"]:
+        lines.append(f"| {noise['cell']} | untied at LR {noise['lr']:g}, seed {noise['seed']}, half the budget | "
+                     f"{noise['cpus'][0]}; {noise['cpus'][1]} | {noise['difference']:+.4f} |")  # fmt: skip
+    if not result["cross_kind"]:
+        lines.append("| - | none measured | - | - |")
+    share = result["share_default"]
+    lines += ["", f"The default for a model built fresh, by the embedding's share ({share['status']}):", "",
+              "| embedding share | the rule's choice | from cells |", "|---|---|---|"]  # fmt: skip
+    for band in share["bands"]:
+        lines.append(f"| {band['from']:.1%} to {band['to']:.1%} | {choice_text(band['choice'])} | "
+                     f"{', '.join(band['cells'])} |")  # fmt: skip
+    return "\n".join(lines) + "\n"

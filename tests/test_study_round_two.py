@@ -1,0 +1,114 @@
+"""Round two's tables and rule (issue 77; docs/recipes/study.md, "Round two"), on records the tests write."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from untie_recipes.tasks.study import report, round_two
+from untie_recipes.tasks.study.training import StudyRecord
+
+pytestmark = pytest.mark.recipes
+
+
+def _record(
+    cell: str,
+    arm: str,
+    seed: int,
+    final: float,
+    cpu: str = "CPU X",
+    kind: str = "arm",
+    lr: float = 1e-3,
+    digest: str = "d1",
+    share: tuple[int, int] = (6, 10),
+) -> StudyRecord:
+    return StudyRecord(
+        name=f"{cell}-s{seed}-{arm}-{kind}-{lr:g}", cell=cell, arm=arm, kind=kind, seed=seed, lr=lr, budget_steps=100,
+        untie_step=None, head=None, optimizer_state="copy", curve_steps=[50, 100], curve_validation=[final + 1, final],
+        curve_train=[0.0, 0.0], final_validation_loss=final, train_loss_tail=0.0, steps_run=100, tokens=100 * 1024,
+        wall_seconds=1.0, cpu_seconds=1.0, setup={"batch_size": 8}, params=share[1], embedding_params=share[0],
+        tokens_per_embedding_row=1.0, machine={"cpu": cpu, "kernel_path": "AVX2", "device": "cpu", "torch": "2"},
+        corpus_digest=digest,
+    )  # fmt: skip
+
+
+def _scale_sweep(cpu: str = "CPU Y") -> list[StudyRecord]:
+    """Cell B's LR sweep on CPU X and its scale sweep on `cpu`, choosing k = 16; the k = 1 run is the LR sweep's best
+    run again, 0.002 higher on the other CPU kind."""
+    rates = ((5e-4, 4.5), (1e-3, 4.4), (2e-3, 4.46))
+    lrs = [_record("B", "untied", 1, loss, kind="sweep", lr=lr) for lr, loss in rates]
+    ks = [_record("B", f"untied-emb{k:g}", 1, loss, cpu=cpu, kind="sweep") for k, loss in
+          ((1, 4.402), (4, 4.35), (16, 4.30), (64, 4.38))]  # fmt: skip
+    return lrs + ks
+
+
+def _cell_b(scaled: tuple[float, ...], untie_2of3: tuple[float, ...] = (3.97, 3.96, 3.96)) -> list[StudyRecord]:
+    """Cell B's round-one arms on CPU X and the scale arm on CPU Y, seeds 1 to len(scaled)."""
+    records = []
+    for seed in (1, 2, 3):
+        records += [_record("B", "untied", seed, 4.0), _record("B", "tied", seed, 3.98)]
+        records += [_record("B", arm, seed, 3.99) for arm in ("untie@1/3", "untie@0.8", "untie@0.95")]
+        records.append(_record("B", "untie@2/3", seed, untie_2of3[seed - 1]))
+    records += [_record("B", "untied-emb16", seed, final, cpu="CPU Y") for seed, final in enumerate(scaled, 1)]
+    return records + _scale_sweep()
+
+
+def test_the_scale_arm_is_chosen_only_a_hundredth_of_a_nat_below_the_best_arm_without_it():
+    waiting = round_two.round_two_table("B", _cell_b((3.95, 3.95)))
+    assert waiting["choice"] is None and "2 of 3" in waiting["why"] and "untied-emb16" in waiting["why"]
+
+    short = round_two.round_two_table("B", _cell_b((3.96, 3.955, 3.955)))  # 0.0067 below untie@2/3: an option
+    assert short["arms"]["T*"]["arm"] == "untie@2/3" and short["choice"] == "untie@2/3"
+    assert short["margin"] == pytest.approx(0.00667, abs=1e-4) and "an option" in short["why"]
+    assert short["arms"]["U_k"]["cpus"] == ["CPU Y"] and short["arms"]["U"]["cpus"] == ["CPU X"]  # paired across
+    assert short["arms"]["tied"]["vs_untied"]["mean"] == pytest.approx(-0.02)
+
+    chosen = round_two.round_two_table("B", _cell_b((3.95, 3.95, 3.95)))  # 0.0133 below: chosen
+    assert chosen["choice"] == "untied-emb16" and chosen["margin"] == pytest.approx(0.01333, abs=1e-4)
+    assert round_two.choice_text("untied-emb16").endswith("the input embedding at 16x the rate")
+
+    no_scale = [r for r in _cell_b((3.95, 3.95, 3.95)) if r.kind == "arm"]  # the sweep unknown: U_k cannot be read
+    assert round_two.round_two_table("B", no_scale)["choice"] is None
+
+
+def test_only_records_of_one_corpus_build_pair_and_the_noise_between_cpu_kinds_is_measured():
+    records = _cell_b((3.95, 3.95, 3.95))
+    foreign = [dataclasses.replace(r, corpus_digest="d2") for r in records if r.arm == "untied-emb16"]
+    mixed = [r for r in records if r.arm != "untied-emb16"] + foreign
+    assert round_two.round_two_table("B", mixed)["choice"] is None  # another corpus build's U_k does not pair
+    (noise,) = round_two.cross_kind_noise(records)
+    assert noise["cpus"] == ["CPU X", "CPU Y"] and noise["difference"] == pytest.approx(0.002)
+    same_kind = [dataclasses.replace(r, machine={**r.machine, "cpu": "CPU X"}) for r in records]
+    assert round_two.cross_kind_noise(same_kind) == []
+
+
+def test_each_cells_choice_holds_to_the_midpoint_with_its_neighbour_and_neighbours_that_agree_merge():
+    tables = {
+        "A": {"choice": "untied", "embedding_share": 0.84},
+        "B": {"choice": "untie@2/3", "embedding_share": 0.56},
+        "C": {"choice": None, "embedding_share": 0.25},
+    }
+    pending = round_two.share_bands(tables)
+    assert pending["status"] == "pending: cells C have no choice yet"
+    assert [(b["from"], b["to"], b["choice"]) for b in pending["bands"]] == [
+        (0.0, pytest.approx(0.70), "untie@2/3"), (pytest.approx(0.70), 1.0, "untied")]  # fmt: skip
+    tables["C"]["choice"] = "untie@2/3"
+    merged = round_two.share_bands(tables)
+    assert merged["status"] == "complete" and [b["cells"] for b in merged["bands"]] == [["C", "B"], ["A"]]
+    assert merged["bands"][0]["to"] == pytest.approx(0.70)  # no threshold between C and B
+    tables["C"]["choice"] = "untied"
+    three = round_two.share_bands(tables)["bands"]
+    assert [(round(b["from"], 3), round(b["to"], 3)) for b in three] == [(0.0, 0.405), (0.405, 0.70), (0.70, 1.0)]
+
+
+def test_the_report_writes_round_twos_three_tables(tmp_path):
+    report.write_report(tmp_path, _cell_b((3.95, 3.95, 3.95)))
+    text = (tmp_path / "round-two.md").read_text()
+    tables = [block for block in text.split("\n\n") if block.startswith("|")]
+    assert len(tables) == 3
+    cells, noise, bands = tables
+    assert "| B | 60.0% | 1, 2, 3 | untied-emb16: -0.050 [-0.050, -0.050]" in cells
+    assert "untied from step 0, head drawn, the input embedding at 16x the rate (0.0133 nat below" in cells
+    assert "| C | - | none |" in cells and "+0.0020" in noise
+    assert "| 0.0% to 100.0% | untied from step 0, head drawn, the input embedding at 16x the rate | B |" in bands
