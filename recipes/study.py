@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
     corpus, pin = load(args)
     if args.export_corpus and args.preset == "ladder":  # the text once, this cell's tokenizer, its committed pin
         cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-        export_ladder(lambda: documents(SOURCES, cache_dir), corpus, Path(args.export_corpus), pin)
+        export_ladder(lambda: documents(SOURCES, cache_dir), corpus, Path(args.export_corpus), pin, args.vocab_size)
         check_pin(pin, Path(args.corpus_pin), args.repin)
         return pin
     if args.export_corpus:

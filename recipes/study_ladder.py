@@ -8,12 +8,14 @@ and a tied phase to 2/3, on 2 development seeds (docs/recipes/study.md, "The sha
     python recipes/study.py --preset ladder --cells L4k --export_corpus runs/ladder    # here, once per cell: the
     python recipes/study.py --preset ladder --cells L16k --export_corpus runs/ladder   # text (once) and each
     python recipes/study.py --preset ladder --cells L64k --export_corpus runs/ladder   # vocabulary's tokenizer
-    python recipes/study_ladder.py --corpus_dir runs/ladder --time_limit 300            # on the device, per call
+    python recipes/study_ladder.py --corpus_dir runs/ladder --out "$OUT"                # on the device, per call
     python recipes/study_ladder.py --dry_run                                            # the commands it starts
 """
 
 from __future__ import annotations
 
+import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -45,7 +47,19 @@ class LadderArguments:
         default="runs/study-ladder", metadata={"help": "one folder per cell under it, and the logs"}
     )
     records_dir: str | None = field(default=None, metadata={"help": "the committed records (default: the preset's)"})
-    extra: list[str] = field(default_factory=list, metadata={"help": "more flags for every study process"})
+    extra: str = field(
+        default="",
+        metadata={
+            "help": "more flags for every study process, as one quoted string (e.g. --extra '--curve_points 10')"
+        },
+    )
+    out: str | None = field(
+        default=None,
+        metadata={
+            "help": "copy the records, the logs and the report here at the "
+            "end, however the call ends (the device's $OUT)"
+        },
+    )
     dry_run: bool = field(default=False, metadata={"help": "print the commands, start nothing"})
     disable_tqdm: bool = field(default=False, metadata={"help": "no progress line"})
 
@@ -60,7 +74,7 @@ def commands(args: LadderArguments) -> list[tuple[str, list[str]]]:
         (f"{cell}-{rate}", [sys.executable, str(STUDY), "--preset", "ladder", "--cells", cell, "--rates", rate,
                             "--seeds", *map(str, args.seeds), "--corpus_dir", args.corpus_dir, "--device", args.device,
                             "--time_limit", f"{args.time_limit:g}", "--output_dir", f"{args.output_dir}/{cell}",
-                            *records, "--disable_tqdm", *args.extra])
+                            *records, "--disable_tqdm", *shlex.split(args.extra)])
         for cell in args.cells
         for rate in RATES
     ]  # fmt: skip
@@ -87,6 +101,26 @@ def run_all(args: LadderArguments, started: list[tuple[str, list[str]]]) -> dict
     return finished
 
 
+def bring_back(args: LadderArguments) -> None:
+    """Copy what a call made (the finished records of every cell, each process's log, the report) into `args.out`,
+    each file whole or not at all: a machine given back loses the rest."""
+    if args.out is None:
+        return
+    out = Path(args.out)
+    found = [
+        path
+        for path in Path(args.output_dir).rglob("*")
+        if path.is_file()
+        and (path.suffix == ".log" or path.parent.name in ("records", "report") and path.suffix in (".json", ".md"))
+    ]
+    for path in found:
+        copy = out / path.relative_to(args.output_dir)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        partial = copy.with_name(copy.name + ".partial")
+        shutil.copyfile(path, partial)
+        partial.replace(copy)
+
+
 def main(argv: list[str] | None = None) -> dict[str, int]:
     (args,), _ = parse((LadderArguments,), argv)
     started = commands(args)
@@ -94,7 +128,14 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
         for _, command in started:
             print(" ".join(command))
         return {}
-    statuses = run_all(args, started)
+    try:
+        return report_after(args, run_all(args, started))
+    finally:
+        bring_back(args)
+
+
+def report_after(args: LadderArguments, statuses: dict[str, int]) -> dict[str, int]:
+    """Name the processes that failed and where their logs are, then write the report of every finished run."""
     failed = {name: status for name, status in statuses.items() if status != 0}
     for name in failed:
         print(f"{name}: exit status {failed[name]}; its log: {args.output_dir}/{name}.log", file=sys.stderr)

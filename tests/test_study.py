@@ -615,13 +615,17 @@ def test_the_ladder_carries_its_text_once_and_each_vocabulary_cuts_the_blocks_it
         corpus = corpus_module.build_corpus(texts, ("test",), vocab_size=vocab)
         built[vocab] = corpus
         pin = {"sources": ["test"], "blocks_sha256": provenance.blocks_digest(corpus)}
-        corpus_files.export_ladder(documents, corpus, tmp_path / "ladder", pin)
+        corpus_files.export_ladder(documents, corpus, tmp_path / "ladder", pin, vocab)
     assert len(calls) == 1  # the text is written once, beside every vocabulary
-    for corpus in built.values():
-        cut, _ = corpus_files.load_ladder(tmp_path / "ladder", len(corpus.tokenizer))
+    for vocab, corpus in built.items():
+        cut, _ = corpus_files.load_ladder(tmp_path / "ladder", vocab)  # by the size asked for, as the device asks
         assert torch.equal(cut.train, corpus.train) and torch.equal(cut.validation, corpus.validation)
     with pytest.raises(SystemExit, match="no 999-token vocabulary"):
         corpus_files.load_ladder(tmp_path / "ladder", 999)
+    other = corpus_module.build_corpus(texts[1:], ("test",), vocab_size=340)  # the carried text is another build's
+    pin = {"sources": ["test"], "blocks_sha256": provenance.blocks_digest(other)}
+    with pytest.raises(SystemExit, match="do not match its pin"):
+        corpus_files.export_ladder(documents, other, tmp_path / "ladder", pin, 340)
 
 
 def test_a_ladder_cell_trains_every_arm_from_the_carried_text(recipe, small_corpus, tmp_path, monkeypatch):
@@ -663,3 +667,32 @@ def test_the_ladder_starts_one_process_per_cell_and_rate_the_4k_cell_first(capsy
     assert all("--preset ladder" in line and "--time_limit 300" in line for line in lines)
     with pytest.raises(SystemExit, match="the ladder's cells"):
         ladder.main(["--dry_run", "--cells", "L8k"])
+
+
+def test_the_ladder_waits_for_every_process_and_brings_back_what_it_made_however_the_call_ends(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("ladder_recipe", ROOT / "recipes" / "study_ladder.py")
+    ladder = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ladder_recipe", ladder)
+    spec.loader.exec_module(ladder)
+    made = tmp_path / "made"
+    args = ladder.LadderArguments(output_dir=str(made), out=str(tmp_path / "out"), disable_tqdm=True,
+                                  extra="--curve_points 10 --seeds 3")  # fmt: skip
+    assert ladder.commands(args)[0][1][-4:] == ["--curve_points", "10", "--seeds", "3"]  # flags with their values
+    write = "import pathlib, sys; p = pathlib.Path(sys.argv[1]); p.parent.mkdir(parents=True); p.write_text('{}')"
+    started = [
+        ("L4k-tied", [sys.executable, "-c", f"{write}; print('trained')", str(made / "L4k" / "records" / "a.json")]),
+        ("L4k-untied", [sys.executable, "-c", "import sys; print('broke'); sys.exit(3)"]),
+    ]
+    assert ladder.run_all(args, started) == {"L4k-tied": 0, "L4k-untied": 3}
+    assert (made / "L4k-untied.log").read_text() == "broke\n"
+    (made / "L4k" / "checkpoints").mkdir()
+    (made / "L4k" / "checkpoints" / "resume.pt").write_text("large")
+
+    def interrupted(args, started):
+        raise KeyboardInterrupt  # the call's time ran out
+
+    monkeypatch.setattr(ladder, "run_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ladder.main(["--output_dir", str(made), "--out", str(tmp_path / "out"), "--disable_tqdm"])
+    brought = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
+    assert brought == ["L4k-tied.log", "L4k-untied.log", "L4k/records/a.json"]  # no checkpoint, no partial file

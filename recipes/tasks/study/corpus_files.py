@@ -56,18 +56,23 @@ def load_exported(folder: Path) -> tuple[TokenizedCorpus, dict]:
     return corpus, pin
 
 
-def export_ladder(documents: Callable[[], list[str]], corpus: TokenizedCorpus, folder: Path, pin: dict) -> None:
+def export_ladder(
+    documents: Callable[[], list[str]], corpus: TokenizedCorpus, folder: Path, pin: dict, vocab_size: int
+) -> None:
     """Write the sources' documents into `folder` once (`LADDER_TEXT`; `documents` is called only where the file is
-    missing) and this corpus's tokenizer and pin under ``vocab<V>/``."""
+    missing) and this corpus's tokenizer and pin under ``vocab<vocab_size>/`` (the size asked for, which `load_ladder`
+    is given: a trained tokenizer may hold a few tokens fewer); then read it back as the device will (`load_ladder`),
+    so that a text file of another build is refused here rather than there."""
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / LADDER_TEXT).exists():
         partial = folder / f"{LADDER_TEXT}.partial"
         with lzma.open(partial, "wt", encoding="utf-8") as handle:
             json.dump(documents(), handle)
         partial.replace(folder / LADDER_TEXT)
-    vocabulary = folder / f"vocab{len(corpus.tokenizer)}"
+    vocabulary = folder / f"vocab{vocab_size}"
     corpus.tokenizer.save_pretrained(vocabulary)
     (vocabulary / PIN_FILE).write_text(json.dumps(pin, indent=2) + "\n")
+    load_ladder(folder, vocab_size)
 
 
 def load_ladder(folder: Path, vocab_size: int) -> tuple[TokenizedCorpus, dict]:

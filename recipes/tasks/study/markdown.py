@@ -66,7 +66,8 @@ def cell_lines(table: dict) -> list[str]:
         lines += [
             f"{table['params']:,} parameters tied ({table['embedding_share']:.0%} in the embedding); budget "
             f"{table['budget_steps']:,} steps of {table['batch']} tokens = {table['tokens']:,} tokens, "
-            f"{table['tokens_per_embedding_row']:.0f} tokens per embedding row. Complete seeds: {table['seeds']} "
+            f"{table['tokens_per_embedding_row']:.0f} tokens per embedding row, {table.get('epochs', 1.0):.2f} "
+            f"passes over the training blocks. Complete seeds: {table['seeds']} "
             f"(recorded: {table['seeds_recorded']}); {table['core_hours']:.2f} core-hours ({table['wall_hours']:.2f} "
             "wall hours) recorded.",
             "",

@@ -96,7 +96,7 @@ def cell_table(cell: str, records: list[StudyRecord]) -> dict:
     tokens_per_step = any_record.setup["batch_size"] * BLOCK
     table.update(budget_steps=budget, tokens=any_record.tokens, params=any_record.params,
                  embedding_share=any_record.embedding_params / any_record.params,
-                 tokens_per_embedding_row=any_record.tokens_per_embedding_row,
+                 tokens_per_embedding_row=any_record.tokens_per_embedding_row, epochs=any_record.epochs,
                  batch=f"{any_record.setup['batch_size']} x {BLOCK}")  # fmt: skip
     if len(seeds) == 0:
         return table

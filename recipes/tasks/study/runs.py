@@ -233,7 +233,9 @@ def run_or_reuse(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: Stu
     record.save(path)
     if ctx.records_dir is not None:
         ctx.records_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, ctx.records_dir / path.name)
+        partial = ctx.records_dir / f"{path.name}.partial"  # a copy cut short (a call's time out) is never a record
+        shutil.copyfile(path, partial)
+        partial.replace(ctx.records_dir / path.name)
     ctx.checkpoint_path(spec, "resume").unlink(missing_ok=True)
     return record
 
