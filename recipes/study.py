@@ -59,8 +59,8 @@ from untie_recipes.tasks.study.corpus_files import (
     load_ladder,
 )
 from untie_recipes.tasks.study.finetune import (
-    FINETUNE_ARMS,
-    FINETUNE_CELL,
+    ALL_FINETUNE_ARMS,
+    FINETUNE_CELLS,
     FINETUNE_STEPS,
     load_finetune_records,
     run_finetune,
@@ -95,11 +95,11 @@ DATA = REPO / "docs" / "data" / "study"
 PRESETS = {
     "cpu": {"cells": list(CPU_CELLS), "vocab_size": 8192, "batch_size": 8, "device": "cpu", "time_limit": 0.0,
             "output_dir": "runs/study", "records_dir": str(DATA / "records"), "corpus_pin": str(DATA / "corpus.json"),
-            "allow_repeats": False, "finetune": True},
+            "allow_repeats": False, "finetune": True, "finetune_pin": str(DATA / "finetune-target.json")},
     "share": {"cells": list(SHARE_CELLS), "vocab_size": CELL_VOCABS["C"], "batch_size": 8, "device": "cpu",
               "time_limit": 0.0, "output_dir": "runs/study-share", "records_dir": str(DATA / "records"),
               "corpus_pin": str(DATA / f"corpus-vocab{CELL_VOCABS['C']}.json"), "allow_repeats": False,
-              "finetune": False},
+              "finetune": True, "finetune_pin": str(DATA / f"finetune-target-vocab{CELL_VOCABS['C']}.json")},
     "device": {"cells": list(DEVICE_CELLS), "vocab_size": 32768, "batch_size": 32, "device": "cuda",
                "time_limit": 450.0, "output_dir": "runs/study-device", "records_dir": str(DATA / "device" / "records"),
                "corpus_pin": str(DATA / "corpus-vocab32768.json"), "allow_repeats": True, "finetune": False},
@@ -138,9 +138,13 @@ class StudyArguments:
     records_dir: str | None = field(default=None, metadata={"help": "finished records are copied here; '' off"})
     corpus_pin: str | None = field(default=None, metadata={"help": "the committed corpus pin (written once)"})
     repin: bool = field(default=False, metadata={"help": "accept a corpus or fine-tuning target unlike its pin"})
-    finetune: bool | None = field(default=None, metadata={"help": f"fine-tune cell {FINETUNE_CELL}'s tied checkpoints"})
-    finetune_pin: str = field(default=str(DATA / "finetune-target.json"),
-                              metadata={"help": "the committed pin of the fine-tuning's target"})  # fmt: skip
+    finetune: bool | None = field(
+        default=None, metadata={"help": f"fine-tune cells {list(FINETUNE_CELLS)}' tied checkpoints"}
+    )
+    finetune_pin: str | None = field(
+        default=None,
+        metadata={"help": "the committed pin of the fine-tuning's target (one per vocabulary; default: the preset's)"},
+    )
     cache_dir: str | None = field(default=None, metadata={"help": "corpus cache (default $UNTIE_CACHE or ~/.cache)"})
     corpus_dir: str | None = field(default=None, metadata={"help": "an exported corpus folder (no cache, no fetch)"})
     export_corpus: str | None = field(default=None, metadata={"help": "write the corpus to this folder and exit"})
@@ -207,8 +211,8 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
                 for p in plans.values())  # fmt: skip
     if "tied" not in rates:
         target = None  # the fine-tuning starts from the tied run's checkpoint: the tied process runs it
-    if target is not None and FINETUNE_CELL in plans:
-        total += FINETUNE_STEPS * len(FINETUNE_ARMS) * len(args.seeds)
+    if target is not None:
+        total += FINETUNE_STEPS * len(ALL_FINETUNE_ARMS) * len(args.seeds) * len(set(FINETUNE_CELLS) & set(plans))
     bar = tqdm(total=total, desc="Study", unit="step", disable=args.disable_tqdm, dynamic_ncols=True, mininterval=10)
 
     def progress(steps: int, loss: float) -> None:
@@ -232,7 +236,7 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
             for seed in args.seeds:
                 bar.set_description(f"Study {cell} seed {seed}")
                 records = run_seed(ctx, cell, seed, lrs, budget, progress, extra)
-                if target is not None and cell == FINETUNE_CELL:
+                if target is not None and cell in FINETUNE_CELLS:
                     bar.set_description(f"Study {cell} seed {seed} fine-tuning")
                     tied = next(s for s in seed_specs(ctx, cell, seed, lrs, budget) if s.arm == "tied")
                     retrain = functools.partial(retrain_tied, ctx, tied, progress)
@@ -265,9 +269,10 @@ def round_two_arms(ctx, args: StudyArguments, cell: str, budget: int, lrs: dict,
 
 
 def load_target(args: StudyArguments, corpus: TokenizedCorpus) -> TokenizedCorpus | None:
-    """The fine-tuning's target, cut with the corpus's tokenizer and checked against its pin; None where the job does
-    not fine-tune (`--finetune false`, no cell A, or only the untied rate: the tied process fine-tunes)."""
-    if not args.finetune or FINETUNE_CELL not in args.cells or "tied" not in args.rates:
+    """The fine-tuning's target, cut with the corpus's tokenizer and checked against its pin (one per vocabulary);
+    None where the job does not fine-tune (`--finetune false`, no cell of `FINETUNE_CELLS`, or only the untied rate:
+    the tied process fine-tunes)."""
+    if not args.finetune or not set(FINETUNE_CELLS) & set(args.cells) or "tied" not in args.rates:
         return None
     documents, facts = fetch_target_documents(Path(args.cache_dir) if args.cache_dir else default_cache_dir())
     target = target_corpus(documents, corpus.tokenizer)

@@ -549,7 +549,7 @@ TABLES: dict[str, Table] = {
         for index, name in enumerate(("when-it-pays", "when-it-pays-verdict"))
     },
     # Round two's tables (issue 77), from the same command's round-two.md: the cells' choices, the float noise between
-    # CPU kinds, and the default by embedding share.
+    # CPU kinds, the default by embedding share, and the loaded-model rule on each fine-tuned cell.
     **{
         name: Table(
             page="docs/recipes/when-it-pays.md",
@@ -558,7 +558,9 @@ TABLES: dict[str, Table] = {
             extract=nth_table(index),
             cost="data",
         )
-        for index, name in enumerate(("when-it-pays-round-two", "when-it-pays-cross-kind", "when-it-pays-share"))
+        for index, name in enumerate(
+            ("when-it-pays-round-two", "when-it-pays-cross-kind", "when-it-pays-share", "when-it-pays-loaded")
+        )
     },
 }
 

@@ -131,8 +131,10 @@ def test_ci_checks_the_quick_starts_tables_and_every_verdict_is_one_of_three(rea
         "when-it-pays-round-two",
         "when-it-pays-cross-kind",
         "when-it-pays-share",
+        "when-it-pays-loaded",
     }
-    assert f"docs_tables.py --check {' '.join(sorted(data, key=len))}" in ci  # CI checks every data table
+    one_line = ci.replace(" \\\n  ", " ")
+    assert f"docs_tables.py --check {' '.join(sorted(data, key=len))}" in one_line  # CI checks every data table
     claims = real_tables.committed("exor-quick-claims")
     assert claims.splitlines()[0] == "| claim | holds | evidence |"
     verdicts = {line.split(" | ")[1].strip() for line in claims.splitlines()[2:]}

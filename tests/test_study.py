@@ -212,11 +212,11 @@ def test_the_recipe_runs_sweep_then_arms_records_and_reuses_them(recipe, tmp_pat
     table = group["cells"]["A"]
     assert table["seeds"] == [1] and set(table["arms"]) == set(TINY.arms)
     assert set(table["sweep"]) == {"tied", "untied"}
-    assert group["finetune"]["seeds"] == [1] and set(group["finetune"]["arms"]) == set(finetune.FINETUNE_ARMS)
+    assert group["finetune"]["seeds"] == [1] and set(group["finetune"]["arms"]) == set(finetune.ALL_FINETUNE_ARMS)
     names = sorted(str(p.relative_to(tmp_path / "committed")) for p in (tmp_path / "committed").rglob("*.json"))
     assert names == sorted(str(p.relative_to(tmp_path / "out" / "records"))
                            for p in (tmp_path / "out" / "records").rglob("*.json"))  # fmt: skip
-    assert len([n for n in names if n.startswith("finetune/")]) == len(finetune.FINETUNE_ARMS)
+    assert len([n for n in names if n.startswith("finetune/")]) == len(finetune.ALL_FINETUNE_ARMS)
     assert len([n for n in names if "-sweep-" in n]) >= 6
     assert json.loads((tmp_path / "pin.json").read_text())["blocks_sha256"] == group["corpus_digest"]
     monkeypatch.setattr(runs, "train_run", lambda *a, **k: pytest.fail("a finished run ran again"))
@@ -380,15 +380,30 @@ def test_the_device_tier_stops_at_its_time_limit_and_the_next_call_continues_to_
 
 
 def test_fine_tuning_starts_from_the_checked_tied_checkpoint_and_each_arm_unties_where_it_says(
-    recipe, tmp_path, tiny_cell
+    recipe, tmp_path, tiny_cell, monkeypatch
 ):
     """Each fine-tuning arm starts from the tied run's final weights (its loss before is the tied record's final
     loss), trains on the target (its loss there falls) and unties where its arm says: never, before the first step,
     at half, or where the live default `Untier` decided (by its deadline at 30% at the latest)."""
+    embeddings: list[tuple[torch.Tensor, torch.Tensor, bool]] = []  # per arm run: before, after, untied
+    train = finetune.train_steps
+
+    def watched(model, *args, **kwargs):
+        before = model.get_input_embeddings().weight.detach().clone()
+        train(model, *args, **kwargs)
+        untied = model.get_output_embeddings().weight is not model.get_input_embeddings().weight
+        embeddings.append((before, model.get_input_embeddings().weight.detach().clone(), untied))
+
+    monkeypatch.setattr(finetune, "train_steps", watched)
     recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
     tied = StudyRecord.load(tmp_path / "out" / "records" / "A-s1-tied.json")
     records = {r.arm: r for r in finetune.load_finetune_records(tmp_path / "out" / "records" / "finetune")}
-    assert set(records) == set(finetune.FINETUNE_ARMS)
+    assert set(records) == set(finetune.ALL_FINETUNE_ARMS)
+    moved = {arm: (after - before).norm().item() for arm, (before, after, _) in
+             zip(finetune.ALL_FINETUNE_ARMS, embeddings, strict=True)}  # fmt: skip
+    assert moved["untie-now-frozen"] == 0.0 and 0.0 < moved["untie-now-emb0.1"] < moved["untie-now"] / 3
+    assert all(untied for _, _, untied in embeddings[-2:])  # round two's arms: untied, the embedding at its scale
+    assert records["untie-now-frozen"].untie_step == records["untie-now-emb0.1"].untie_step == 0
     for record in records.values():
         assert record.source_before == pytest.approx(tied.final_validation_loss, abs=1e-6)
         assert record.target_loss < record.target_before - 0.5  # it learned the target

@@ -102,13 +102,55 @@ def test_each_cells_choice_holds_to_the_midpoint_with_its_neighbour_and_neighbou
     assert [(round(b["from"], 3), round(b["to"], 3)) for b in three] == [(0.0, 0.405), (0.405, 0.70), (0.70, 1.0)]
 
 
-def test_the_report_writes_round_twos_three_tables(tmp_path):
+def test_the_report_writes_round_twos_four_tables(tmp_path):
     report.write_report(tmp_path, _cell_b((3.95, 3.95, 3.95)))
     text = (tmp_path / "round-two.md").read_text()
     tables = [block for block in text.split("\n\n") if block.startswith("|")]
-    assert len(tables) == 3
-    cells, noise, bands = tables
+    assert len(tables) == 4
+    cells, noise, bands, loaded = tables
     assert "| B | 60.0% | 1, 2, 3 | untied-emb16: -0.050 [-0.050, -0.050]" in cells
     assert "untied from step 0, head drawn, the input embedding at 16x the rate (0.0133 nat below" in cells
     assert "| C | - | none |" in cells and "+0.0020" in noise
     assert "| 0.0% to 100.0% | untied from step 0, head drawn, the input embedding at 16x the rate | B |" in bands
+    assert "| - | none fine-tuned | - | - | - | - | - |" in loaded
+
+
+def _finetune_table(target: dict[str, float], source: dict[str, float], seeds: int = 3) -> dict:
+    interval = {"mean": 0.0, "low": 0.0, "high": 0.0}
+    arms = {arm: {"target": {"mean": target[arm], "vs_stay_tied": interval},
+                  "source": {"mean": source[arm], "vs_stay_tied": interval}} for arm in target}  # fmt: skip
+    return {"seeds": list(range(1, seeds + 1)), "arms": arms}
+
+
+def test_a_loaded_model_takes_the_least_forgotten_arm_within_a_hundredth_of_the_best_target():
+    target = {"stay-tied": 4.80, "untie-now": 4.767, "untie-now-emb0.1": 4.772, "untie-now-frozen": 4.790}
+    source = {"stay-tied": 5.30, "untie-now": 5.33, "untie-now-emb0.1": 5.31, "untie-now-frozen": 5.29}
+    chosen = round_two.loaded_choice(_finetune_table(target, source))
+    assert chosen["choice"] == "untie-now-emb0.1"  # 0.005 from the best target, forgets less than untie-now
+    assert chosen["standing"]["untie-now"] == "target within 0.01, forgets more"
+    assert chosen["standing"]["untie-now-frozen"] == "target 0.023 above the lowest"  # forgets least, but too far
+    target["untie-now-emb0.1"] = 4.778  # 0.011 from the best: out
+    assert round_two.loaded_choice(_finetune_table(target, source))["choice"] == "untie-now"
+    assert round_two.loaded_choice(_finetune_table(target, source, seeds=2))["choice"] is None
+
+
+def test_the_report_gives_each_fine_tuned_cells_arms_under_the_loaded_model_rule(tmp_path):
+    from untie_recipes.tasks.study.finetune import FineTuneRecord
+
+    def record(arm: str, seed: int, target: float, source: float) -> FineTuneRecord:
+        return FineTuneRecord(
+            name=f"C-ft-s{seed}-{arm}", cell="C", arm=arm, seed=seed, lr=1e-3, steps=300, batch_size=8, untie_step=0,
+            untie_reason="fixed", pretrained_run=f"C-s{seed}-tied", target_before=6.0, source_before=4.0,
+            target_loss=target, source_loss=source, train_loss_tail=0.0, wall_seconds=1.0, cpu_seconds=1.0,
+            machine={"cpu": "CPU Y", "kernel_path": "AVX2", "device": "cpu", "torch": "2"}, corpus_digest="c",
+            target_digest="t", epochs=0.5,
+        )  # fmt: skip
+
+    arms = {"stay-tied": (4.8, 4.1), "untie-now": (4.7, 4.3), "default": (4.75, 4.2), "untie@1/2": (4.76, 4.2),
+            "untie-now-emb0.1": (4.705, 4.15), "untie-now-frozen": (4.9, 4.0)}  # fmt: skip
+    tuned = [record(arm, seed, t + 0.001 * seed, s) for arm, (t, s) in arms.items() for seed in (1, 2, 3)]
+    results = report.write_report(tmp_path, _cell_b((3.95, 3.95, 3.95)), tuned)
+    assert results["round_two"]["loaded"]["C"]["choice"] == "untie-now-emb0.1"
+    text = (tmp_path / "round-two.md").read_text()
+    assert "| C (1, 2, 3) | untie-now-emb0.1 | 4.7070 | -0.095 [-0.095, -0.095] | 4.1500 |" in text
+    assert "| C (1, 2, 3) | stay-tied | 4.8020 | reference |" in text

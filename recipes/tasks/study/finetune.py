@@ -1,8 +1,9 @@
 """Fine-tuning from the study's own checkpoints (issue 68, item 2; the protocol: docs/recipes/study.md,
-"Fine-tuning"): cell A's tied arm's final checkpoint of each development seed, fine-tuned on a shifted domain
-(`untie_recipes.tasks.study.target`) for `FINETUNE_STEPS` steps at a third of the tied rate, in four arms: stay tied,
-untie at once (a copy), the live default `untie.Untier`, untie at half. Each arm's record keeps the target loss and
-the source loss (the pretraining validation split: what was forgotten) before and after."""
+"Fine-tuning"): the tied arm's final checkpoint of each development seed of cell A (and of round two's cell C),
+fine-tuned on a shifted domain (`untie_recipes.tasks.study.target`) for `FINETUNE_STEPS` steps at a third of the tied
+rate, in four arms: stay tied, untie at once (a copy), the live default `untie.Untier`, untie at half; and round two's
+two (issue 77): untie at once with the input embedding at 0.1x the rate, or frozen. Each arm's record keeps the target
+loss and the source loss (the pretraining validation split: what was forgotten) before and after."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 
 from untie import Untier, untie_embeddings
+from untie.registry import Registry
+from untie.structure.role_rates import RoleRates
 from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
 from untie_recipes.tasks.decision_map.training import evaluate, train_steps
 from untie_recipes.tasks.study.model import build_model
@@ -34,13 +37,18 @@ from untie_recipes.tasks.study.training import (
 
 logger = logging.getLogger(__name__)
 
-#: The cell whose tied checkpoints are fine-tuned.
-FINETUNE_CELL = "A"
+#: The cells whose tied checkpoints are fine-tuned: round one's A, and round two's C (issue 77, item 3).
+FINETUNE_CELLS = ("A", "C")
 FINETUNE_STEPS = 300
 FINETUNE_WARMUP = 30
 #: The fine-tuning rate is the tied arm's divided by this.
 LR_DIVISOR = 3.0
+#: Round one's arms: the fine-tuning table's complete seeds are those that have all of them.
 FINETUNE_ARMS = ("stay-tied", "untie-now", "default", "untie@1/2")
+#: Round two's arms (the forgetting knob): untie at once, the head a copy, the input embedding at this multiple of the
+#: rate (0: frozen), through the library's per-role groups (`UntieConfig.embedding_lr_scale`).
+SCALED_FINETUNE = {"untie-now-emb0.1": 0.1, "untie-now-frozen": 0.0}
+ALL_FINETUNE_ARMS = FINETUNE_ARMS + tuple(SCALED_FINETUNE)
 #: The step `untie@1/2` unties at (the library's rounding of 0.5 of the steps).
 HALF_STEP = untie_step(0.5, FINETUNE_STEPS)
 #: How far the loaded checkpoint's source loss may be from its tied record's final validation loss.
@@ -80,9 +88,9 @@ class FineTuneRecord(JsonRecord):
         return all(getattr(self, name) == value for name, value in expected.items())
 
 
-def finetune_name(seed: int, arm: str) -> str:
+def finetune_name(cell: str, seed: int, arm: str) -> str:
     """The record's name: the cell, the seed and the arm (a "/" written "of")."""
-    return f"{FINETUNE_CELL}-ft-s{seed}-{arm.replace('/', 'of')}"
+    return f"{cell}-ft-s{seed}-{arm.replace('/', 'of')}"
 
 
 def load_finetune_records(folder: Path) -> list[FineTuneRecord]:
@@ -113,7 +121,7 @@ def pretrained_state(ctx: StudyContext, tied: RunSpec, record: StudyRecord,
         logger.warning("study: %s is gone; training %s again for the fine-tuning.", path, tied.name)
         retrain()
     state = torch.load(path, map_location=ctx.device, weights_only=True)["model"]
-    model = _model(ctx, tied.setup.seed, state)
+    model = _model(ctx, tied.cell, tied.setup.seed, state)
     loss = evaluate(model, ctx.corpus.validation)
     if abs(loss - record.final_validation_loss) > CHECKPOINT_TOLERANCE:
         committed = ctx.records_dir / ctx.record_path(tied).name if ctx.records_dir else None
@@ -130,22 +138,22 @@ def pretrained_state(ctx: StudyContext, tied: RunSpec, record: StudyRecord,
     return state
 
 
-def _model(ctx: StudyContext, seed: int, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+def _model(ctx: StudyContext, cell: str, seed: int, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """The cell's tied model of the seed, with the checkpoint's weights."""
-    shape_setup = ctx.setup(FINETUNE_CELL, seed, 0.0)
+    shape_setup = ctx.setup(cell, seed, 0.0)
     eos = ctx.corpus.tokenizer.eos_token_id or 0
     model = build_model(shape_setup.width, shape_setup.layers, seed, ctx.vocab, BLOCK, None, eos)
     model.load_state_dict(state)
     return model.to(ctx.device)
 
 
-def finetune_run(ctx: StudyContext, target: TokenizedCorpus, seed: int, arm: str, state: dict, lr: float,
+def finetune_run(ctx: StudyContext, target: TokenizedCorpus, cell: str, seed: int, arm: str, state: dict, lr: float,
                  pretrained: str, progress: Progress) -> FineTuneRecord:  # fmt: skip
     """One arm of one seed: the loaded tied model fine-tuned on the target for `FINETUNE_STEPS` steps, at the
     pretraining rate `lr` divided by `LR_DIVISOR`."""
-    model = _model(ctx, seed, state)
+    model = _model(ctx, cell, seed, state)
     target_before, source_before = evaluate(model, target.validation), evaluate(model, ctx.corpus.validation)
-    setup = dataclasses.replace(ctx.setup(FINETUNE_CELL, seed, lr / LR_DIVISOR), warmup=FINETUNE_WARMUP)
+    setup = dataclasses.replace(ctx.setup(cell, seed, lr / LR_DIVISOR), warmup=FINETUNE_WARMUP)
     # The registered default for a loaded tied model (the trigger, or the deadline at 30%), pinned by policy="off" so
     # that the arm keeps its meaning whatever the library's default becomes (the same run for trained weights: seed
     # 1's arm, run again pinned, repeated its record exactly; docs/recipes/study.md, "Fine-tuning").
@@ -155,24 +163,29 @@ def finetune_run(ctx: StudyContext, target: TokenizedCorpus, seed: int, arm: str
     hooks: list[Callable[[int], object]] = []
     if arm == "untie-now":
         untie_embeddings(model, optimizer)
+    elif arm in SCALED_FINETUNE:  # untie-now, then the input embedding in a group of its own at the scale
+        untie_embeddings(model, optimizer)
+        rates = RoleRates({"input_embedding": SCALED_FINETUNE[arm], "head": 1.0}, False, "study")
+        rates.split(optimizer, model, Registry("study: per-role rates"), scheduler)
     elif arm == "untie@1/2":
         hooks.append(lambda step: untie_embeddings(model, optimizer) if step == HALF_STEP else None)
     elif untier is not None:
         untier.start(optimizer)
         hooks.append(lambda step: untier.step())
     elif arm != "stay-tied":
-        raise ValueError(f"fine-tuning arm {arm!r}: choose among {FINETUNE_ARMS}.")
+        raise ValueError(f"fine-tuning arm {arm!r}: choose among {ALL_FINETUNE_ARMS}.")
     after = _AfterStep(progress, hooks)
     order = study_order(len(target.train), seed, FINETUNE_STEPS * ctx.batch_size)
     started, cpu_started = time.perf_counter(), time.process_time()
     train_steps(model, optimizer, scheduler, setup, target.train, order, 0, FINETUNE_STEPS, after)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-    untied_at, reason = {"untie-now": (0, "fixed"), "untie@1/2": (HALF_STEP, "fixed")}.get(arm, (None, None))
+    fixed = {"untie-now": 0, "untie@1/2": HALF_STEP, **dict.fromkeys(SCALED_FINETUNE, 0)}
+    untied_at, reason = (fixed[arm], "fixed") if arm in fixed else (None, None)
     if untier is not None:
         untied_at, reason = untier.untie_step, untier.untie_reason
         untier.close()
     return FineTuneRecord(
-        name=finetune_name(seed, arm), cell=FINETUNE_CELL, arm=arm, seed=seed, lr=setup.learning_rate,
+        name=finetune_name(cell, seed, arm), cell=cell, arm=arm, seed=seed, lr=setup.learning_rate,
         steps=FINETUNE_STEPS, batch_size=ctx.batch_size, untie_step=untied_at, untie_reason=reason,
         pretrained_run=pretrained, target_before=target_before, source_before=source_before,
         target_loss=evaluate(model, target.validation), source_loss=evaluate(model, ctx.corpus.validation),
@@ -193,8 +206,8 @@ def run_finetune(ctx: StudyContext, target: TokenizedCorpus, seed: int, tied: Ru
                 "target_digest": blocks_digest(target)}  # fmt: skip
     out: list[FineTuneRecord] = []
     state = None
-    for arm in FINETUNE_ARMS:
-        path = folder / f"{finetune_name(seed, arm)}.json"
+    for arm in ALL_FINETUNE_ARMS:
+        path = folder / f"{finetune_name(tied.cell, seed, arm)}.json"
         if path.exists():
             found = FineTuneRecord.load(path)
             if found.matches(expected):
@@ -204,11 +217,13 @@ def run_finetune(ctx: StudyContext, target: TokenizedCorpus, seed: int, tied: Ru
             logger.warning("study: %s was made with other settings, corpus or target; running it again.", path)
         if state is None:
             state = pretrained_state(ctx, tied, record, retrain)
-        done = finetune_run(ctx, target, seed, arm, state, record.lr, tied.name, progress)
+        done = finetune_run(ctx, target, tied.cell, seed, arm, state, record.lr, tied.name, progress)
         logger.info("study: %s done (target %.4f, source %.4f)", done.name, done.target_loss, done.source_loss)
         done.save(path)
         if ctx.records_dir is not None:
             (ctx.records_dir / "finetune").mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(path, ctx.records_dir / "finetune" / path.name)
+            partial = ctx.records_dir / "finetune" / f"{path.name}.partial"
+            shutil.copyfile(path, partial)
+            partial.replace(ctx.records_dir / "finetune" / path.name)
         out.append(done)
     return out

@@ -4,7 +4,6 @@ verdict) and `summary.md` (the answer on one screen)."""
 from __future__ import annotations
 
 from untie_recipes.tasks.decision_map.corpus import BLOCK
-from untie_recipes.tasks.study.finetune import FINETUNE_CELL
 from untie_recipes.tasks.study.protocol import CELLS, DEVELOPMENT_SEEDS
 
 
@@ -88,7 +87,7 @@ def finetune_lines(table: dict) -> list[str]:
         return []
     before = "; ".join(f"seed {seed}: target {_num(b['target'])}, source {_num(b['source'])}"
                        for seed, b in table["before"].items())  # fmt: skip
-    lines = [f"### Fine-tuning cell {FINETUNE_CELL}'s tied checkpoints on the target (seeds {table['seeds']})", "",
+    lines = [f"### Fine-tuning cell {table['cell']}'s tied checkpoints on the target (seeds {table['seeds']})", "",
              f"{table['steps']} steps of {table['batch_size']} x {BLOCK} tokens at LR {table['lr']:g}; "
              f"{table['core_hours']:.2f} core-hours. Before fine-tuning: {before}.", "",
              "| arm | untie step per seed | target loss mean (sd) | vs stay-tied (95% t) | source loss mean (sd) | "

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from untie_recipes.tasks.decision_map.corpus import BLOCK
-from untie_recipes.tasks.study.finetune import FINETUNE_ARMS, FineTuneRecord
+from untie_recipes.tasks.study.finetune import ALL_FINETUNE_ARMS, FINETUNE_ARMS, FineTuneRecord
 from untie_recipes.tasks.study.markdown import markdown, summary_markdown
 from untie_recipes.tasks.study.protocol import CELLS, arm_spec
 from untie_recipes.tasks.study.round_two import round_two, round_two_markdown
@@ -131,15 +131,19 @@ def finetune_table(records: Sequence[FineTuneRecord]) -> dict:
     (mean, sd, per seed) and their paired differences against staying tied, over the seeds that have every arm."""
     arms = {(r.arm, r.seed): r for r in records}
     seeds = sorted(s for s in {seed for _, seed in arms} if all((a, s) in arms for a in FINETUNE_ARMS))
-    table: dict = {"seeds": seeds, "seeds_recorded": sorted({s for _, s in arms}), "arms": {},
-                   "core_hours": sum(r.cpu_seconds for r in records) / 3600}  # fmt: skip
+    cells = sorted({r.cell for r in records})
+    if len(cells) > 1:  # (one corpus build per fine-tuned cell: a pool group holds one)
+        raise ValueError(f"fine-tuning records of cells {cells} in one pool group: one corpus serves one cell.")
+    table: dict = {"cell": cells[0] if cells else None, "seeds": seeds, "seeds_recorded": sorted({s for _, s in arms}),
+                   "arms": {}, "core_hours": sum(r.cpu_seconds for r in records) / 3600}  # fmt: skip
     if not seeds:
         return table
     first = arms[("stay-tied", seeds[0])]
     table.update(steps=first.steps, batch_size=first.batch_size, lr=first.lr,
                  before={s: {"target": arms[("stay-tied", s)].target_before,
                              "source": arms[("stay-tied", s)].source_before} for s in seeds})  # fmt: skip
-    for arm in FINETUNE_ARMS:
+    later = [a for a in ALL_FINETUNE_ARMS if a not in FINETUNE_ARMS and all((a, s) in arms for s in seeds)]
+    for arm in (*FINETUNE_ARMS, *later):  # round two's arms where every complete seed has them
         rows = [arms[(arm, s)] for s in seeds]
         row: dict = {"untie_steps": [r.untie_step for r in rows], "untie_reasons": [r.untie_reason for r in rows]}
         for loss in ("target", "source"):
@@ -169,7 +173,9 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
         groups.append({"corpus_digest": key[0], "cpu": machine.get("cpu"), "kernel_path": machine.get("kernel_path"),
                        "device": machine.get("device"), "torch": machine.get("torch"), "runs": len(group),
                        "cells": cells, "finetune": table, "verdict": verdict(cells, table)})  # fmt: skip
-    results = {"groups": groups, "round_two": round_two(records)}
+    tuned_cells = sorted({r.cell for r in finetune})
+    by_cell = {c: finetune_table([r for r in finetune if r.cell == c]) for c in tuned_cells}
+    results = {"groups": groups, "round_two": round_two(records, by_cell)}
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (output_dir / "results.md").write_text(markdown(results))

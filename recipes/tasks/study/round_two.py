@@ -27,6 +27,8 @@ ROUND_TWO_CELLS = ("A", "B", "C")
 SCALED_CELLS = ("B", "C")
 #: How far below the best of the other arms U_k must end to be chosen (nat): it changes the user's optimizer.
 OPTIMIZER_BAR = 0.01
+#: A loaded tied model: the fine-tuning arms within this of the lowest mean target loss compete on the source loss.
+TARGET_BAR = 0.01
 
 
 def _fixed_arms(cell: str) -> list[str]:
@@ -148,10 +150,37 @@ def share_bands(tables: dict[str, dict]) -> dict:
     return {"bands": bands, "status": status}
 
 
-def round_two(records: Sequence[StudyRecord]) -> dict:
-    """Every round-two cell's table, the share bands and the measured float noise between CPU kinds."""
+def loaded_choice(table: dict) -> dict:
+    """The loaded-model half of round two's rule, on one cell's fine-tuning table: among the arms whose mean target loss
+    is within `TARGET_BAR` of the lowest, the one with the lowest mean source loss (the least forgotten); each arm's
+    standing beside it. "pending" before `DEVELOPMENT_SEEDS` are complete."""
+    seeds, needed = table.get("seeds", []), len(DEVELOPMENT_SEEDS)
+    if len(seeds) < needed:
+        return {"choice": None, "why": f"pending: {len(seeds)} of {needed} seeds complete", "standing": {}}
+    arms = table["arms"]
+    lowest = min(row["target"]["mean"] for row in arms.values())
+    near = [a for a, row in arms.items() if row["target"]["mean"] <= lowest + TARGET_BAR]
+    choice = min(near, key=lambda a: arms[a]["source"]["mean"])
+    standing = {}
+    for arm, row in arms.items():
+        above = row["target"]["mean"] - lowest
+        chosen = (
+            "chosen: the least forgotten of these" if len(near) > 1 else f"chosen: the only one within {TARGET_BAR}"
+        )
+        standing[arm] = (chosen if arm == choice else
+                         f"target within {TARGET_BAR}, forgets more" if arm in near else
+                         f"target {above:.3f} above the lowest")  # fmt: skip
+    return {"choice": choice, "why": f"the lowest mean source loss among the arms within {TARGET_BAR} nat of the "
+            "lowest mean target loss", "standing": standing}  # fmt: skip
+
+
+def round_two(records: Sequence[StudyRecord], finetune: dict[str, dict] | None = None) -> dict:
+    """Every round-two cell's table, the share bands, the measured float noise between CPU kinds, and the loaded-model
+    rule on each fine-tuned cell's table (`finetune`: cell -> `report.finetune_table`)."""
     tables = {c: round_two_table(c, records) for c in ROUND_TWO_CELLS}
-    return {"cells": tables, "share_default": share_bands(tables), "cross_kind": cross_kind_noise(records)}
+    loaded = {cell: {**table, **loaded_choice(table)} for cell, table in (finetune or {}).items()}
+    return {"cells": tables, "share_default": share_bands(tables), "cross_kind": cross_kind_noise(records),
+            "loaded": loaded}  # fmt: skip
 
 
 def _difference(row: dict | None) -> str:
@@ -196,4 +225,33 @@ def round_two_markdown(result: dict) -> str:
     for band in share["bands"]:
         lines.append(f"| {band['from']:.1%} to {band['to']:.1%} | {choice_text(band['choice'])} | "
                      f"{', '.join(band['cells'])} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + ["", *_loaded_lines(result.get("loaded") or {})]) + "\n"
+
+
+def _loaded_lines(loaded: dict) -> list[str]:
+    """The loaded-model table: per fine-tuned cell and arm, the target and source losses against staying tied and
+    where the arm stands under the rule."""
+    lines = ["A loaded tied model: fine-tuning each cell's tied checkpoints on the target (each arm minus stay-tied, "
+             "paired, 95% t):", "", "| cell (seeds) | arm | target loss | vs stay-tied | source loss | vs stay-tied | "
+             "under the rule |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for cell, table in sorted(loaded.items()):
+        seeds = ", ".join(map(str, table["seeds"])) or "none"
+        if not table["arms"]:
+            lines.append(f"| {cell} ({seeds}) | - | - | - | - | - | {table['why']} |")
+        for arm, row in table["arms"].items():
+            target, source = row["target"], row["source"]
+            tied = arm == "stay-tied"
+            lines.append(f"| {cell} ({seeds}) | {arm} | {target['mean']:.4f} | {_paired(target['vs_stay_tied'], tied)} "
+                         f"| {source['mean']:.4f} | {_paired(source['vs_stay_tied'], tied)} | "
+                         f"{table['standing'].get(arm, table['why'])} |")  # fmt: skip
+    if not loaded:
+        lines.append("| - | none fine-tuned | - | - | - | - | - |")
+    return lines
+
+
+def _paired(interval: dict, reference: bool = False) -> str:
+    if reference:
+        return "reference"
+    if interval.get("low") is None:
+        return "-" if interval.get("mean") is None else f"{interval['mean']:+.3f}"
+    return f"{interval['mean']:+.3f} [{interval['low']:+.3f}, {interval['high']:+.3f}]"

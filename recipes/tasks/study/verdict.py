@@ -36,7 +36,7 @@ def loaded_verdict(table: dict) -> str:
     seeds = (table or {}).get("seeds", [])
     if len(seeds) < SEEDS_NEEDED:
         return f"pending: the fine-tuning table has {len(seeds)} of {SEEDS_NEEDED} complete seeds"
-    arms = table["arms"]
+    arms = {arm: row for arm, row in table["arms"].items() if arm in LOADED_DEFAULTS}  # round one's arms
     allowed = [a for a in arms if a == "stay-tied" or not above_zero(arms[a]["source"]["vs_stay_tied"])]
     best = min(allowed, key=lambda a: (arms[a]["target"]["mean"], a != "stay-tied"))
     refused = sorted(set(arms) - set(allowed))
