@@ -21,7 +21,7 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 import untie
-from untie.config import parse_command_line
+from untie import parse_command_line
 from untie_recipes.offline import shakespeare_blocks  # the shipped Shakespeare text, as 64-token blocks
 from untie_recipes.tasks.bookcorpus.data import load_tokenizer  # the shipped Shakespeare WordPiece vocabulary
 

@@ -18,8 +18,8 @@ import torch
 import transformers as tf
 
 import untie
+from untie import parse_command_line
 from untie.checkpoints.inspection import describe
-from untie.config import parse_command_line
 from untie_recipes.offline import shakespeare_blocks, small_checkpoint
 
 

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.config import parse_command_line
+from untie import parse_command_line
 
 TEXT = """\
 The miller rose before the sun and walked down to the river, where the wheel turned slowly in the dark water.

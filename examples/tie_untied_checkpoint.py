@@ -18,7 +18,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.config import parse_command_line
+from untie import parse_command_line
 from untie_recipes.offline import shakespeare_blocks, small_checkpoint
 
 

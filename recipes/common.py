@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import transformers as tf
 
 import untie
-from untie.config import parse_command_line
+from untie.decision.settings import parse_command_line
 
 _UNSET = object()
 

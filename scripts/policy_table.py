@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from untie import UntieConfig
-from untie.config import POLICIES
+from untie.decision.settings import POLICIES
 from untie.structure.policy import embedding_share
 from untie_recipes.tasks.decision_map.corpus import BLOCK
 from untie_recipes.tasks.decision_map.report import arm_losses

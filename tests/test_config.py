@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.config import VERSION_KEY, UntieConfig
+from untie.decision.settings import VERSION_KEY, UntieConfig
 from untie.testing import ToyLMDataset, tiny_model
 
 
@@ -146,7 +146,7 @@ def test_a_parsed_command_line_runs_the_same_schedule_under_trainer_and_untier(t
 
 def test_importing_the_config_imports_neither_torch_nor_transformers():
     roots = "('torch', 'transformers')"
-    code = f"import sys, untie.config; print(sorted(m for m in sys.modules if m.split('.')[0] in {roots}))"
+    code = f"import sys, untie.decision.settings; print(sorted(m for m in sys.modules if m.split('.')[0] in {roots}))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
@@ -201,6 +201,15 @@ def test_the_defaults_survive_a_round_trip_through_to_dict_and_to_json():
         untie.UntieConfig.from_json(default.to_json()),
         untie.UntieConfig(**default.to_json_dict()),
     ):
-        assert again == default and again.chosen_policy()[0] == untie.config.DEFAULT_POLICY == "untie-at-start"
+        policy = again.chosen_policy()[0]
+        assert again == default and policy == untie.decision.settings.DEFAULT_POLICY == "untie-at-start"
     written = untie.UntieConfig(**json.loads(json.dumps(default.to_dict())))  # the values, written out by hand
     assert written != default and written.chosen_policy()[0] == "off"
+
+
+def test_the_settings_former_module_still_answers_and_names_their_new_place():
+    with pytest.warns(FutureWarning, match="moved to untie.decision.settings.UntieConfig"):
+        from untie.config import UntieConfig
+    assert UntieConfig is untie.UntieConfig
+    with pytest.raises(ImportError):
+        from untie.config import NoSuchSetting  # noqa: F401

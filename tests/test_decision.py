@@ -1,12 +1,12 @@
-"""`untie.structure.decision.decide`: the run's one decision, as rows of plain values (no model, no torch)."""
+"""`untie.decision.decide.decide`: the run's one decision, as rows of plain values (no model, no torch)."""
 
 from __future__ import annotations
 
 import pytest
 
 from untie import UntieConfig, UntieWhen
-from untie.structure.decision import PENDING, Facts, Settings, decide
-from untie.structure.plan import ModelFacts, SavedFacts
+from untie.decision.decide import PENDING, Facts, Settings, decide
+from untie.decision.plan import ModelFacts, SavedFacts
 from untie.structure.policy import Freshness, PolicyReading
 
 FRESH = Facts(ModelFacts("tied"), tied=True, reading=PolicyReading(0.8, 1000, Freshness(True, "built fresh")))
@@ -102,14 +102,14 @@ def test_tie_init_ties_a_checkpoint_this_library_untied():
 
 
 def test_the_decision_and_its_rules_import_without_torch():
-    """The run's one decision is pure: `untie.structure.decision` (with the policy's rules, the structure plans and the
+    """The run's one decision is pure: `untie.decision.decide` (with the policy's rules, the structure plans and the
     settings) imports in a process where torch cannot be imported."""
     import subprocess
     import sys
 
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import untie.structure.decision, untie.structure.policy_rules, untie.structure.plan, untie.config\n"
+        "import untie.decision.decide, untie.decision.policy_rules, untie.decision.plan, untie.decision.settings\n"
         "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -432,7 +432,7 @@ def test_the_policy_arm_is_labelled_apart_and_reuses_the_tied_and_untied_runs(re
     recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied"))
     monkeypatch.setitem(recipe.run_unit.__globals__, "_plain_run", lambda *a: pytest.fail("tied/untied rerun"))
     monkeypatch.setattr(
-        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
+        untie.decision.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
     )  # every model: untied from the start
     table = recipe.main(_map_args(tmp_path, "--seeds", "1", "--arms", "untied", "auto", "--policy", "auto"))
     names = {p.name for p in (tmp_path / "map" / "records").glob("d32-s1-auto*.json")}
@@ -472,7 +472,7 @@ def test_the_policy_table_pairs_the_default_with_the_run_untied_from_the_start(r
 
 def test_the_validation_table_reads_the_policy_report_and_recomputes_nothing_by_hand(recipe, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
+        untie.decision.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
     )  # every model: untied from the start
     table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
     policy_table = _policy_table()
@@ -543,7 +543,7 @@ def test_the_tie_then_untie_view_counts_the_seeds_each_arm_with_a_tied_phase_bea
     """Issue 48's second criterion asked of every arm with a tied phase: the fixed untie steps always, the auto arm
     only where it did not train untied from the start."""
     monkeypatch.setattr(
-        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
+        untie.decision.policy_rules, "UNTIED_FROM_START_SHARE", 0.01
     )  # the policy: untied from the start
     table = recipe.main(_map_args(tmp_path, "--policy", "auto"))
     policy_table = _policy_table()
@@ -562,7 +562,7 @@ def test_the_tie_then_untie_view_counts_the_seeds_each_arm_with_a_tied_phase_bea
         margin = [x - b for x, b in zip(arms[row["best"]]["per_seed"], better, strict=True)]
         assert row["best_margin"][0] == pytest.approx(sum(margin) / 2, abs=1e-12)
     monkeypatch.setattr(
-        untie.structure.policy_rules, "UNTIED_FROM_START_SHARE", 0.5
+        untie.decision.policy_rules, "UNTIED_FROM_START_SHARE", 0.5
     )  # d 32 is under it: the default schedule
     recipe.main(_map_args(tmp_path, "--policy", "auto", "--output_dir", str(tmp_path / "scheduled")))
     scheduled = policy_table.tie_then_untie_rows([tmp_path / "scheduled"])

@@ -294,7 +294,7 @@ def test_no_module_of_the_library_imports_one_that_imports_it_back_at_any_level(
 
 def test_the_run_holds_state_and_executes_a_decision_it_does_not_make():
     """Issue 67: `UntieRun` stays under 400 lines and decides nothing itself: the policy, the schedule and the
-    structure plans are `untie.structure.decision.decide`'s (its only import of them), the phase table is
+    structure plans are `untie.decision.decide.decide`'s (its only import of them), the phase table is
     `untie.core.phases`', the messages `untie.core.messages`', the measuring `untie.core.measuring`'s."""
     source = (PACKAGE / "core" / "run.py").read_text()
     tree = ast.parse(source)

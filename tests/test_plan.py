@@ -1,4 +1,4 @@
-"""`untie.structure.plan.plan_structure`: every (model, settings, checkpoint) case a run can start or resume from, as a
+"""`untie.decision.plan.plan_structure`: every (model, settings, checkpoint) case a run can start or resume from, as a
 table."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
+from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
 
 CALLBACK = RunSettings("UntieCallback")
 UNTIE_AT_ZERO = RunSettings("UntieCallback", untie_at=0)

@@ -11,7 +11,8 @@ import torch
 import transformers as tf
 
 import untie
-from untie.structure import policy, policy_rules
+from untie.decision import policy_rules
+from untie.structure import policy
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 
@@ -147,7 +148,7 @@ def test_inspect_says_the_share_and_what_the_default_does_with_the_checkpoint(tm
     text = inspection.format_report(report)
     assert f"embedding share:   {share:.0%} of {total:,} parameters" in text and "auto" not in text
     assert f"UntieCallback():   {default}, because the model counts as trained" in text
-    # The run says it in the same words (one text, untie.structure.decision): the plan line of the reloaded model.
+    # The run says it in the same words (one text, untie.decision.decide): the plan line of the reloaded model.
     reloaded = type(model).from_pretrained(tmp_path / "tied")
     untier = untie.Untier(reloaded)
     optimizer = torch.optim.SGD(reloaded.parameters(), lr=0.0)
@@ -304,7 +305,7 @@ _NOT_THE_PLAN = {"metrics_every": 10, "pairs": [(1, 2)], "optimizer_state": "fre
 
 
 def test_the_default_policy_is_untie_at_start_unless_the_schedule_is_set_whatever_its_value():
-    assert set(_SCHEDULE_ASKED) == set(untie.config.SCHEDULE_SETTINGS)
+    assert set(_SCHEDULE_ASKED) == set(untie.decision.settings.SCHEDULE_SETTINGS)
     assert untie.UntieConfig().chosen_policy() == ("untie-at-start", "the default policy, 'untie-at-start'")
     for name, value in _SCHEDULE_ASKED.items():
         chosen, why = untie.UntieConfig(**{name: value}).chosen_policy()

@@ -18,7 +18,7 @@ from untie.adapters.untier import CUSTOM_LOOP
 from untie.checkpoints.saved_state import UntieStateError, weights_fingerprint
 from untie.core.phases import RUN_TRANSITIONS
 from untie.core.run import SAVED_ATTRIBUTES, Adapter, RunOrderError, UntieRun
-from untie.structure.plan import SavedFacts
+from untie.decision.plan import SavedFacts
 from untie.structure.surgery import is_tied, tie_embeddings, untie_embeddings
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 
 import untie
-from untie.signals.triggers import DivergenceTrigger
+from untie.decision.triggers import DivergenceTrigger
 from untie.testing import ToyLMDataset, tiny_model
 
 

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 #: (tests/test_layout.py runs `--check`).
 PUBLIC_API = (
     ("Trainer", "untie.adapters.callback", ("UntieCallback",)),
-    ("Settings", "untie.config", ("UntieConfig",)),
+    ("Settings", "untie.decision.settings", ("UntieConfig", "parse_command_line")),
     ("Custom training loops", "untie.adapters.untier", ("Untier",)),
-    ("The divergence trigger", "untie.signals.triggers", ("UntieWhen", "RULES")),
+    ("The divergence trigger", "untie.decision.triggers", ("UntieWhen", "RULES")),
     ("Pairs from the tokenizer", "untie.signals.pairs", ("tokenizer_pairs", "TokenPair")),
     (
         "Surgery",
@@ -53,6 +53,7 @@ __all__ = [
     "embedding_layout",
     "install_resume_guard",
     "is_tied",
+    "parse_command_line",
     "prepare_for_resume",
     "tie_embeddings",
     "tokenizer_pairs",
@@ -67,12 +68,13 @@ if TYPE_CHECKING:  # for type checkers and the API reference: the same names, im
     from untie.checkpoints.checkpoint import install_resume_guard as install_resume_guard
     from untie.checkpoints.checkpoint import prepare_for_resume as prepare_for_resume
     from untie.checkpoints.saved_state import UntieStateError as UntieStateError
-    from untie.config import UntieConfig as UntieConfig
+    from untie.decision.settings import UntieConfig as UntieConfig
+    from untie.decision.settings import parse_command_line as parse_command_line
+    from untie.decision.triggers import RULES as RULES
+    from untie.decision.triggers import UntieWhen as UntieWhen
     from untie.errors import UntieError as UntieError
     from untie.signals.pairs import TokenPair as TokenPair
     from untie.signals.pairs import tokenizer_pairs as tokenizer_pairs
-    from untie.signals.triggers import RULES as RULES
-    from untie.signals.triggers import UntieWhen as UntieWhen
     from untie.structure.peft_support import PeftUnsupported as PeftUnsupported
     from untie.structure.surgery import EmbeddingLayout as EmbeddingLayout
     from untie.structure.surgery import embedding_layout as embedding_layout

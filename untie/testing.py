@@ -10,8 +10,8 @@ import torch
 import transformers as tf
 from torch import nn
 
+from untie.decision.metric_keys import pair_key
 from untie.errors import UntieValueError
-from untie.signals.metric_keys import pair_key
 from untie.signals.metrics import (
     Pairs,
     RoleGradients,

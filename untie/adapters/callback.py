@@ -14,9 +14,9 @@ from transformers.trainer_callback import ExportableState
 from untie.adapters import trainer_glue as glue
 from untie.adapters.views import RunViews
 from untie.checkpoints.checkpoint import STATE_KEY, read_saved_run, saved_callback_state
-from untie.config import UntieConfig, build_config, settings_help
 from untie.core.phases import Adapter, RunOrderError
 from untie.core.run import UntieRun
+from untie.decision.settings import UntieConfig, build_config, settings_help
 from untie.distributed import training_engine
 from untie.errors import UntieValueError
 from untie.registry import Registry

@@ -41,12 +41,12 @@ from untie.checkpoints.saved_state import (
     weights_fingerprint,
     write_state_file,
 )
-from untie.config import UntieConfig, build_config, settings_help
 from untie.core.phases import Adapter
 from untie.core.run import UntieRun
+from untie.decision.plan import SavedFacts
+from untie.decision.settings import UntieConfig, build_config, settings_help
 from untie.distributed import gathered, training_engine
 from untie.errors import UntieFileNotFoundError, UntieValueError
-from untie.structure.plan import SavedFacts
 from untie.structure.surgery import inner_optimizer, input_weight, output_weight
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class Untier(RunViews):
         config = build_config(config, overrides, "Untier")
         if isinstance(config.untie_at, float) and max_steps is None and config.chosen_policy()[0] == "off":
             # The schedule runs as set (a tied phase for every model). Under a policy, the default's fraction counts
-            # only where the plan keeps a tied phase: `start` asks for max_steps then (untie.signals.triggers).
+            # only where the plan keeps a tied phase: `start` asks for max_steps then (untie.decision.triggers).
             raise UntieValueError(
                 f"Untier: untie_at={config.untie_at} is a fraction of the run: pass max_steps=<the run's optimizer "
                 "steps>, or an int step (untie_at=N), or untie_at=None."

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen
+from untie.decision.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen
 from untie.structure.policy import PolicyChoice
 
 if TYPE_CHECKING:
@@ -69,10 +69,10 @@ class RunViews:
 
     @property
     def divergence(self) -> DivergenceTrigger | None:
-        """The divergence trigger (`untie.signals.triggers.DivergenceTrigger`) or None."""
+        """The divergence trigger (`untie.decision.triggers.DivergenceTrigger`) or None."""
         return self.run.divergence
 
     @property
     def deadline(self) -> ScheduledTrigger:
-        """`untie_at` (`untie.signals.triggers.ScheduledTrigger`)."""
+        """`untie_at` (`untie.decision.triggers.ScheduledTrigger`)."""
         return self.run.deadline

@@ -12,8 +12,8 @@ from torch import nn
 from untie import _compat
 from untie.checkpoints.loading import CheckpointError, folder_weight_map, stored_name
 from untie.checkpoints.saved_state import ADAPTER_WEIGHT_PREFIXES, MODEL_WEIGHT_PREFIXES
+from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
 from untie.errors import UntieValueError
-from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
 from untie.structure.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from untie.checkpoints.loading import (
     open_checkpoint,
     quiet_transformers,
 )
-from untie.config import TieInit
+from untie.decision.settings import TieInit
 from untie.errors import UntieFileExistsError, UntieValueError
 from untie.structure.surgery import (
     embedding_layout,

@@ -190,11 +190,11 @@ def _load_embeddings(checkpoint: Checkpoint):
 def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
     """What the defaults (`UntieCallback()`, `UntieConfig.chosen_policy`) would do with the model `from_pretrained`
     builds, and why, and its embedding's share of the parameters (`untie.structure.policy`). The plan is said in the
-    words of the run's line at train begin (`untie.structure.decision`), with the default's deadline as a setting (the
+    words of the run's line at train begin (`untie.decision.decide`), with the default's deadline as a setting (the
     run's length is not known here)."""
-    from untie.config import DEFAULT_POLICY, UntieConfig
-    from untie.signals.triggers import rule_name
-    from untie.structure.decision import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
+    from untie.decision.decide import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
+    from untie.decision.settings import DEFAULT_POLICY, UntieConfig
+    from untie.decision.triggers import rule_name
     from untie.structure.policy import choose_plan
 
     choice = choose_plan(DEFAULT_POLICY, model, tied=tied, peft=False, embedding=embedding)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from untie.config import SCHEDULE_SETTINGS, UntieConfig
+from untie.decision.settings import SCHEDULE_SETTINGS, UntieConfig
 from untie.distributed import full_shape, is_sharded
 from untie.errors import UntieError, UntieFileNotFoundError
 from untie.structure.surgery import embedding_layout, input_weight, is_tied, output_weight

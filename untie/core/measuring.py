@@ -11,13 +11,13 @@ import math
 from torch import nn
 
 from untie import _compat
+from untie.decision.triggers import DivergenceTrigger
 from untie.distributed import full_shape, gather_rows, gathered, is_sharded
 from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.signals.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
 from untie.signals.pairs import is_tokenizer, tokenizer_pairs
 from untie.signals.probe import RoleGradientProbe
-from untie.signals.triggers import DivergenceTrigger
 from untie.structure.surgery import input_weight, output_weight
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from untie import _compat
-from untie.config import UntieConfig
-from untie.signals.triggers import UntieWhen, rule_name
-from untie.structure.decision import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
+from untie.decision.decide import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
+from untie.decision.settings import UntieConfig
+from untie.decision.triggers import UntieWhen, rule_name
 from untie.structure.peft_support import split_by_peft
 from untie.structure.surgery import is_tied, untie_recorded
 
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
     from untie.core.measuring import Measurements
     from untie.core.model_structure import ModelStructure
-    from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger
-    from untie.structure.decision import Decision
-    from untie.structure.policy_rules import PolicyChoice
+    from untie.decision.decide import Decision
+    from untie.decision.policy_rules import PolicyChoice
+    from untie.decision.triggers import DivergenceTrigger, ScheduledTrigger
     from untie.structure.role_rates import RoleRates
 
 

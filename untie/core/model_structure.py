@@ -1,6 +1,6 @@
 """`ModelStructure`: the attached model's structure, as a run changes it.
 
-It carries out the structure plans the decision gives (`untie.structure.plan.StructurePlan`) on the model and, once
+It carries out the structure plans the decision gives (`untie.decision.plan.StructurePlan`) on the model and, once
 it exists, on the optimizer: the tied phase's implementation (live tying, or emulated under FSDP2 and DeepSpeed:
 `untie.engines`), the untie itself (weights and optimizer state), the gradient sync of a head created after DDP
 wrapped the model, and the first batch's check of a head drawn by default (`untie.structure.head_start`). It decides
@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.config import OptimizerStateInit
 from untie.core.phases import RunOrderError
+from untie.decision.plan import ModelFacts, StructurePlan
+from untie.decision.settings import OptimizerStateInit
 from untie.distributed import sync_grads_across_ranks
 from untie.engines import TiedPhase, tied_phase_for
 from untie.errors import UntieValueError
@@ -25,7 +26,6 @@ from untie.registry import Registry
 from untie.structure.facts import model_facts
 from untie.structure.head_start import FirstBatchCheck, HeadVerdict
 from untie.structure.peft_support import check_peft_run
-from untie.structure.plan import ModelFacts, StructurePlan
 from untie.structure.surgery import (
     add_param_like,
     draw_head,

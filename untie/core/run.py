@@ -2,7 +2,7 @@
 
 It holds what a run remembers (the model's structure, `untie.core.model_structure.ModelStructure`; the deadline and the
 divergence trigger; the untie; the measurements, `untie.core.measuring.Measurements`; the per-role learning rates,
-`untie.structure.role_rates.RoleRates`) and carries out what `untie.structure.decision.decide` decides from the model's
+`untie.structure.role_rates.RoleRates`) and carries out what `untie.decision.decide.decide` decides from the model's
 facts, the settings and, on resume, the checkpoint; it decides again only when a fact changes. The adapters
 (`untie.UntieCallback`, `untie.Untier`) call it in the order of `untie.core.phases`: `attach` before the optimizer
 exists, `start` with it, then per optimizer step `t` (from 1) `arm(t)` before its first forward, `measure(t)` once its
@@ -19,19 +19,19 @@ from torch import nn
 
 from untie.checkpoints.checkpoint import has_resume_guard, resume_guard_hook
 from untie.checkpoints.saved_state import check_state, resumed_config, run_state
-from untie.config import UntieConfig
 from untie.core import measuring, messages
 from untie.core.model_structure import ModelStructure
 from untie.core.phases import BY_HAND, Adapter, RunOrderError, enter
+from untie.decision.decide import PENDING, Decision, Facts, Settings, decide
+from untie.decision.plan import SavedFacts, StructurePlan
+from untie.decision.settings import UntieConfig
+from untie.decision.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen
 from untie.distributed import broadcast_decision, resolve_tying_mode
 from untie.errors import UntieRuntimeError, UntieValueError
 from untie.registry import Registry
-from untie.signals.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen
-from untie.structure.decision import PENDING, Decision, Facts, Settings, decide
 from untie.structure.facts import read_facts
 from untie.structure.head_start import HeadVerdict
 from untie.structure.peft_support import is_peft_model
-from untie.structure.plan import SavedFacts, StructurePlan
 from untie.structure.policy import PolicyChoice
 from untie.structure.role_rates import RoleRates
 from untie.structure.surgery import is_tied

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from untie.config import OptimizerStateInit
+from untie.decision.settings import OptimizerStateInit
 from untie.engines.emulation import EmulatedTying
 from untie.engines.zero_tying import ZeroTying
 from untie.registry import Registry

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.config import OptimizerStateInit
+from untie.decision.settings import OptimizerStateInit
 from untie.distributed import full_shape
 from untie.errors import UntieValueError
 from untie.registry import Registry

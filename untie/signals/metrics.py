@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from untie.decision.metric_keys import metric_key, pair_key, split_metric_key  # noqa: F401 (re-exported)
 from untie.errors import UntieValueError
-from untie.signals.metric_keys import metric_key, pair_key, split_metric_key  # noqa: F401 (re-exported)
 
 Pairs = Sequence[tuple[int, int]]
 

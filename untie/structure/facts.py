@@ -1,4 +1,4 @@
-"""What a run reads off its model for its decision (`untie.structure.decision.decide`): `read_facts` at attach (the
+"""What a run reads off its model for its decision (`untie.decision.decide.decide`): `read_facts` at attach (the
 one read of the weights: the policy's freshness evidence, a collective in a distributed run), `model_facts` again
 when a plan changed the model's structure (cheap)."""
 
@@ -6,18 +6,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from untie.config import UntieConfig
+from untie.decision.decide import Facts
+from untie.decision.plan import ModelFacts, Structure
+from untie.decision.settings import UntieConfig
 from untie.distributed import is_sharded, is_split, world_size
 from untie.errors import UntieValueError
-from untie.structure.decision import Facts
 from untie.structure.peft_support import is_peft_model
-from untie.structure.plan import ModelFacts, Structure
 from untie.structure.policy import read_for_policy
 from untie.structure.surgery import input_weight, is_tied, output_weight, untie_recorded, was_untied
 
 
 def structure_of(model: nn.Module, emulating: bool = False) -> Structure:
-    """The model's structure (`untie.structure.plan`): "emulated" while a run keeps its separate head equal
+    """The model's structure (`untie.decision.plan`): "emulated" while a run keeps its separate head equal
     (`emulating`)."""
     if emulating:
         return "emulated"
@@ -25,7 +25,7 @@ def structure_of(model: nn.Module, emulating: bool = False) -> Structure:
 
 
 def model_facts(model: nn.Module, *, emulating: bool = False, optimizer_built: bool = False) -> ModelFacts:
-    """What `untie.structure.plan.plan_structure` needs to know about `model` now."""
+    """What `untie.decision.plan.plan_structure` needs to know about `model` now."""
     peft = is_peft_model(model)
     structure = structure_of(model, emulating)
     return ModelFacts(

@@ -38,9 +38,7 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.config import POLICIES, PolicyName
-from untie.distributed import broadcast_decision, full_shape, gathered, is_sharded, world_size
-from untie.structure.policy_rules import (
+from untie.decision.policy_rules import (
     UNTIED_FROM_START_SHARE,
     Freshness,
     PolicyChoice,
@@ -48,6 +46,8 @@ from untie.structure.policy_rules import (
     choose,
     settle,
 )
+from untie.decision.settings import POLICIES, PolicyName
+from untie.distributed import broadcast_decision, full_shape, gathered, is_sharded, world_size
 from untie.structure.surgery import input_weight
 
 #: The sample of the input embedding `weights_evidence` compares with a fresh draw: at most this many entries (rows
@@ -66,7 +66,7 @@ _ROW_SPREAD_FLOOR = 0.25
 #: a learnable 300-symbol task: 1.26).
 _TOP_DIRECTION_FLOOR = 0.15
 
-#: The pure rules live in `untie.structure.policy_rules` (torch-free); they are re-exported here with the readers.
+#: The pure rules live in `untie.decision.policy_rules` (torch-free); they are re-exported here with the readers.
 #: `choose` reads `policy_rules.UNTIED_FROM_START_SHARE`: patch it there (patching this name here changes nothing).
 __all__ = [
     "POLICIES",
@@ -312,6 +312,6 @@ def choose_plan(
     embedding: torch.Tensor | None = None,
 ) -> PolicyChoice:
     """`choose` on what `read_for_policy` reads off `model` now (`untie inspect`, and tests): the run reads once, at
-    attach, and decides with `untie.structure.decision.decide`."""
+    attach, and decides with `untie.decision.decide.decide`."""
     reading = read_for_policy(policy, model, tied=tied, peft=peft, from_scratch=from_scratch, embedding=embedding)
     return choose(policy, tied=tied, peft=peft, reading=reading, threshold=threshold)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from untie import _compat
-from untie.config import OPTIMIZER_STATES, TIE_INITS, OptimizerStateInit, TieInit
+from untie.decision.settings import OPTIMIZER_STATES, TIE_INITS, OptimizerStateInit, TieInit
 from untie.distributed import full_shape, gathered, is_split
 from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 from untie.roles import embedding_modules, input_weight, output_weight

@@ -26,7 +26,7 @@ import torch
 import transformers as tf
 
 from untie.checkpoints.saved_state import tensor_digest
-from untie.signals.triggers import resolve_step
+from untie.decision.triggers import resolve_step
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from untie.signals.triggers import resolve_step
+from untie.decision.triggers import resolve_step
 
 #: The share of a run's budget that its linear cooldown to 0 covers (the last 20%).
 COOLDOWN = 0.2

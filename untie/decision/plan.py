@@ -11,7 +11,7 @@ Which one it needs depends on three things only: what the model is now (`ModelFa
 (`RunSettings`) and, on resume, what the checkpoint says about the run that wrote it (`SavedFacts`). This module turns
 them into a `StructurePlan`: the target structure, the reason an untied target is untied, a warning to give, or a
 refusal that names the fix. It is pure (plain values in, a plain value out, no torch), so every case is a row of
-`tests/test_plan.py`. The run's decision asks it (`untie.structure.decision.decide`: at a start, and for a checkpoint
+`tests/test_plan.py`. The run's decision asks it (`untie.decision.decide.decide`: at a start, and for a checkpoint
 about to load), as does `untie.prepare_for_resume`; `untie.core.model_structure.ModelStructure.execute` carries the plan
 out on the model (and the optimizer, once it exists).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from untie.config import TieInit
+from untie.decision.settings import TieInit
 
 Structure = Literal["tied", "emulated", "untied"]
 

@@ -1,6 +1,6 @@
 """The untie policies' rules, pure: what a policy chooses (`choose`) from what was read off the model
 (`PolicyReading`), and how a checkpoint's tied run settles it (`settle`). Plain values in, a plain value out: no
-torch (a test imports this module with torch blocked), so that the run's one decision (`untie.structure.decision`)
+torch (a test imports this module with torch blocked), so that the run's one decision (`untie.decision.decide`)
 is importable and testable without it. What the policies are, and why: `untie.structure.policy`, which reads the
 model (`read_for_policy`) and re-exports these names."""
 
@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Literal
 
-from untie.structure.plan import SavedFacts
+from untie.decision.plan import SavedFacts
 
 #: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
 #: midpoint of 40% (the first map's d 256, where tie-then-untie held its own) and 56% (d 128 x 4, where untied from the

@@ -12,8 +12,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from untie.decision.metric_keys import metric_key, split_metric_key
 from untie.errors import UntieValueError
-from untie.signals.metric_keys import metric_key, split_metric_key
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 What a run does with its model is decided here and nowhere else: the policy's choice, the schedule (the deadline and
 the trigger's rule), how a head untied before the first step starts and whether the first batch judges it, a resume's
-continuation, the structure the model needs at a start and at a resume (`untie.structure.plan.plan_structure`), and
+continuation, the structure the model needs at a start and at a resume (`untie.decision.plan.plan_structure`), and
 every warning or refusal about a setting that cannot apply. It decides from four things:
 
 * `Facts`: what the model is, read by the run (`untie.core.run`) at attach and read again only when a fact changes:
@@ -23,12 +23,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from untie.config import DEFAULT_POLICY, SCHEDULE_SETTINGS, UntieConfig
-from untie.structure.plan import ModelFacts, RunSettings, SavedFacts, StructurePlan, plan_structure
-from untie.structure.policy_rules import PolicyChoice, PolicyReading, choose, settle
+from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, StructurePlan, plan_structure
+from untie.decision.policy_rules import PolicyChoice, PolicyReading, choose, settle
+from untie.decision.settings import DEFAULT_POLICY, SCHEDULE_SETTINGS, UntieConfig
 
 if TYPE_CHECKING:  # a type only: the rule is the config's (`UntieConfig.rule`); signals/ imports structure/
-    from untie.signals.triggers import UntieWhen
+    from untie.decision.triggers import UntieWhen
 
 
 class _Pending:
