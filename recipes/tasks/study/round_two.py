@@ -46,7 +46,8 @@ def choice_text(arm: str) -> str:
         return f"untied from step 0, head drawn, the input embedding at {spec.embedding_scale:g}x the rate"
     if arm == "tied":
         return "stay tied"
-    return f"a tied phase to {spec.fraction:.3g} of the run ({arm})"
+    fraction = arm.split("@", 1)[1] if "@" in arm else f"{spec.fraction:.3g}"  # "2/3" as the arm names it
+    return f"a tied phase to {fraction} of the run ({arm})"
 
 
 def cross_kind_noise(records: Sequence[StudyRecord]) -> list[dict]:
@@ -126,8 +127,8 @@ def cell_choice(rows: dict) -> dict:
             "why": f"{margin:.4f} nat below the best arm without it ({best['arm']}), at least {OPTIMIZER_BAR}",
         }
     return {"choice": best["arm"], "margin": margin,
-            "why": f"the lowest mean without the scale; {scaled['arm']} ends {margin:+.4f} nat from it, short of "
-                   f"{OPTIMIZER_BAR}: an option"}  # fmt: skip
+            "why": f"the lowest mean without the scale; {scaled['arm']} ends {abs(margin):.4f} nat "
+                   f"{'below' if margin > 0 else 'above'} it, short of {OPTIMIZER_BAR} below: an option"}  # fmt: skip
 
 
 def share_bands(tables: dict[str, dict]) -> dict:
