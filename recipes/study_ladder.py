@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -50,14 +51,15 @@ class LadderArguments:
     extra: str = field(
         default="",
         metadata={
-            "help": "more flags for every study process, as one quoted string (e.g. --extra '--curve_points 10')"
+            "help": "more flags for every study process, as one quoted string (--extra='--curve_points 10'; the = "
+            "form also passes one flag alone: --extra=--allow_repeats)"
         },
     )
     out: str | None = field(
         default=None,
         metadata={
-            "help": "copy the records, the logs and the report here at the "
-            "end, however the call ends (the device's $OUT)"
+            "help": "copy the records, the logs and the report here at the end, also when a SIGTERM ends the call (the "
+            "device's $OUT; a SIGKILL cannot be caught: keep --time_limit under the call's limit)"
         },
     )
     dry_run: bool = field(default=False, metadata={"help": "print the commands, start nothing"})
@@ -91,14 +93,26 @@ def run_all(args: LadderArguments, started: list[tuple[str, list[str]]]) -> dict
             processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     bar = tqdm(total=len(processes), desc="Share ladder", unit="process", disable=args.disable_tqdm)
     finished: dict[str, int] = {}
-    while len(finished) < len(processes):
-        for name, process in processes.items():
-            if name not in finished and process.poll() is not None:
-                finished[name] = process.returncode
-                bar.update(1)
-        time.sleep(1.0)
-    bar.close()
+    try:
+        while len(finished) < len(processes):
+            for name, process in processes.items():
+                if name not in finished and process.poll() is not None:
+                    finished[name] = process.returncode
+                    bar.update(1)
+            time.sleep(1.0)
+    finally:  # interrupted (the call's time out): no process outlives the launcher
+        for process in processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in processes.values():
+            process.wait()
+        bar.close()
     return finished
+
+
+def _stop(signum: int, frame: object) -> None:
+    """A SIGTERM (how a call's time limit ends it) as SystemExit, so that what was made is still brought back."""
+    raise SystemExit(128 + signum)
 
 
 def bring_back(args: LadderArguments) -> None:
@@ -128,10 +142,12 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
         for _, command in started:
             print(" ".join(command))
         return {}
+    previous = signal.signal(signal.SIGTERM, _stop)
     try:
         return report_after(args, run_all(args, started))
     finally:
         bring_back(args)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def report_after(args: LadderArguments, statuses: dict[str, int]) -> dict[str, int]:

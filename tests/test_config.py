@@ -213,3 +213,9 @@ def test_the_settings_former_module_still_answers_and_names_their_new_place():
     assert UntieConfig is untie.UntieConfig
     with pytest.raises(ImportError):
         from untie.config import NoSuchSetting  # noqa: F401
+
+
+def test_the_decision_package_answers_its_modules_by_attribute_in_a_fresh_process():
+    script = "import untie; print(untie.decision.settings.UntieConfig is untie.UntieConfig)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]

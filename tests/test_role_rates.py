@@ -244,15 +244,13 @@ def test_a_bad_scale_is_one_line_naming_the_field(name, value):
 
 
 def test_the_command_line_and_json_take_the_scales(tmp_path):
-    config, _ = untie.decision.settings.parse_command_line(
+    config, _ = untie.parse_command_line(
         (untie.UntieConfig, tf.TrainingArguments),
         ["--embedding_lr_scale", "0.1", "--head_lr_scale", "0", "--lr_scales_while_tied", "true", "--output_dir", "x"],
     )
     assert (config.embedding_lr_scale, config.head_lr_scale, config.lr_scales_while_tied) == (0.1, 0.0, True)
     assert untie.UntieConfig.from_json(config.to_json()) == config
-    script = (
-        "import untie; untie.decision.settings.parse_command_line((untie.UntieConfig,), ['--head_lr_scale', 'fast'])"
-    )
+    script = "import untie; untie.parse_command_line((untie.UntieConfig,), ['--head_lr_scale', 'fast'])"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 2 and "head_lr_scale" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 

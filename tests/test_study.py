@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -711,3 +712,32 @@ def test_the_ladder_waits_for_every_process_and_brings_back_what_it_made_however
         ladder.main(["--output_dir", str(made), "--out", str(tmp_path / "out"), "--disable_tqdm"])
     brought = sorted(str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file())
     assert brought == ["L4k-tied.log", "L4k-untied.log", "L4k/records/a.json"]  # no checkpoint, no partial file
+
+
+def test_a_sigterm_ends_the_ladder_with_its_processes_and_still_brings_back_what_it_made(tmp_path):
+    """How a device call's time limit ends it: the launcher stops its processes and copies what exists to --out."""
+    script = tmp_path / "launch.py"
+    script.write_text(
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('ladder', {str(ROOT / 'recipes' / 'study_ladder.py')!r})\n"
+        "ladder = importlib.util.module_from_spec(spec); sys.modules['ladder'] = ladder\n"
+        "spec.loader.exec_module(ladder)\n"
+        "child = [sys.executable, '-c', 'import os, time; print(os.getpid(), flush=True); time.sleep(600)']\n"
+        "ladder.commands = lambda args: [('L4k-tied', child)]\n"
+        f"ladder.main(['--output_dir', {str(tmp_path / 'made')!r}, '--out', {str(tmp_path / 'out')!r}, "
+        "'--disable_tqdm'])\n"
+    )
+    launcher = subprocess.Popen([sys.executable, str(script)])
+    log = tmp_path / "made" / "L4k-tied.log"
+    for _ in range(600):  # until the child has started and written its pid (no clock: a loaded machine waits)
+        if log.exists() and log.read_text().strip():
+            break
+        launcher.poll()
+        assert launcher.returncode is None, "the launcher ended before its process started"
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    child = int(log.read_text().split()[0])
+    launcher.terminate()
+    assert launcher.wait() == 128 + 15
+    assert (tmp_path / "out" / "L4k-tied.log").read_text() == log.read_text()
+    with pytest.raises(ProcessLookupError):  # the child was stopped and reaped, not left running
+        os.kill(child, 0)

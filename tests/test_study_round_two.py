@@ -125,6 +125,11 @@ def _finetune_table(target: dict[str, float], source: dict[str, float], seeds: i
 def test_a_loaded_model_takes_the_least_forgotten_arm_within_a_hundredth_of_the_best_target():
     target = {"stay-tied": 4.80, "untie-now": 4.767, "untie-now-emb0.1": 4.772, "untie-now-frozen": 4.790}
     source = {"stay-tied": 5.30, "untie-now": 5.33, "untie-now-emb0.1": 5.31, "untie-now-frozen": 5.29}
+    four = {arm: target[arm] for arm in ("stay-tied", "untie-now")} | {"default": 4.79, "untie@1/2": 4.80}
+    waiting = round_two.loaded_choice(_finetune_table(four, source | {"default": 5.3, "untie@1/2": 5.3}))
+    assert waiting["choice"] is None and "untie-now-emb0.1, untie-now-frozen not run" in waiting["why"]
+    target |= {"default": 4.79, "untie@1/2": 4.80}
+    source |= {"default": 5.28, "untie@1/2": 5.28}
     chosen = round_two.loaded_choice(_finetune_table(target, source))
     assert chosen["choice"] == "untie-now-emb0.1"  # 0.005 from the best target, forgets less than untie-now
     assert chosen["standing"]["untie-now"] == "target within 0.01, forgets more"
@@ -132,6 +137,30 @@ def test_a_loaded_model_takes_the_least_forgotten_arm_within_a_hundredth_of_the_
     target["untie-now-emb0.1"] = 4.778  # 0.011 from the best: out
     assert round_two.loaded_choice(_finetune_table(target, source))["choice"] == "untie-now"
     assert round_two.loaded_choice(_finetune_table(target, source, seeds=2))["choice"] is None
+    target["untie-now"] = float("nan")  # a diverged arm never wins, and says so
+    diverged = round_two.loaded_choice(_finetune_table(target, source))
+    assert diverged["choice"] == "untie-now-emb0.1" and diverged["standing"]["untie-now"] == "diverged"
+
+
+def test_a_diverged_run_never_wins_and_only_development_seeds_enter():
+    records = _cell_b((3.95, 3.95, 3.95))
+    nan_t = [dataclasses.replace(r, final_validation_loss=float("nan")) if (r.arm, r.seed) == ("untie@1/3", 2) else r
+             for r in records]  # fmt: skip
+    table = round_two.round_two_table("B", nan_t)
+    assert table["arms"]["T*"]["arm"] == "untie@2/3" and table["diverged"] == ["untie@1/3"]
+    assert table["choice"] == "untied-emb16" and table["margin"] == pytest.approx(0.01333, abs=1e-4)
+    nan_u = [dataclasses.replace(r, final_validation_loss=float("nan")) if (r.arm, r.seed) == ("untied", 2) else r
+             for r in records]  # fmt: skip
+    assert round_two.round_two_table("B", nan_u)["choice"] != "untied"
+    extra = [
+        *records,
+        *(
+            dataclasses.replace(r, seed=31, final_validation_loss=9.0)
+            for r in records
+            if r.seed == 1 and r.kind == "arm"
+        ),
+    ]
+    assert round_two.round_two_table("B", extra)["seeds"] == [1, 2, 3]  # held-out seeds never enter the choice
 
 
 def test_the_report_gives_each_fine_tuned_cells_arms_under_the_loaded_model_rule(tmp_path):

@@ -1,2 +1,2 @@
-"""What a run measures and decides from: the role-gradient probe, the role and drift metrics, the tokenizer's
-semantically equivalent pairs, and the trigger policies (the deadline and the divergence trigger)."""
+"""What a run measures: the role-gradient probe, the role and drift metrics, and the tokenizer's semantically
+equivalent pairs. The trigger's rules that read these measurements are `untie.decision.triggers`."""

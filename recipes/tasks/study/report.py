@@ -173,8 +173,13 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
         groups.append({"corpus_digest": key[0], "cpu": machine.get("cpu"), "kernel_path": machine.get("kernel_path"),
                        "device": machine.get("device"), "torch": machine.get("torch"), "runs": len(group),
                        "cells": cells, "finetune": table, "verdict": verdict(cells, table)})  # fmt: skip
-    tuned_cells = sorted({r.cell for r in finetune})
-    by_cell = {c: finetune_table([r for r in finetune if r.cell == c]) for c in tuned_cells}
+    by_cell = {}
+    for cell in sorted({r.cell for r in finetune}):  # each cell's largest pool group: fine-tuning never pairs kinds
+        kinds = sorted(pool_groups([r for r in finetune if r.cell == cell]).values(), key=len, reverse=True)
+        by_cell[cell] = finetune_table(kinds[0])
+        if len(kinds) > 1:
+            logger.warning("study: cell %s's fine-tuning records form %d pool groups; round two reads the largest.",
+                           cell, len(kinds))  # fmt: skip
     results = {"groups": groups, "round_two": round_two(records, by_cell)}
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -13,9 +13,12 @@ configuration ran on both (`cross_kind_noise`). Only records of one corpus build
 
 from __future__ import annotations
 
+import math
 import statistics
+from collections import Counter
 from collections.abc import Sequence
 
+from untie_recipes.tasks.study.finetune import ALL_FINETUNE_ARMS
 from untie_recipes.tasks.study.protocol import CELLS, DEVELOPMENT_SEEDS, SCALED_ARM, arm_spec, scaled_arm
 from untie_recipes.tasks.study.stats import t_interval
 from untie_recipes.tasks.study.sweep import scale_choice
@@ -32,9 +35,15 @@ TARGET_BAR = 0.01
 
 
 def _fixed_arms(cell: str) -> list[str]:
-    """The cell's branches at a fixed fraction with the optimizer state copied, round two's included."""
+    """The cell's branches (every arm with a tied phase to a fraction of the run), round two's included: T* is the
+    best of them, as the rule says "among the cell's branches"."""
     names = CELLS[cell].arms + CELLS[cell].round_two
-    return [a for a in names if arm_spec(a).fraction is not None and arm_spec(a).optimizer_state == "copy"]
+    return [a for a in names if arm_spec(a).fraction is not None]
+
+
+def _finite(rows: list[dict], key: str = "mean") -> list[dict]:
+    """The rows whose `key` is a finite number: a diverged run's NaN never wins a `min`."""
+    return [row for row in rows if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])]
 
 
 def choice_text(arm: str) -> str:
@@ -69,8 +78,9 @@ def cross_kind_noise(records: Sequence[StudyRecord]) -> list[dict]:
 
 def _arms_and_seeds(cell: str, records: Sequence[StudyRecord]) -> tuple[dict, list[str], list[int]]:
     """The cell's arm records of U's corpus build, the arms the table reads and the seeds that have all of them."""
-    mine = [r for r in records if r.cell == cell and r.kind == "arm"]
-    digest = next((r.corpus_digest for r in mine if r.arm == "untied"), None)
+    mine = [r for r in records if r.cell == cell and r.kind == "arm" and r.seed in DEVELOPMENT_SEEDS]
+    builds = Counter(r.corpus_digest for r in mine if r.arm == "untied")  # the build most of U's seeds ran on
+    digest = builds.most_common(1)[0][0] if builds else None
     arms = {(r.arm, r.seed): r for r in mine if r.corpus_digest == digest}
     seeds = sorted({s for a, s in arms if a == "untied"})
     later = CELLS[cell].round_two  # round two's branches of a round-one cell enter once recorded (cell B's untie@0.9)
@@ -98,8 +108,9 @@ def round_two_table(cell: str, records: Sequence[StudyRecord]) -> dict:
         table["why"] = f"pending: {len(seeds)} of {needed} seeds complete (missing runs of {', '.join(missing)})"
         return table
     means = {a: statistics.fmean(arms[(a, s)].final_validation_loss for s in seeds) for a in wanted}
-    fixed = [a for a in wanted if arm_spec(a).fraction is not None]
-    best_fixed = min(fixed, key=lambda a: means[a])
+    fixed = [a for a in wanted if arm_spec(a).fraction is not None and math.isfinite(means[a])]
+    best_fixed = min(fixed, key=lambda a: means[a]) if fixed else None
+    table["diverged"] = sorted(a for a in wanted if not math.isfinite(means[a]))
     scaled = next((a for a in wanted if a.startswith(SCALED_ARM)), None)
     for role, arm in (("U", "untied"), ("U_k", scaled), ("T*", best_fixed), ("tied", "tied")):
         if arm is None:
@@ -114,9 +125,13 @@ def round_two_table(cell: str, records: Sequence[StudyRecord]) -> dict:
 def cell_choice(rows: dict) -> dict:
     """The rule: the lowest mean among U, T* and tied; U_k instead where its mean is at least `OPTIMIZER_BAR` below
     theirs (otherwise it is an option, with its measured effect)."""
-    others = [rows[r] for r in ("U", "T*", "tied") if r in rows]
+    others = _finite([rows[r] for r in ("U", "T*", "tied") if r in rows])
+    if not others:
+        return {"choice": None, "why": "no choice: every arm without the scale diverged"}
     best = min(others, key=lambda row: row["mean"])
     scaled = rows.get("U_k")
+    if scaled is not None and not _finite([scaled]):
+        return {"choice": best["arm"], "why": f"the lowest mean; {scaled['arm']} diverged"}
     if scaled is None:
         return {"choice": best["arm"], "why": "the lowest mean; this cell has no embedding-scale arm"}
     margin = best["mean"] - scaled["mean"]
@@ -158,11 +173,16 @@ def loaded_choice(table: dict) -> dict:
     seeds, needed = table.get("seeds", []), len(DEVELOPMENT_SEEDS)
     if len(seeds) < needed:
         return {"choice": None, "why": f"pending: {len(seeds)} of {needed} seeds complete", "standing": {}}
-    arms = table["arms"]
+    missing = [a for a in ALL_FINETUNE_ARMS if a not in table["arms"]]
+    if missing:
+        return {"choice": None, "standing": {}, "why": f"pending: {', '.join(missing)} not run on the complete seeds"}
+    arms = {a: row for a, row in table["arms"].items() if _finite([row["target"]]) and _finite([row["source"]])}
+    if not arms:
+        return {"choice": None, "why": "no choice: every arm diverged", "standing": {}}
     lowest = min(row["target"]["mean"] for row in arms.values())
     near = [a for a, row in arms.items() if row["target"]["mean"] <= lowest + TARGET_BAR]
     choice = min(near, key=lambda a: arms[a]["source"]["mean"])
-    standing = {}
+    standing = {arm: "diverged" for arm in table["arms"] if arm not in arms}
     for arm, row in arms.items():
         above = row["target"]["mean"] - lowest
         chosen = (
