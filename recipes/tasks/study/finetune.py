@@ -161,12 +161,13 @@ def finetune_run(ctx: StudyContext, target: TokenizedCorpus, cell: str, seed: in
               if arm == "default" else None)  # fmt: skip
     optimizer, scheduler = build_optimizer(model, setup, FINETUNE_STEPS)
     hooks: list[Callable[[int], object]] = []
+    installed = Registry("study: per-role rates")  # the role groups' pre-hook, taken off once the arm has trained
     if arm == "untie-now":
         untie_embeddings(model, optimizer)
     elif arm in SCALED_FINETUNE:  # untie-now, then the input embedding in a group of its own at the scale
         untie_embeddings(model, optimizer)
         rates = RoleRates({"input_embedding": SCALED_FINETUNE[arm], "head": 1.0}, False, "study")
-        rates.split(optimizer, model, Registry("study: per-role rates"), scheduler)
+        rates.split(optimizer, model, installed, scheduler)
     elif arm == "untie@1/2":
         hooks.append(lambda step: untie_embeddings(model, optimizer) if step == HALF_STEP else None)
     elif untier is not None:
@@ -179,6 +180,7 @@ def finetune_run(ctx: StudyContext, target: TokenizedCorpus, cell: str, seed: in
     started, cpu_started = time.perf_counter(), time.process_time()
     train_steps(model, optimizer, scheduler, setup, target.train, order, 0, FINETUNE_STEPS, after)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    installed.close()
     fixed = {"untie-now": 0, "untie@1/2": HALF_STEP, **dict.fromkeys(SCALED_FINETUNE, 0)}
     untied_at, reason = (fixed[arm], "fixed") if arm in fixed else (None, None)
     if untier is not None:
