@@ -556,6 +556,15 @@ TABLES: dict[str, Table] = {
         for output, names in STUDY_TABLES.items()
         for index, name in enumerate(names)
     },
+    # The same report's share bands, where the library reads them (the default for a model built fresh, policy
+    # "by-share"): a commit that adds a record regenerates them with the tables above.
+    "library-share-bands": Table(
+        page="untie/decision/share_bands.py",
+        commands=(("python", "recipes/study.py", "--report_only", "--output_dir", "{out}"),),
+        output="round-two.md",
+        extract=nth_table(len(STUDY_TABLES["round-two.md"])),
+        cost="data",
+    ),
 }
 
 

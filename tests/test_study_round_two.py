@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from untie.decision.share_bands import parse_bands
 from untie_recipes.tasks.study import report, round_two
 from untie_recipes.tasks.study.training import StudyRecord
 
@@ -90,7 +91,7 @@ def test_each_cells_choice_holds_to_the_midpoint_with_its_neighbour_and_neighbou
         "C": {"choice": None, "embedding_share": 0.25},
     }
     pending = round_two.share_bands(tables)
-    assert pending["status"] == "pending: cells C have no choice yet"
+    assert pending["status"] == "pending: cell C has no choice yet"
     assert [(b["from"], b["to"], b["choice"]) for b in pending["bands"]] == [
         (0.0, pytest.approx(0.70), "untie@2/3"), (pytest.approx(0.70), 1.0, "untied")]  # fmt: skip
     tables["C"]["choice"] = "untie@2/3"
@@ -102,17 +103,22 @@ def test_each_cells_choice_holds_to_the_midpoint_with_its_neighbour_and_neighbou
     assert [(round(b["from"], 3), round(b["to"], 3)) for b in three] == [(0.0, 0.405), (0.405, 0.70), (0.70, 1.0)]
 
 
-def test_the_report_writes_round_twos_four_tables(tmp_path):
+def test_the_report_writes_round_twos_tables_and_the_librarys_bands(tmp_path):
     report.write_report(tmp_path, _cell_b((3.95, 3.95, 3.95)))
     text = (tmp_path / "round-two.md").read_text()
     tables = [block for block in text.split("\n\n") if block.startswith("|")]
-    assert len(tables) == 4
-    cells, noise, bands, loaded = tables
+    assert len(tables) == 5
+    cells, noise, bands, loaded, library = tables
     assert "| B | 60.0% | 1, 2, 3 | untied-emb16: -0.050 [-0.050, -0.050]" in cells
     assert "untied from step 0, head drawn, the input embedding at 16x the rate (0.0133 nat below" in cells
     assert "| C | - | none |" in cells and "+0.0020" in noise
     assert "| 0.0% to 100.0% | untied from step 0, head drawn, the input embedding at 16x the rate | B |" in bands
     assert "| - | none fine-tuned | - | - | - | - | - |" in loaded
+    # the library reads its default from this one (untie.decision.share_bands): U_k's scale is named, pending until C
+    parsed = parse_bands(library)
+    assert [(b.low, b.high, b.arm, b.untie_at, b.embedding_lr_scale) for b in parsed.bands] == [
+        (0.0, 1.0, "untied-emb16", 0.0, 16.0)]  # fmt: skip
+    assert parsed.status.startswith("pending: cell") and parsed.band(0.3) is None
 
 
 def _finetune_table(target: dict[str, float], source: dict[str, float], seeds: int = 3) -> dict:

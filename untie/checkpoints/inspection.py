@@ -192,21 +192,12 @@ def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
     builds, and why, and its embedding's share of the parameters (`untie.structure.policy`). The plan is said in the
     words of the run's line at train begin (`untie.decision.decide`), with the default's deadline as a setting (the
     run's length is not known here)."""
-    from untie.decision.decide import ARRIVED_UNTIED, tied_text, untie_when_text, untied_from_start_text
-    from untie.decision.settings import DEFAULT_POLICY, UntieConfig
-    from untie.decision.triggers import rule_name
+    from untie.decision.decide import default_plan_text
+    from untie.decision.settings import DEFAULT_POLICY
     from untie.structure.policy import choose_plan
 
     choice = choose_plan(DEFAULT_POLICY, model, tied=tied, peft=False, embedding=embedding)
-    if not tied:
-        plan = ARRIVED_UNTIED
-    elif choice.untied_from_start:
-        plan = untied_from_start_text(choice.head_init, None)
-    else:
-        defaults = UntieConfig()
-        rule = defaults.rule(with_pairs=True)  # inspect reads the checkpoint tokenizer's pairs, as Trainer's run does
-        deadline = f"at untie_at={defaults.untie_at!r}" if defaults.untie_at is not None else ""
-        plan = tied_text(untie_when_text(deadline, rule_name(rule) if rule is not None else None), None)
+    plan = default_plan_text(choice, tied)
     return {
         "embedding_share": choice.embedding_share,
         "parameters": choice.parameters,

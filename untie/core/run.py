@@ -22,7 +22,7 @@ from untie.checkpoints.saved_state import check_state, resumed_config, run_state
 from untie.core import measuring, messages
 from untie.core.model_structure import ModelStructure
 from untie.core.phases import BY_HAND, Adapter, RunOrderError, enter
-from untie.decision.decide import PENDING, Decision, Facts, Settings, decide
+from untie.decision.decide import PENDING, Decision, Facts, Settings, check_run_length, checkpoint_config, decide
 from untie.decision.plan import SavedFacts, StructurePlan
 from untie.decision.settings import UntieConfig
 from untie.decision.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen
@@ -252,7 +252,7 @@ class UntieRun:
         if (step or resumed) and not self.untied and (structure.emulation is not None or is_tied(model)):
             if not isinstance(self.saved, SavedFacts) or self.saved.untied is None:
                 self.saved = SavedFacts(f"the state at step {step}", untied=False)  # it resumes its tied phase
-        self.redecide(step)
+        check_run_length(self.redecide(step), self.owner, max_steps)
         self.deadline.resolve(max_steps)
         if self.divergence is not None:
             self.divergence.resolve(max_steps)
@@ -364,7 +364,8 @@ class UntieRun:
         """The run state at step `step`, JSON-able, in the layout both adapters save (`untie.checkpoints.saved_state`),
         with the weights' fingerprint (`weights`; None where the framework saves a folder as a whole)."""
         tying = self.structure.tying_mode if self.structure is not None else None
-        return run_state(self.adapter.name, step, tying, self.config.to_json_dict(), self.state_attributes(), weights)
+        config = checkpoint_config(self.config, self.choice).to_json_dict()
+        return run_state(self.adapter.name, step, tying, config, self.state_attributes(), weights)
 
     def state_attributes(self) -> dict:
         """The run state a checkpoint keeps (`SAVED_ATTRIBUTES`), as JSON-able values."""

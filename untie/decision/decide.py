@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, StructurePlan, plan_structure
 from untie.decision.policy_rules import PolicyChoice, PolicyReading, choose, settle
 from untie.decision.settings import DEFAULT_POLICY, SCHEDULE_SETTINGS, UntieConfig
-
-if TYPE_CHECKING:  # a type only: the rule is the config's (`UntieConfig.rule`); signals/ imports structure/
-    from untie.decision.triggers import UntieWhen
+from untie.decision.triggers import UntieWhen, rule_name
+from untie.errors import UntieValueError
 
 
 class _Pending:
@@ -150,8 +149,12 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         choice = dataclasses.replace(choice, head_init=start, reason=reason)
     untied_now = choice.untied_from_start and not waits
 
-    untie_at = 0 if untied_now else config.untie_at
-    rule = None if untied_now else config.rule(with_pairs=config.pairs != [])
+    if untied_now:
+        untie_at, rule = 0, None
+    elif choice.tied_phase:  # the policy's own tied phase ("by-share"): to its fraction of the run, no trigger
+        untie_at, rule = choice.untie_at, None
+    else:
+        untie_at, rule = config.untie_at, config.rule(with_pairs=config.pairs != [])
     rule, notice, refusal = _rule_for_pairs(rule, facts, settings, trigger_runs=not choice.untied_from_start)
 
     head_init = _head_start(config, choice)
@@ -181,6 +184,26 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         notices=(notice,) if notice else (),
         refusal=refusal,
     )
+
+
+def check_run_length(decision: Decision, owner: str, max_steps: int | None) -> None:
+    """Refuse a run of unknown length (`max_steps` None: a custom loop) where the policy chose a tied phase to a
+    fraction of the run ("by-share"), naming the fixes."""
+    if not (decision.choice.tied_phase and isinstance(decision.untie_at, float) and max_steps is None):
+        return
+    raise UntieValueError(
+        f"{owner}: {decision.choice.reason}; this run's length is unknown. Pass max_steps, or choose a plan that needs "
+        "none: untie_at=<step> with untie_when=None, or policy='untie-at-start'."
+    )
+
+
+def checkpoint_config(config: UntieConfig, choice: PolicyChoice | None) -> UntieConfig:
+    """The settings a checkpoint keeps: `config`, with a tied phase the policy chose itself ("by-share") written as
+    the schedule it runs, so that a resume continues it (`untie.checkpoints.saved_state.resumed_config`) whatever its
+    trained weights now read as."""
+    if choice is None or not choice.tied_phase or choice.policy != config.chosen_policy()[0]:
+        return config
+    return config.replace(untie_at=choice.untie_at, untie_when=None)
 
 
 def _head_start(config: UntieConfig, choice: PolicyChoice) -> HeadStart:
@@ -252,6 +275,22 @@ def untie_when_text(deadline: str, rule: str | None) -> str:
     if deadline:
         return f"unties {deadline}"
     return "stays tied (untie_at=None, untie_when=None)"
+
+
+def default_plan_text(choice: PolicyChoice, tied: bool) -> str:
+    """The default settings' plan for a model that arrives `tied` or not, under `choice`, in the words of the run's
+    line at train begin: what `untie inspect` says before the run's length is known (a deadline as its setting)."""
+    if not tied:
+        return ARRIVED_UNTIED
+    if choice.untied_from_start:
+        return untied_from_start_text(choice.head_init, None)
+    if choice.tied_phase:  # the policy's own tied phase: to a fraction of the run, no trigger
+        deadline = f"at untie_at={choice.untie_at!r}" if choice.untie_at is not None else ""
+        return tied_text(untie_when_text(deadline, None), None)
+    defaults = UntieConfig()
+    rule = defaults.rule(with_pairs=True)  # inspect reads the checkpoint tokenizer's pairs, as Trainer's run does
+    deadline = f"at untie_at={defaults.untie_at!r}" if defaults.untie_at is not None else ""
+    return tied_text(untie_when_text(deadline, rule_name(rule) if rule is not None else None), None)
 
 
 def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str | None:

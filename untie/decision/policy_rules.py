@@ -10,14 +10,16 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+from untie.decision import share_bands
 from untie.decision.plan import SavedFacts
+from untie.decision.share_bands import ShareDefault
 
 #: The embedding's share of the parameters at or above which `policy="auto"` trains untied from the first step: the
 #: midpoint of 40% (the first map's d 256, where tie-then-untie held its own) and 56% (d 128 x 4, where untied from the
 #: start beat the default at every budget in both development seeds), rounded to 5%, by the rule written before those
 #: runs ended. Fixed before the held-out validation; see docs/recipes/decision-map.md, "The policy".
 UNTIED_FROM_START_SHARE = 0.5
-Plan = Literal["as set", "untied from the start"]
+Plan = Literal["as set", "untied from the start", "tied phase"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,18 @@ class PolicyChoice:
     own initialiser) for a model built fresh, "copy" of the embedding otherwise."""
     warning: str | None = None
     """Where the weights' evidence and the config's name disagree (`built_fresh`): said once, at attach."""
+    untie_at: float | None = None
+    """Plan "tied phase" only (policy "by-share"): the fraction of the run the tied phase lasts (no trigger), or None
+    where the model stays tied."""
 
     @property
     def untied_from_start(self) -> bool:
         return self.plan == "untied from the start"
+
+    @property
+    def tied_phase(self) -> bool:
+        """The policy chose a tied phase of its own (`untie_at`, no trigger) over the settings' schedule."""
+        return self.plan == "tied phase"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -87,7 +97,13 @@ class PolicyReading:
 
 
 def choose(
-    policy: str, *, tied: bool, peft: bool, reading: PolicyReading | None, threshold: float | None = None
+    policy: str,
+    *,
+    tied: bool,
+    peft: bool,
+    reading: PolicyReading | None,
+    threshold: float | None = None,
+    bands: ShareDefault | None = None,
 ) -> PolicyChoice:
     """The plan for a run under `policy` (`POLICIES`) of a model that arrives `tied` (or wrapped by PEFT), from what
     `read_for_policy` read. Pure.
@@ -96,7 +112,9 @@ def choose(
     development cells a head copied from the embedding trained 0.02-0.28 nat worse than a drawn one, and in the
     study's cell A 0.008 nat worse. A model holding trained weights gets a head that starts as a copy: untied from the
     start under "untie-at-start" (the default), as set under the other policies.
-    `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`)."""
+    `threshold`: the share at which the retired "auto" trains untied from the start (`UNTIED_FROM_START_SHARE`).
+    `bands`: what "by-share" reads for a model built fresh (default: `untie.decision.share_bands.SHARE_DEFAULT`;
+    "untie-at-start"'s plan while they are pending)."""
     if policy == "off":
         return PolicyChoice(policy, "as set", "policy='off' runs the schedule as set")
     if peft:
@@ -108,7 +126,7 @@ def choose(
         return PolicyChoice(
             policy, "as set", "the model arrived untied: no tied phase to choose (tie_init decides)", share, total
         )
-    if not fresh.fresh and policy == "untie-at-start":
+    if not fresh.fresh and policy in ("untie-at-start", "by-share"):
         reason = f"{fresh.why}; a loaded tied model unties at once, its head a copy (the study's fine-tuning table)"
         return PolicyChoice(policy, "untied from the start", reason, share, total, "copy", fresh.warning)
     if not fresh.fresh:
@@ -117,5 +135,23 @@ def choose(
     if policy == "auto" and share < limit:
         reason = f"{fresh.why}; under {limit:.0%} of the parameters in the embedding, policy 'auto' runs the schedule"
         return PolicyChoice(policy, "as set", reason, share, total, warning=fresh.warning)
+    if policy == "by-share":
+        return _by_share(policy, fresh, share, total, bands or share_bands.SHARE_DEFAULT)
     reason = f"{fresh.why}; from scratch, a tied phase cost more than it saved on the decision map"
     return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
+
+
+def _by_share(policy: str, fresh: Freshness, share: float, total: int, bands: ShareDefault) -> PolicyChoice:
+    """Policy "by-share" for a tied model built fresh: the band of its embedding's share; "untie-at-start"'s plan while
+    the bands are pending."""
+    band = bands.band(share)
+    if band is None:
+        reason = (
+            f"{fresh.why}; the study's default by embedding share is {bands.status}, so it trains untied from step 0 "
+            "as 'untie-at-start' does"
+        )
+        return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
+    reason = f"{fresh.why}; {band.describe()}"
+    if band.untie_at == 0:
+        return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
+    return PolicyChoice(policy, "tied phase", reason, share, total, "copy", fresh.warning, band.untie_at)

@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any, Literal, NoReturn
 
 from untie._version import __version__
+from untie.decision.share_bands import SHARE_DEFAULT
 from untie.decision.triggers import UntieWhen, pair_signal
 from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 
@@ -56,13 +57,15 @@ TyingMode = Literal["auto", "live", "emulated"]
 OptimizerStateInit = Literal["copy", "reset", "fresh"]
 TieInit = Literal["input", "output", "mean"]
 #: The untie policies (see `UntieConfig.policy`, `untie.structure.policy`); here, so that the config stays torch-free.
-POLICIES = ("off", "auto", "fresh-untied", "untie-at-start")
-PolicyName = Literal["off", "auto", "fresh-untied", "untie-at-start"]
+POLICIES = ("off", "auto", "fresh-untied", "untie-at-start", "by-share")
+PolicyName = Literal["off", "auto", "fresh-untied", "untie-at-start", "by-share"]
 #: The policy an unset `UntieConfig.policy` follows where the schedule is not set (`chosen_policy`): the study's
-#: verdict (docs/recipes/when-it-pays.md): a model built fresh trains untied from step 0, its head drawn (validated on
-#: held-out cells of the decision map and by the study's cell A); a loaded tied model unties at once, its head a copy
-#: (the study's fine-tuning table: the lowest target loss of the arms measured).
-DEFAULT_POLICY = "untie-at-start"
+#: verdict (docs/recipes/when-it-pays.md). Round one's: a model built fresh trains untied from step 0, its head drawn
+#: (validated on held-out cells of the decision map and by the study's cell A); a loaded tied model unties at once, its
+#: head a copy (the study's fine-tuning table: the lowest target loss of the arms measured). Round two's ("by-share",
+#: issue 77): a model built fresh follows the band of its embedding's share (`untie.decision.share_bands`); it
+#: becomes the default once round two's rule has read every cell (`SHARE_DEFAULT.complete`), and not before.
+DEFAULT_POLICY = "by-share" if SHARE_DEFAULT.complete else "untie-at-start"
 #: The schedule's settings: set either of them (whatever the value: by keyword, on a command line or in JSON) and an
 #: unset policy is "off", so the schedule asked for runs. Measurement knobs (metrics_every, pairs) and how a tied
 #: phase runs (tying_mode, optimizer_state) do not change the plan.
@@ -131,9 +134,13 @@ class UntieConfig:
             every rank takes rank 0's verdict); weights that do not match, or that cannot be read here (an FSDP2
             shard, the meta device, quantized values, a model without an initialiser), count as trained. The
             config's name (what from_pretrained records) decides nothing.
-        policy: None (default): 'untie-at-start', unless the schedule is set (untie_at or untie_when, whatever
-            the value): then 'off', and the schedule runs as set (`chosen_policy`). 'off' runs untie_at /
-            untie_when as set. 'untie-at-start': every model that arrives tied trains untied from the first step, its
+        policy: None (default): DEFAULT_POLICY ('untie-at-start'; 'by-share' once the study's round two is
+            complete), unless the schedule is set (untie_at or untie_when, whatever the value): then 'off', and the
+            schedule runs as set (`chosen_policy`). 'off' runs untie_at / untie_when as set. 'by-share': a model built
+            fresh follows the study's choice for its embedding's share (untie.decision.share_bands: untied from step
+            0 with a drawn head, a tied phase to a fraction of the run with no trigger, or tied), a loaded tied model
+            unties at once with its head a copy; while the bands are pending it runs as 'untie-at-start'.
+            'untie-at-start': every model that arrives tied trains untied from the first step, its
             head drawn by its initialiser where the model is built fresh (see from_scratch), a copy of the embedding
             otherwise (the study's verdict, docs/recipes/when-it-pays.md: in fine-tuning, untying at once reached the
             lowest target loss of the arms measured). 'fresh-untied' (the default before the study's fine-tuning

@@ -162,7 +162,10 @@ def share_bands(tables: dict[str, dict]) -> dict:
             bands[-1]["to"] = low
         bands.append({"from": low, "to": 1.0, "choice": choice, "cells": [cell]})
     missing = [c for c in ROUND_TWO_CELLS if not (tables.get(c) or {}).get("choice")]
-    status = f"pending: cells {', '.join(missing)} have no choice yet" if missing else "complete"
+    many = len(missing) > 1
+    status = "complete"
+    if missing:
+        status = f"pending: cell{'s' * many} {', '.join(missing)} {'have' if many else 'has'} no choice yet"
     return {"bands": bands, "status": status}
 
 
@@ -246,7 +249,33 @@ def round_two_markdown(result: dict) -> str:
     for band in share["bands"]:
         lines.append(f"| {band['from']:.1%} to {band['to']:.1%} | {choice_text(band['choice'])} | "
                      f"{', '.join(band['cells'])} |")  # fmt: skip
-    return "\n".join(lines + ["", *_loaded_lines(result.get("loaded") or {})]) + "\n"
+    lines += ["", *_loaded_lines(result.get("loaded") or {}), "", *library_bands_lines(share)]
+    return "\n".join(lines) + "\n"
+
+
+def band_schedule(arm: str) -> tuple[str, float]:
+    """What the library does for a band whose choice is `arm`: its `untie_at` ("0": untied from step 0, a fraction:
+    a tied phase to it, "none": stays tied) and the input embedding's rate scale."""
+    spec = arm_spec(arm)
+    if arm == "tied":
+        return "none", 1.0
+    if spec.fraction is not None:
+        return f"{spec.fraction:.6f}", 1.0
+    return "0", spec.embedding_scale
+
+
+def library_bands_lines(share: dict) -> list[str]:
+    """The bands as the library reads them (`untie.decision.share_bands.BANDS_TABLE`, written there by
+    `scripts/docs_tables.py --write library-share-bands`): each band's edges, the arm, its schedule and the rule's
+    status (the library's default follows them only once it reads "complete")."""
+    lines = ["The default by share as the library reads it (untie/decision/share_bands.py):", "",
+             "| from | to | choice | untie_at | input embedding's rate | cells | status |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for band in share["bands"]:
+        untie_at, scale = band_schedule(band["choice"])
+        lines.append(f"| {band['from']:.6f} | {band['to']:.6f} | {band['choice']} | {untie_at} | {scale:g}x | "
+                     f"{', '.join(band['cells'])} | {share['status']} |")  # fmt: skip
+    return lines
 
 
 def _loaded_lines(loaded: dict) -> list[str]:

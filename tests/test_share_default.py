@@ -1,0 +1,142 @@
+"""Policy "by-share" (issue 77, item 4): the study's default for a model built fresh, by its embedding's share, read
+from the bands `scripts/docs_tables.py` writes into `untie/decision/share_bands.py` from the study's records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+import untie
+from untie.decision import settings as settings_module
+from untie.decision import share_bands
+from untie.decision.policy_rules import Freshness, PolicyReading, choose
+from untie.decision.share_bands import parse_bands
+from untie.errors import UntieValueError
+from untie.testing import ToyLMDataset, tiny_model
+
+HEADER = "| from | to | choice | untie_at | input embedding's rate | cells | status |\n|---|---|---|---|---|---|---|\n"
+
+
+def _bands(*rows: str) -> str:
+    return HEADER + "\n".join(rows)
+
+
+COMPLETE = parse_bands(
+    _bands(
+        "| 0.000000 | 0.410000 | untie@1/3 | 0.333333 | 1x | C | complete |",
+        "| 0.410000 | 0.700000 | tied | none | 1x | B | complete |",
+        "| 0.700000 | 1.000000 | untied | 0 | 1x | A | complete |",
+    )
+)
+FRESH = Freshness(True, "its embedding reads as a fresh draw")
+TRAINED = Freshness(False, "its weights read as trained")
+
+
+def _choose(share: float, freshness: Freshness = FRESH, bands=COMPLETE):
+    reading = PolicyReading(share=share, parameters=1000, freshness=freshness)
+    return choose("by-share", tied=True, peft=False, reading=reading, bands=bands)
+
+
+def test_the_committed_bands_parse_and_the_default_moves_only_once_they_are_complete():
+    committed = share_bands.SHARE_DEFAULT
+    assert committed.bands, "the generated table holds at least the cells complete so far"
+    assert committed.complete == (committed.status == "complete")
+    assert settings_module.DEFAULT_POLICY == ("by-share" if committed.complete else "untie-at-start")
+    assert committed.bands[0].low == 0.0 and committed.bands[-1].high == 1.0
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        (_bands("| 0.0 | 0.5 | untied | 0 | 1x | A | complete |"), "do not cover 0 to 1"),
+        (_bands("| 0.0 | 0.5 | untied | 0 | 1x | A | complete |", "| 0.6 | 1.0 | tied | none | 1x | B | complete |"),
+         "without gaps"),
+        (_bands("| 0.0 | 0.5 | untied | 0 | 1x | A | complete |", "| 0.5 | 1.0 | tied | none | 1x | B | pending |"),
+         "disagree on the status"),
+        (_bands("| 0.0 | 1.0 | untied | 0 | A | complete |"), "6 columns, not 7"),
+    ],
+)  # fmt: skip
+def test_a_malformed_table_is_refused_by_what_is_wrong(table, problem):
+    with pytest.raises(UntieValueError, match=problem):
+        parse_bands(table)
+
+
+def test_each_band_chooses_its_plan_for_a_model_built_fresh():
+    low = _choose(0.25)
+    assert (low.plan, low.untie_at, low.head_init) == ("tied phase", pytest.approx(1 / 3, abs=1e-6), "copy")
+    assert "from 0.0% to 41.0% (cell C)" in low.reason and "untie@1/3" in low.reason
+    stays = _choose(0.5)
+    assert (stays.plan, stays.untie_at) == ("tied phase", None) and "stays tied" in stays.reason
+    high = _choose(0.84)
+    assert (high.plan, high.head_init) == ("untied from the start", "model")
+    assert _choose(1.0).plan == "untied from the start"  # the top edge belongs to the last band
+
+
+def test_a_loaded_model_unties_at_once_and_pending_bands_run_as_untie_at_start():
+    loaded = _choose(0.25, TRAINED)
+    assert (loaded.plan, loaded.head_init) == ("untied from the start", "copy")
+    pending = parse_bands(_bands("| 0.000000 | 1.000000 | untied | 0 | 1x | A | pending: cell C has no choice yet |"))
+    waiting = _choose(0.25, bands=pending)
+    assert (waiting.plan, waiting.head_init) == ("untied from the start", "model")
+    assert "pending: cell C has no choice yet" in waiting.reason
+
+
+@pytest.fixture
+def by_share_default(monkeypatch):
+    """The library as it will be once the bands are complete: one band, a tied phase to 2/3, the default policy."""
+    bands = parse_bands(_bands("| 0.000000 | 1.000000 | untie@2/3 | 0.666667 | 1x | B | complete |"))
+    monkeypatch.setattr(share_bands, "SHARE_DEFAULT", bands)
+    monkeypatch.setattr(settings_module, "DEFAULT_POLICY", "by-share")
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("from_scratch", [None, False])
+def test_the_default_by_share_runs_its_tied_phase_and_a_plain_resume_continues_it_exactly(
+    by_share_default, make_args, tmp_path, caplog, from_scratch
+):
+    """A model built fresh in a tied-phase band trains tied to 2/3 of the run (step 8 of 12) with no trigger; resumed
+    from a tied checkpoint with its schedule unset, the checkpoint's plan continues: the same untie step and the same
+    parameters as the uninterrupted run. `from_scratch=False` at the resume makes its weights count as trained, where
+    the policy alone would untie at once."""
+    folder = tmp_path / "full"
+    args = make_args(output_dir=str(folder), max_steps=12, save_strategy="steps", save_steps=4)
+    model, callback = tiny_model("gpt2"), untie.UntieCallback()
+    with caplog.at_level("INFO", logger="untie"):
+        tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert (callback.untie_step, callback.untie_reason) == (8, "deadline")
+    assert callback.run.rule is None  # no trigger
+    assert any("the study's default by embedding share" in r.getMessage() for r in caplog.records)
+    reference = _params(model)
+
+    resumed, again = tiny_model("gpt2"), untie.UntieCallback(from_scratch=from_scratch)
+    args = make_args(output_dir=str(folder), max_steps=12, save_strategy="no")
+    trainer = tf.Trainer(model=resumed, args=args, train_dataset=ToyLMDataset(), callbacks=[again])
+    trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
+    assert (again.untie_step, again.untie_reason) == (8, "deadline")
+    worst = max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters())
+    assert worst == 0
+
+
+def test_a_tied_phase_to_a_fraction_in_a_loop_of_unknown_length_is_refused_naming_the_fixes(by_share_default):
+    model = tiny_model("gpt2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(UntieValueError, match=r"length is unknown\. Pass max_steps.*policy='untie-at-start'"):
+        untie.Untier(model, optimizer)
+    model = tiny_model("gpt2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    untier = untie.Untier(model, optimizer, max_steps=9)  # given the length, it plans the tied phase
+    assert untier.run.deadline.step == 6
+
+
+def test_untie_inspect_says_a_bands_plan_in_the_runs_words():
+    from untie.decision.decide import default_plan_text
+
+    assert default_plan_text(_choose(0.25), tied=True) == (
+        "trains tied; unties at untie_at=0.333333; the head starts as a copy of the embedding"
+    )
+    assert default_plan_text(_choose(0.5), tied=True).startswith("trains tied; stays tied (untie_at=None")
+    assert default_plan_text(_choose(0.84), tied=True).startswith("trains untied from step 0; the head is drawn")
