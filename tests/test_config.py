@@ -203,7 +203,7 @@ def test_the_defaults_survive_a_round_trip_through_to_dict_and_to_json():
     ):
         policy = again.chosen_policy()[0]
         assert again == default and policy == untie.decision.settings.DEFAULT_POLICY == "untie-at-start"
-    written = untie.UntieConfig(**json.loads(json.dumps(default.to_dict())))  # the values, written out by hand
+    written = untie.UntieConfig(**json.loads(json.dumps(default.values())))  # the values, written out by hand
     assert written != default and written.chosen_policy()[0] == "off"
 
 
@@ -219,3 +219,17 @@ def test_the_decision_package_answers_its_modules_by_attribute_in_a_fresh_proces
     script = "import untie; print(untie.decision.settings.UntieConfig is untie.UntieConfig)"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr[-2000:]
+
+
+def test_the_settings_hold_plain_values_and_record_what_was_given_beside_them():
+    """Issue 79, item 1: no sentinel subclasses (what `torch.compile` tripped on): an unset schedule setting holds its
+    plain default, and whether it was given is recorded beside the values; `replace` keeps it unset."""
+    default = untie.UntieConfig()
+    assert type(default.untie_at) is float and type(default.untie_when) is str
+    assert all(type(value) in (int, float, str, bool, type(None)) for value in default.values().values())
+    assert not default.was_set("untie_at") and not default.was_set("untie_when")
+    later = default.replace(metrics_every=10)
+    assert not later.was_set("untie_at") and later.chosen_policy() == default.chosen_policy()
+    given = untie.UntieConfig(untie_at=0.3)
+    assert given.untie_at == default.untie_at and given.was_set("untie_at") and given != default
+    assert given.replace(metrics_every=10).was_set("untie_at")

@@ -138,8 +138,8 @@ def warn_changed_settings(run: SpokenRun, saved_config: dict, step: int) -> None
 def changed_settings(run: SpokenRun, saved_config: dict, step: int) -> str | None:
     """What a resume at `step` under other schedule settings than the checkpoint's run (`saved_config`, as JSON)
     does, in words; None where they are the same. A setting the checkpoint leaves out was not set: its default."""
-    now = json.loads(json.dumps(run.config.to_dict()))
-    defaults = json.loads(json.dumps(UntieConfig().to_dict()))
+    now = json.loads(json.dumps(run.config.values()))
+    defaults = json.loads(json.dumps(UntieConfig().values()))
     then = {k: saved_config.get(k, defaults[k]) for k in ("untie_at", "untie_when")}
     changed = [k for k in then if not _same(run, k, then[k], now[k])]
     if not changed:

@@ -5,7 +5,6 @@ transformers."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import numbers
@@ -23,30 +22,35 @@ from untie.decision.triggers import UntieWhen, pair_signal
 from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 
 
-class Unset:
-    """A default the user did not set (`UntieConfig.was_set`). The schedule's defaults are instances of it, equal to
-    their values, so that a value written out (``untie_at=0.3``, ``--untie_at 0.3``, ``"untie_at": 0.3``) counts as
-    asked for while the default does not."""
+class NotGiven:
+    """The default of a schedule setting the user did not give: only ever a field's default, never a value a config
+    holds. `UntieConfig.__post_init__` replaces it by its `value` and records the setting as not given
+    (`UntieConfig.was_set`), so that a value written out (``untie_at=0.3``, ``--untie_at 0.3``, ``"untie_at": 0.3``)
+    counts as asked for while the default does not, and the config holds plain values only."""
 
-    __slots__ = ()
+    __slots__ = ("value",)
 
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
-class _UnsetFraction(float, Unset):
-    __slots__ = ()
+    def __repr__(self) -> str:
+        return repr(self.value)
 
+    def __str__(self) -> str:  # argparse's help shows the default's value
+        return str(self.value)
 
-class _UnsetRule(str, Unset):
-    __slots__ = ()
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NotGiven) and type(self.value) is type(other.value) and self.value == other.value
 
-    def __str__(self) -> str:
-        return self  # argparse converts a string default with type=str: it stays the unset default
+    def __hash__(self) -> int:
+        return hash((NotGiven, self.value))
 
 
 #: Default deadline: untie after 30% of the run's optimizer steps unless the divergence trigger fires first. Tying
 #: speeds up the start of training and the untie leaves 70% of the budget for the two spaces to separate.
-DEFAULT_UNTIE_AT: float = _UnsetFraction(0.3)
+DEFAULT_UNTIE_AT: float = 0.3
 #: Default trigger: the divergence rule (the evidence rule when pairs are measured, the pair-free rule otherwise).
-DEFAULT_UNTIE_WHEN: str = _UnsetRule("divergence")
+DEFAULT_UNTIE_WHEN: str = "divergence"
 #: How the tied phase is implemented (see `UntieConfig.tying_mode`).
 TYING_MODES = ("auto", "live", "emulated")
 #: What the untied head's (and embedding's) optimizer state starts from (see `UntieConfig.optimizer_state`).
@@ -164,8 +168,8 @@ class UntieConfig:
             embedding_lr_scale.
     """
 
-    untie_at: float | None = DEFAULT_UNTIE_AT
-    untie_when: dict | str | UntieWhen | None = DEFAULT_UNTIE_WHEN
+    untie_at: float | None = NotGiven(DEFAULT_UNTIE_AT)  # type: ignore[assignment]  # replaced in __post_init__
+    untie_when: dict | str | UntieWhen | None = NotGiven(DEFAULT_UNTIE_WHEN)  # type: ignore[assignment]
     metrics_every: int = 50
     pairs: list[tuple[int, int]] | str | None = None
     optimizer_state: OptimizerStateInit = "copy"
@@ -180,12 +184,12 @@ class UntieConfig:
     lr_scales_while_tied: bool = False
 
     def __post_init__(self) -> None:
+        given = {name: not isinstance(getattr(self, name), NotGiven) for name in SCHEDULE_SETTINGS}
+        self._given = frozenset(name for name, was in given.items() if was)
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
         self.pairs = _parse_pairs(self.pairs)
-        if not isinstance(self.untie_when, Unset):
-            self.untie_when = _parse_rule(self.untie_when)
-        if not isinstance(self.untie_at, Unset):
-            self.untie_at = _parse_untie_at(self.untie_at)
+        self.untie_when = _parse_rule(self.untie_when) if given["untie_when"] else DEFAULT_UNTIE_WHEN
+        self.untie_at = _parse_untie_at(self.untie_at) if given["untie_at"] else DEFAULT_UNTIE_AT
         _check_choice(self.tying_mode, TYING_MODES, "tying_mode")
         _check_choice(self.optimizer_state, OPTIMIZER_STATES, "optimizer_state")
         if self.policy is not None:
@@ -239,14 +243,14 @@ class UntieConfig:
         if not isinstance(other, UntieConfig):
             return NotImplemented
         same_set = all(self.was_set(name) == other.was_set(name) for name in SCHEDULE_SETTINGS)
-        return same_set and self.to_dict() == other.to_dict()
+        return same_set and self.values() == other.values()
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
     def was_set(self, name: str) -> bool:
         """Whether setting `name` was set by the user (by keyword, on a command line or in JSON), whatever its value:
-        only `SCHEDULE_SETTINGS` keep the difference (`Unset`); the other fields count as set."""
-        return not isinstance(getattr(self, name), Unset)
+        only `SCHEDULE_SETTINGS` keep the difference (`NotGiven`); the other fields count as set."""
+        return name not in SCHEDULE_SETTINGS or name in self._given
 
     def chosen_policy(self) -> tuple[str, str]:
         """The policy the run follows, and why in words: `policy` as set; unset (None), `DEFAULT_POLICY`, or "off" where
@@ -276,17 +280,25 @@ class UntieConfig:
             raise UntieTypeError(
                 f"Unknown untie settings {unknown}; the settings are the fields of UntieConfig: {sorted(known)}."
             )
-        return dataclasses.replace(self, **overrides)  # an unset schedule setting stays unset
+        # Not `dataclasses.replace`, which would pass every value on as given: a setting not given stays so.
+        kept = {f.name: getattr(self, f.name) for f in fields(self) if self.was_set(f.name)}
+        return type(self)(**{**kept, **overrides})
 
     # -- JSON ----------------------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """The settings as plain values (a rule as its dict), keyword arguments of `UntieConfig` and the adapters."""
+    def values(self) -> dict[str, Any]:
+        """Every setting's value, plain (a rule as its dict), whether given or not (what JSON of all of them holds)."""
         return asdict(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Keyword arguments that rebuild this config (`UntieConfig(**config.to_dict())`, the adapters'): the values
+        of `values`, except that a schedule setting not given stays `NotGiven(value)`, so that the rebuilt config
+        leaves it unset too (`to_json_dict` leaves it out instead)."""
+        return {name: value if self.was_set(name) else NotGiven(value) for name, value in self.values().items()}
 
     def to_json_dict(self) -> dict[str, Any]:
         """`to_dict` as a JSON round trip gives it (tuples become lists): what a checkpoint holds. A schedule setting
         left unset is left out, so that the JSON read back leaves it unset too (`was_set`)."""
-        kept = {name: value for name, value in self.to_dict().items() if self.was_set(name)}
+        kept = {name: value for name, value in self.values().items() if self.was_set(name)}
         return json.loads(json.dumps(kept))
 
     def to_json(self) -> str:

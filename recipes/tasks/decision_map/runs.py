@@ -68,8 +68,8 @@ class MapContext:
         counts as the one the settings choose (`UntieConfig.chosen_policy`): `UntieConfig()` and
         ``--policy fresh-untied`` make the same runs and share their records."""
         label = "" if self.optimizer_state == "copy" else f"+{self.optimizer_state}"
-        default = json.loads(json.dumps(UntieConfig(policy="off").to_dict()))  # every setting, set or not
-        settings = {**json.loads(json.dumps(self.untie.to_dict())), "policy": self.untie.chosen_policy()[0]}
+        default = json.loads(json.dumps(UntieConfig(policy="off").values()))  # every setting, set or not
+        settings = {**json.loads(json.dumps(self.untie.values())), "policy": self.untie.chosen_policy()[0]}
         changed = {k: v for k, v in settings.items() if k != "optimizer_state" and v != default[k]}
         if changed:  # only the settings that differ from the defaults: a setting added later keeps the labels
             digest = hashlib.sha256(json.dumps(changed, sort_keys=True).encode()).hexdigest()[:8]
