@@ -13,9 +13,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 tf.logging.set_verbosity_error()
 
 
+#: The fixtures that build a `transformers.Trainer` run: a test taking one trains through Trainer (marker `trainer`).
+TRAINER_FIXTURES = frozenset({"make_args"})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Record the collected tests by node id for tests/launch.py, which refuses a launch from an unmarked test."""
+    """Record the collected tests by node id for tests/launch.py, which refuses a launch from an unmarked test; mark
+    every test that takes a Trainer fixture (`TRAINER_FIXTURES`) `trainer`, so that the unit set leaves it out."""
     launch.COLLECTED.update((item.nodeid, item) for item in items)
+    for item in items:
+        if TRAINER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.trainer)
 
 
 def training_args(default_dir, **overrides) -> tf.TrainingArguments:

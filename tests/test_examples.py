@@ -13,6 +13,8 @@ import transformers as tf
 
 import untie
 
+pytestmark = pytest.mark.recipes  # examples/ and the docs' code blocks, not the library
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 

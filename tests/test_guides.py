@@ -26,6 +26,8 @@ from accelerate import Accelerator
 import untie
 from untie.testing import VOCAB, ToyLMDataset, tiny_model, tiny_tokenizer
 
+pytestmark = pytest.mark.recipes  # examples/ and the docs' code blocks, not the library
+
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "guides" / "tied-checkpoints.md"
 CHECKPOINT = '"Qwen/Qwen3-0.6B"'

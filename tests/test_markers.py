@@ -3,6 +3,7 @@ tests/launch.py refuses to start processes from a test without the `distributed`
 
 from __future__ import annotations
 
+import conftest
 import pytest
 from launch import require_distributed_marker, torchrun
 
@@ -15,3 +16,14 @@ def test_an_unmarked_test_that_launches_is_refused_before_anything_starts(tmp_pa
 @pytest.mark.distributed
 def test_a_marked_test_may_launch():
     require_distributed_marker()  # no error: the marker is read from the running test
+
+
+def test_a_test_that_takes_a_trainer_fixture_is_marked_trainer_and_a_unit_test_is_not(request, make_args):
+    """The unit set (`-m "not slow and not recipes and not distributed and not trainer"`) leaves out every Trainer run:
+    tests/conftest.py marks a test that takes one of `TRAINER_FIXTURES`."""
+    assert request.node.get_closest_marker("trainer") is not None
+    assert "make_args" in conftest.TRAINER_FIXTURES
+
+
+def test_a_unit_test_is_not_marked_trainer(request):
+    assert request.node.get_closest_marker("trainer") is None
