@@ -197,16 +197,24 @@ def test_a_checkpoint_saved_without_the_split_resumed_with_it_is_refused_with_th
                resume=str(tmp_path / "run" / "checkpoint-4"))  # fmt: skip
 
 
-def test_a_checkpoint_saved_with_the_split_resumed_without_it_continues_at_the_group_rate(make_args, tmp_path):
+@pytest.mark.parametrize("resumed_with", ["scales at 1", "nothing set"])
+def test_a_checkpoint_saved_with_the_split_resumes_at_the_scales_given_else_the_checkpoints(
+    make_args, tmp_path, resumed_with
+):
+    """Scales set back to 1 at the resume: the checkpoint's groups are kept, at 1x from the resume step. Scales not
+    given at the resume: the checkpoint's continue (a resume continues its checkpoint's plan)."""
     args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=4)
     _train(tiny_model("gpt2"), args, untie.UntieCallback(untie_at=2, untie_when=None, **SCALES))
     more = make_args(output_dir=str(tmp_path / "run"), max_steps=8)
     model = tiny_model("gpt2")
-    trainer, rows = _train(model, more, untie.UntieCallback(untie_at=2, untie_when=None),
+    at_one = {"embedding_lr_scale": 1.0, "head_lr_scale": 1.0} if resumed_with == "scales at 1" else {}
+    trainer, rows = _train(model, more, untie.UntieCallback(untie_at=2, untie_when=None, **at_one),
                            resume=str(tmp_path / "run" / "checkpoint-4"))  # fmt: skip
     assert len(rows) == 4
-    for row in rows:  # the checkpoint's groups are kept, at 1x from the resume step
-        assert row["input_embedding"][0] == row["head"][0] == row[None][0]
+    for row in rows:
+        scales = (1.0, 1.0) if at_one else (SCALES["embedding_lr_scale"], SCALES["head_lr_scale"])
+        assert row["input_embedding"][0] == pytest.approx(scales[0] * row[None][0])
+        assert row["head"][0] == pytest.approx(scales[1] * row[None][0])
     _every_parameter_once(trainer.optimizer, model)
 
 

@@ -3,6 +3,8 @@ from the bands `scripts/docs_tables.py` writes into `untie/decision/share_bands.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers as tf
@@ -140,3 +142,63 @@ def test_untie_inspect_says_a_bands_plan_in_the_runs_words():
     )
     assert default_plan_text(_choose(0.5), tied=True).startswith("trains tied; stays tied (untie_at=None")
     assert default_plan_text(_choose(0.84), tied=True).startswith("trains untied from step 0; the head is drawn")
+
+
+SCALED = parse_bands(_bands("| 0.000000 | 1.000000 | untied-emb16 | 0 | 16x | C | complete |"))
+
+
+def test_a_scaled_band_trains_the_embedding_at_its_scale_unless_the_user_gave_one_or_the_engine_owns_the_groups():
+    from untie.decision.decide import Facts, Settings, decide
+    from untie.decision.plan import ModelFacts
+
+    choice = _choose(0.25, bands=SCALED)
+    assert (choice.plan, choice.embedding_lr_scale) == ("untied from the start", 16.0)
+    assert "the input embedding at 16x the learning rate (embedding_lr_scale" in choice.reason
+    reading = PolicyReading(share=0.25, parameters=1000, freshness=FRESH)
+    facts = Facts(ModelFacts("tied"), tied=True, reading=reading)
+
+    def scale(config, **fact_overrides):
+        decision = decide(dataclasses.replace(facts, **fact_overrides), Settings(config, "UntieCallback"))
+        return decision.embedding_lr_scale, [text for text, _ in decision.warnings]
+
+    import untie.decision.share_bands as bands_module
+
+    original = bands_module.SHARE_DEFAULT
+    bands_module.SHARE_DEFAULT = SCALED
+    try:
+        assert scale(untie.UntieConfig(policy="by-share")) == (16.0, [])
+        assert scale(untie.UntieConfig(policy="by-share", embedding_lr_scale=1.0)) == (1.0, [])  # given: the user's
+        loaded = PolicyReading(share=0.25, parameters=1000, freshness=TRAINED)
+        assert scale(untie.UntieConfig(policy="by-share"), reading=loaded) == (1.0, [])  # a loaded model: no scale
+        under_deepspeed, said = scale(untie.UntieConfig(policy="by-share"), scales_allowed=False)
+        assert under_deepspeed == 1.0 and "DeepSpeed's engine owns the optimizer's param groups" in said[0]
+    finally:
+        bands_module.SHARE_DEFAULT = original
+
+
+@pytest.mark.parametrize("from_scratch", [None, False])
+def test_the_scaled_default_trains_the_embedding_at_16x_and_a_resume_continues_it_exactly(
+    monkeypatch, make_args, tmp_path, from_scratch
+):
+    """The default in a scaled band: untied from step 0, the input embedding at 16x the learning rate (its own param
+    group); a resume with nothing set continues at 16x (the checkpoint's settings record the scale), parameters equal
+    to the uninterrupted run's."""
+    monkeypatch.setattr(share_bands, "SHARE_DEFAULT", SCALED)
+    monkeypatch.setattr(settings_module, "DEFAULT_POLICY", "by-share")
+    folder = tmp_path / "full"
+    args = make_args(
+        output_dir=str(folder), max_steps=8, save_strategy="steps", save_steps=4, lr_scheduler_type="constant"
+    )
+    model, callback = tiny_model("gpt2"), untie.UntieCallback()
+    tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert callback.untie_step == 0
+    assert callback.run.rates.current()["untie/lr_input_embedding"] == pytest.approx(16 * args.learning_rate)
+    reference = _params(model)
+
+    resumed, again = tiny_model("gpt2"), untie.UntieCallback(from_scratch=from_scratch)
+    args = make_args(output_dir=str(folder), max_steps=8, save_strategy="no", lr_scheduler_type="constant")
+    trainer = tf.Trainer(model=resumed, args=args, train_dataset=ToyLMDataset(), callbacks=[again])
+    trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
+    assert again.run.rates.current()["untie/lr_input_embedding"] == pytest.approx(16 * args.learning_rate)
+    worst = max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters())
+    assert worst == 0

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from untie.decision.settings import SCHEDULE_SETTINGS, UntieConfig
+from untie.decision.settings import TRACKED_SETTINGS, UntieConfig
 from untie.distributed import full_shape, is_sharded
 from untie.errors import UntieError, UntieFileNotFoundError
 from untie.structure.surgery import embedding_layout, input_weight, is_tied, output_weight
@@ -57,11 +57,11 @@ class UntieStateError(UntieError, ValueError):
 
 
 def resumed_config(config: UntieConfig, saved_config: Mapping[str, Any]) -> UntieConfig:
-    """The settings a resume runs with: `config`, where each schedule setting the user left unset
-    (`SCHEDULE_SETTINGS`) takes the value the checkpoint's run set (`saved_config`, its JSON). A setting the user set
-    wins (the run says what changed); one the checkpoint left unset stays unset. (An unset policy needs nothing: the
-    default continues a checkpoint's tied phase, `untie.structure.policy.settle`.)"""
-    unset = [name for name in SCHEDULE_SETTINGS if not config.was_set(name)]
+    """The settings a resume runs with: `config`, where each tracked setting the user left unset (`TRACKED_SETTINGS`:
+    the schedule's, and the input embedding's rate scale) takes the value the checkpoint's run set (`saved_config`, its
+    JSON). A setting the user set wins (the run says what changed); one the checkpoint left unset stays unset. A plan
+    the policy chose itself is written into the checkpoint's settings (`untie.decision.decide.checkpoint_config`)."""
+    unset = [name for name in TRACKED_SETTINGS if not config.was_set(name)]
     taken = {name: saved_config[name] for name in unset if name in saved_config}
     return config.replace(**taken) if taken else config
 

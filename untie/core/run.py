@@ -134,7 +134,7 @@ class UntieRun:
             self.divergence = DivergenceTrigger(decision.rule) if decision.rule else None
         if not decision.judge_first_batch:
             structure.drop_check()
-        self.decision = decision
+        self.decision, self.rates.scales["input_embedding"] = decision, decision.embedding_lr_scale
         return decision
 
     def _execute(self, plan: StructurePlan, optimizer=None) -> None:
@@ -364,7 +364,7 @@ class UntieRun:
         """The run state at step `step`, JSON-able, in the layout both adapters save (`untie.checkpoints.saved_state`),
         with the weights' fingerprint (`weights`; None where the framework saves a folder as a whole)."""
         tying = self.structure.tying_mode if self.structure is not None else None
-        config = checkpoint_config(self.config, self.choice).to_json_dict()
+        config = checkpoint_config(self.config, self.decision).to_json_dict()
         return run_state(self.adapter.name, step, tying, config, self.state_attributes(), weights)
 
     def state_attributes(self) -> dict:
@@ -378,6 +378,7 @@ class UntieRun:
         `where`), as of step `step` (default: the saved step), and say which schedule settings changed."""
         state = check_state(state, where)
         self.config = resumed_config(self.config, state["config"])  # a setting left unset continues the checkpoint's
+        self.rates.scales.update(input_embedding=self.config.embedding_lr_scale, head=self.config.head_lr_scale)
         step = state["global_step"] if step is None else step
         if not isinstance(self.saved, SavedFacts) and self.facts is not None:  # the state says how its run stood
             self.saved = SavedFacts(where, untied=bool(state["attributes"].get("untied")))

@@ -60,6 +60,8 @@ class Facts:
     """The first forward can replace a drawn head in place (not sharded by FSDP2 or DeepSpeed, not split)."""
     first_batch: tuple[HeadStart, str] | None = None
     """The first batch's verdict on a drawn head (`untie.structure.head_start`): the start it keeps, and why."""
+    scales_allowed: bool = True
+    """The run may give a role a param group of its own (not under DeepSpeed, whose engine owns them)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,9 @@ class Decision:
     """What to log once each as a warning (the rule that changed for lack of pairs)."""
     refusal: str | None = None
     """A setting that cannot apply: raised before anything changes."""
+    embedding_lr_scale: float = 1.0
+    """The input embedding's rate scale the run trains with: the user's (`config.embedding_lr_scale`), or where none
+    was given, the one policy "by-share" chose with an untie before the first step."""
 
     @property
     def untied_from_start(self) -> bool:
@@ -112,30 +117,12 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
     `saved` describes, or before the adapter knows which (`PENDING`), at optimizer step `step`."""
     config, owner = settings.config, settings.adapter
     policy, why = config.chosen_policy()
-    warnings: list[tuple[str, type[Warning]]] = []
-    if policy == "auto":
-        retired = (
-            f"{owner}(policy='auto'): 'auto' is retired (its held-out validation failed, "
-            f"docs/recipes/decision-map.md). Leave policy unset for the default ({DEFAULT_POLICY!r}), or pass "
-            "policy='off'."
-        )
-        warnings.append((retired, FutureWarning))
     fresh = choose(policy, tied=facts.tied, peft=facts.model.peft, reading=facts.reading)
     if why and policy == "off":  # the schedule was set: that is the whole reason
         fresh = dataclasses.replace(fresh, reason=why)
     elif why:
         fresh = dataclasses.replace(fresh, reason=f"{fresh.reason} ({why})")
-    if fresh.warning is not None:
-        warnings.append((f"{owner}: {fresh.warning}", UserWarning))
-    unused = unused_setting(config, fresh, owner)
-    if unused is not None:
-        warnings.append((unused, UserWarning))
-    if config.tie_init is not None and facts.tied and not facts.model.peft:
-        unused_tie = (
-            f"{owner}: tie_init={config.tie_init!r} changes nothing here: the model arrived tied (tie_init chooses the "
-            "matrix a model that arrives untied is tied from). Leave tie_init unset."
-        )
-        warnings.append((unused_tie, UserWarning))
+    warnings = _setting_warnings(facts, settings, fresh)
 
     waits = saved is PENDING and fresh.untied_from_start
     known = saved if isinstance(saved, SavedFacts) else None
@@ -157,6 +144,9 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         untie_at, rule = config.untie_at, config.rule(with_pairs=config.pairs != [])
     rule, notice, refusal = _rule_for_pairs(rule, facts, settings, trigger_runs=not choice.untied_from_start)
 
+    scale, scale_warning = _embedding_scale(settings, choice, untied_now, facts)
+    if scale_warning:
+        warnings.append((scale_warning, UserWarning))
     head_init = _head_start(config, choice)
     judge = (
         untied_now
@@ -183,7 +173,48 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         warnings=tuple(warnings),
         notices=(notice,) if notice else (),
         refusal=refusal,
+        embedding_lr_scale=scale,
     )
+
+
+def _setting_warnings(facts: Facts, settings: Settings, fresh: PolicyChoice) -> list[tuple[str, type[Warning]]]:
+    """What to tell the user about their settings, once each: a retired policy, the weights' evidence against the
+    config's name, a setting the plan does not use."""
+    config, owner = settings.config, settings.adapter
+    warnings: list[tuple[str, type[Warning]]] = []
+    if fresh.policy == "auto":
+        retired = (
+            f"{owner}(policy='auto'): 'auto' is retired (its held-out validation failed, "
+            f"docs/recipes/decision-map.md). Leave policy unset for the default ({DEFAULT_POLICY!r}), or pass "
+            "policy='off'."
+        )
+        warnings.append((retired, FutureWarning))
+    if fresh.warning is not None:
+        warnings.append((f"{owner}: {fresh.warning}", UserWarning))
+    unused = unused_setting(config, fresh, owner)
+    if unused is not None:
+        warnings.append((unused, UserWarning))
+    if config.tie_init is not None and facts.tied and not facts.model.peft:
+        unused_tie = (
+            f"{owner}: tie_init={config.tie_init!r} changes nothing here: the model arrived tied (tie_init chooses the "
+            "matrix a model that arrives untied is tied from). Leave tie_init unset."
+        )
+        warnings.append((unused_tie, UserWarning))
+    return warnings
+
+
+def _embedding_scale(settings: Settings, choice: PolicyChoice, untied_now: bool, facts: Facts) -> tuple[float, str]:
+    """The input embedding's rate scale: the user's where given; else the policy's with an untie before the first
+    step, except where the engine owns the param groups (DeepSpeed: a warning says so); else 1."""
+    config, asked = settings.config, choice.embedding_lr_scale
+    if config.was_set("embedding_lr_scale") or asked is None or not untied_now:
+        return config.embedding_lr_scale, ""
+    if not facts.scales_allowed:
+        return config.embedding_lr_scale, (
+            f"{settings.adapter}: {choice.reason}; DeepSpeed's engine owns the optimizer's param groups, so the input "
+            "embedding trains at your rate instead (pass embedding_lr_scale=1 to say so and silence this)."
+        )
+    return asked, ""
 
 
 def check_run_length(decision: Decision, owner: str, max_steps: int | None) -> None:
@@ -197,13 +228,17 @@ def check_run_length(decision: Decision, owner: str, max_steps: int | None) -> N
     )
 
 
-def checkpoint_config(config: UntieConfig, choice: PolicyChoice | None) -> UntieConfig:
-    """The settings a checkpoint keeps: `config`, with a tied phase the policy chose itself ("by-share") written as
-    the schedule it runs, so that a resume continues it (`untie.checkpoints.saved_state.resumed_config`) whatever its
-    trained weights now read as."""
-    if choice is None or not choice.tied_phase or choice.policy != config.chosen_policy()[0]:
+def checkpoint_config(config: UntieConfig, decision: Decision | None) -> UntieConfig:
+    """The settings a checkpoint keeps: `config`, with what the policy chose itself ("by-share": a tied phase, an
+    input embedding's rate scale) written as settings, so that a resume continues it
+    (`untie.checkpoints.saved_state.resumed_config`) whatever its trained weights now read as."""
+    if decision is None or decision.choice.policy != config.chosen_policy()[0]:
         return config
-    return config.replace(untie_at=choice.untie_at, untie_when=None)
+    if decision.embedding_lr_scale != config.embedding_lr_scale:
+        config = config.replace(embedding_lr_scale=decision.embedding_lr_scale)
+    if decision.choice.tied_phase:
+        config = config.replace(untie_at=decision.choice.untie_at, untie_when=None)
+    return config
 
 
 def _head_start(config: UntieConfig, choice: PolicyChoice) -> HeadStart:

@@ -44,6 +44,9 @@ class PolicyChoice:
     untie_at: float | None = None
     """Plan "tied phase" only (policy "by-share"): the fraction of the run the tied phase lasts (no trigger), or None
     where the model stays tied."""
+    embedding_lr_scale: float | None = None
+    """Policy "by-share" untied from the start only: the input embedding's rate scale the study's choice trains with
+    (applied where the user gave none); None: the user's."""
 
     @property
     def untied_from_start(self) -> bool:
@@ -153,5 +156,7 @@ def _by_share(policy: str, fresh: Freshness, share: float, total: int, bands: Sh
         return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
     reason = f"{fresh.why}; {band.describe()}"
     if band.untie_at == 0:
-        return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
+        scale = band.embedding_lr_scale if band.embedding_lr_scale != 1 else None
+        plan: Plan = "untied from the start"
+        return PolicyChoice(policy, plan, reason, share, total, "model", fresh.warning, embedding_lr_scale=scale)
     return PolicyChoice(policy, "tied phase", reason, share, total, "copy", fresh.warning, band.untie_at)

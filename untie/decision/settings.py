@@ -74,6 +74,12 @@ DEFAULT_POLICY = "by-share" if SHARE_DEFAULT.complete else "untie-at-start"
 #: unset policy is "off", so the schedule asked for runs. Measurement knobs (metrics_every, pairs) and how a tied
 #: phase runs (tying_mode, optimizer_state) do not change the plan.
 SCHEDULE_SETTINGS = ("untie_at", "untie_when")
+#: The settings whose being given is recorded beside their values (`UntieConfig.was_set`): the schedule's, and the
+#: roles' rate scales (policy "by-share" may choose the input embedding's where the user gave none). A resume with one
+#: of them not given continues the checkpoint's (`untie.checkpoints.saved_state.resumed_config`).
+TRACKED_SETTINGS = (*SCHEDULE_SETTINGS, "embedding_lr_scale", "head_lr_scale")
+#: The input embedding's rate scale where none is given (the user's rate).
+DEFAULT_EMBEDDING_LR_SCALE = 1.0
 #: How a head untied before the first step starts (see `UntieConfig.head_init`).
 HEAD_INITS = ("auto", "copy", "model")
 HeadInit = Literal["auto", "copy", "model"]
@@ -155,10 +161,11 @@ class UntieConfig:
             read, with a warning, and runs as 'fresh-untied' above untie.decision.policy_rules.UNTIED_FROM_START_SHARE
             (0.5) of the parameters in the embedding.
         embedding_lr_scale: The input embedding's learning rate, as a multiple of the rate of the optimizer group it
-            came from (the group's rate at every step, warm-up and decay included): 1.0 (default) keeps it; 0.1 trains
-            it ten times slower (less forgetting when fine-tuning); 0 freezes it; above 1 trains it faster (the
-            untied embedding of modded-nanogpt trains at many times the head's rate). A value other than 1 gives the
-            embedding a param group of its own (`untie.structure.role_rates`). From the untie on, unless
+            came from (the group's rate at every step, warm-up and decay included): unset, 1.0 (the user's rate),
+            unless policy 'by-share' chooses a scale for the model's share (then the run's line says so); 1.0 keeps
+            it; 0.1 trains it ten times slower (less forgetting when fine-tuning); 0 freezes it; above 1 trains it
+            faster (the untied embedding of modded-nanogpt trains at many times the head's rate). A value other than
+            1 gives the embedding a param group of its own (`untie.structure.role_rates`). From the untie on, unless
             lr_scales_while_tied.
         head_lr_scale: The LM head's learning rate, as a multiple of the rate of the optimizer group it came from
             (1.0, default, keeps it; 0 freezes it). A value other than 1 gives the head a param group of its own,
@@ -179,12 +186,12 @@ class UntieConfig:
     head_init: HeadInit = "auto"
     from_scratch: bool | None = None
     policy: PolicyName | None = None
-    embedding_lr_scale: float = 1.0
-    head_lr_scale: float = 1.0
+    embedding_lr_scale: float = NotGiven(DEFAULT_EMBEDDING_LR_SCALE)  # type: ignore[assignment]
+    head_lr_scale: float = NotGiven(1.0)  # type: ignore[assignment]
     lr_scales_while_tied: bool = False
 
     def __post_init__(self) -> None:
-        given = {name: not isinstance(getattr(self, name), NotGiven) for name in SCHEDULE_SETTINGS}
+        given = {name: not isinstance(getattr(self, name), NotGiven) for name in TRACKED_SETTINGS}
         self._given = frozenset(name for name, was in given.items() if was)
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
         self.pairs = _parse_pairs(self.pairs)
@@ -202,8 +209,10 @@ class UntieConfig:
         _check_choice(self.head_init, HEAD_INITS, "head_init")
         if self.tie_init is not None:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
-        self.embedding_lr_scale = _scale(self.embedding_lr_scale, "embedding_lr_scale")
-        self.head_lr_scale = _scale(self.head_lr_scale, "head_lr_scale")
+        scale = self.embedding_lr_scale
+        self.embedding_lr_scale = _scale(scale, "embedding_lr_scale") if given["embedding_lr_scale"] else scale.value
+        head = self.head_lr_scale
+        self.head_lr_scale = _scale(head, "head_lr_scale") if given["head_lr_scale"] else head.value
         if not isinstance(self.lr_scales_while_tied, bool):
             raise UntieValueError(
                 f"lr_scales_while_tied={self.lr_scales_while_tied!r}: pass True (the scales apply during a tied phase "
@@ -242,15 +251,15 @@ class UntieConfig:
         ``UntieConfig()`` leaves to the default plan, so the two differ."""
         if not isinstance(other, UntieConfig):
             return NotImplemented
-        same_set = all(self.was_set(name) == other.was_set(name) for name in SCHEDULE_SETTINGS)
+        same_set = all(self.was_set(name) == other.was_set(name) for name in TRACKED_SETTINGS)
         return same_set and self.values() == other.values()
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq
 
     def was_set(self, name: str) -> bool:
         """Whether setting `name` was set by the user (by keyword, on a command line or in JSON), whatever its value:
-        only `SCHEDULE_SETTINGS` keep the difference (`NotGiven`); the other fields count as set."""
-        return name not in SCHEDULE_SETTINGS or name in self._given
+        only `TRACKED_SETTINGS` keep the difference (`NotGiven`); the other fields count as set."""
+        return name not in TRACKED_SETTINGS or name in self._given
 
     def chosen_policy(self) -> tuple[str, str]:
         """The policy the run follows, and why in words: `policy` as set; unset (None), `DEFAULT_POLICY`, or "off" where

@@ -53,13 +53,13 @@ class ShareBand:
         scale = (
             ""
             if self.embedding_lr_scale == 1
-            else f"; the study trained the input embedding at {self.embedding_lr_scale:g}x the rate, which the default "
-            f"leaves to you (embedding_lr_scale={self.embedding_lr_scale:g}): it does not change your optimizer"
+            else f", the input embedding at {self.embedding_lr_scale:g}x the learning rate (embedding_lr_scale; pass "
+            "embedding_lr_scale=1 to keep your rate)"
         )
         cells = f"cell{'s' * (len(self.cells) > 1)} {', '.join(self.cells)}"
         return (
-            f"the study's default by embedding share: from {self.low:.1%} to {self.high:.1%} ({cells}) it {plan} "
-            f"(arm {self.arm}, docs/recipes/when-it-pays.md){scale}"
+            f"the study's default by embedding share: from {self.low:.1%} to {self.high:.1%} ({cells}) it {plan}"
+            f"{scale} (arm {self.arm}, docs/recipes/when-it-pays.md)"
         )
 
 
