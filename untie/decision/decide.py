@@ -144,9 +144,7 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         untie_at, rule = config.untie_at, config.rule(with_pairs=config.pairs != [])
     rule, notice, refusal = _rule_for_pairs(rule, facts, settings, trigger_runs=not choice.untied_from_start)
 
-    scale, scale_warning = _embedding_scale(settings, choice, untied_now, facts)
-    if scale_warning:
-        warnings.append((scale_warning, UserWarning))
+    scale, choice = _embedding_scale(config, choice, untied_now, facts)
     head_init = _head_start(config, choice)
     judge = (
         untied_now
@@ -203,18 +201,22 @@ def _setting_warnings(facts: Facts, settings: Settings, fresh: PolicyChoice) -> 
     return warnings
 
 
-def _embedding_scale(settings: Settings, choice: PolicyChoice, untied_now: bool, facts: Facts) -> tuple[float, str]:
+def _embedding_scale(
+    config: UntieConfig, choice: PolicyChoice, untied_now: bool, facts: Facts
+) -> tuple[float, PolicyChoice]:
     """The input embedding's rate scale: the user's where given; else the policy's with an untie before the first
-    step, except where the engine owns the param groups (DeepSpeed: a warning says so); else 1."""
-    config, asked = settings.config, choice.embedding_lr_scale
+    step, except where the engine owns the param groups (DeepSpeed: the choice's reason then says it trains at the
+    user's rate); else 1. Returns the scale and the choice, its reason true to the scale."""
+    asked = choice.embedding_lr_scale
     if config.was_set("embedding_lr_scale") or asked is None or not untied_now:
-        return config.embedding_lr_scale, ""
+        return config.embedding_lr_scale, choice
     if not facts.scales_allowed:
-        return config.embedding_lr_scale, (
-            f"{settings.adapter}: {choice.reason}; DeepSpeed's engine owns the optimizer's param groups, so the input "
-            "embedding trains at your rate instead (pass embedding_lr_scale=1 to say so and silence this)."
+        reason = (
+            f"{choice.reason}; under DeepSpeed the input embedding trains at your rate instead (its engine owns the "
+            "optimizer's param groups)"
         )
-    return asked, ""
+        return config.embedding_lr_scale, dataclasses.replace(choice, reason=reason)
+    return asked, choice
 
 
 def check_run_length(decision: Decision, owner: str, max_steps: int | None) -> None:
