@@ -136,6 +136,7 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         choice = dataclasses.replace(choice, head_init=start, reason=reason)
     untied_now = choice.untied_from_start and not waits
 
+    untie_at: int | float | None
     if untied_now:
         untie_at, rule = 0, None
     elif choice.tied_phase:  # the policy's own tied phase ("by-share"): to its fraction of the run, no trigger

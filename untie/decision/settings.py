@@ -78,8 +78,8 @@ SCHEDULE_SETTINGS = ("untie_at", "untie_when")
 #: roles' rate scales (policy "by-share" may choose the input embedding's where the user gave none). A resume with one
 #: of them not given continues the checkpoint's (`untie.checkpoints.saved_state.resumed_config`).
 TRACKED_SETTINGS = (*SCHEDULE_SETTINGS, "embedding_lr_scale", "head_lr_scale")
-#: The input embedding's rate scale where none is given (the user's rate).
-DEFAULT_EMBEDDING_LR_SCALE = 1.0
+#: A role's rate scale where none is given (the user's rate).
+DEFAULT_LR_SCALE = 1.0
 #: How a head untied before the first step starts (see `UntieConfig.head_init`).
 HEAD_INITS = ("auto", "copy", "model")
 HeadInit = Literal["auto", "copy", "model"]
@@ -186,8 +186,8 @@ class UntieConfig:
     head_init: HeadInit = "auto"
     from_scratch: bool | None = None
     policy: PolicyName | None = None
-    embedding_lr_scale: float = NotGiven(DEFAULT_EMBEDDING_LR_SCALE)  # type: ignore[assignment]
-    head_lr_scale: float = NotGiven(1.0)  # type: ignore[assignment]
+    embedding_lr_scale: float = NotGiven(DEFAULT_LR_SCALE)  # type: ignore[assignment]
+    head_lr_scale: float = NotGiven(DEFAULT_LR_SCALE)  # type: ignore[assignment]
     lr_scales_while_tied: bool = False
 
     def __post_init__(self) -> None:
@@ -209,10 +209,9 @@ class UntieConfig:
         _check_choice(self.head_init, HEAD_INITS, "head_init")
         if self.tie_init is not None:
             _check_choice(self.tie_init, TIE_INITS, "tie_init", "or None (keep it untied)")
-        scale = self.embedding_lr_scale
-        self.embedding_lr_scale = _scale(scale, "embedding_lr_scale") if given["embedding_lr_scale"] else scale.value
-        head = self.head_lr_scale
-        self.head_lr_scale = _scale(head, "head_lr_scale") if given["head_lr_scale"] else head.value
+        for name in ("embedding_lr_scale", "head_lr_scale"):
+            value = getattr(self, name)
+            setattr(self, name, _scale(value, name) if given[name] else DEFAULT_LR_SCALE)
         if not isinstance(self.lr_scales_while_tied, bool):
             raise UntieValueError(
                 f"lr_scales_while_tied={self.lr_scales_while_tied!r}: pass True (the scales apply during a tied phase "
