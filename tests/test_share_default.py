@@ -4,6 +4,7 @@ from the bands `scripts/docs_tables.py` writes into `untie/decision/share_bands.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -117,8 +118,14 @@ def test_the_default_by_share_runs_its_tied_phase_and_a_plain_resume_continues_i
     resumed, again = tiny_model("gpt2"), untie.UntieCallback(from_scratch=from_scratch)
     args = make_args(output_dir=str(folder), max_steps=12, save_strategy="no")
     trainer = tf.Trainer(model=resumed, args=args, train_dataset=ToyLMDataset(), callbacks=[again])
-    trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
     assert (again.untie_step, again.untie_reason) == (8, "deadline")
+    assert again.config.chosen_policy()[1] == "the checkpoint's schedule continues (untie_at=0.666667, untie_when=None)"
+    texts = [str(w.message) for w in said if "from_scratch" in str(w.message)]
+    assert texts == ([] if from_scratch is None else [texts[0]])  # said once, naming the checkpoint, not the user
+    assert all("continues its checkpoint's schedule" in t and "Leave from_scratch unset." in t for t in texts)
     worst = max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters())
     assert worst == 0
 

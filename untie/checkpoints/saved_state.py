@@ -63,7 +63,7 @@ def resumed_config(config: UntieConfig, saved_config: Mapping[str, Any]) -> Unti
     the policy chose itself is written into the checkpoint's settings (`untie.decision.decide.checkpoint_config`)."""
     unset = [name for name in TRACKED_SETTINGS if not config.was_set(name)]
     taken = {name: saved_config[name] for name in unset if name in saved_config}
-    return config.replace(**taken) if taken else config
+    return config.continuing(taken) if taken else config
 
 
 # -- the weights' fingerprint ------------------------------------------------------------------------------------------

@@ -362,6 +362,11 @@ def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str
             f"{owner}: head_init='model' draws a head untied before the first step; {later}. Pass from_scratch=True "
             "if the model is built fresh (it then trains untied from step 0, its head drawn), or leave head_init unset."
         )
+    if config.from_scratch is not None and choice.policy == "off" and config.continues_checkpoint:
+        return (
+            f"{owner}: from_scratch={config.from_scratch!r} changes nothing here: the run continues its checkpoint's "
+            f"schedule, so {later}. Leave from_scratch unset."
+        )
     if config.from_scratch is not None and choice.policy == "off":
         return (
             f"{owner}: from_scratch={config.from_scratch!r} changes nothing here: the schedule is set (policy 'off'), "

@@ -193,6 +193,7 @@ class UntieConfig:
     def __post_init__(self) -> None:
         given = {name: not isinstance(getattr(self, name), NotGiven) for name in TRACKED_SETTINGS}
         self._given = frozenset(name for name, was in given.items() if was)
+        self._continued: frozenset[str] = frozenset()  # given by a checkpoint, not by the user (`continuing`)
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
         self.pairs = _parse_pairs(self.pairs)
         self.untie_when = _parse_rule(self.untie_when) if given["untie_when"] else DEFAULT_UNTIE_WHEN
@@ -268,6 +269,8 @@ class UntieConfig:
         asked = [name for name in SCHEDULE_SETTINGS if self.was_set(name)]
         if asked:
             settings = ", ".join(f"{name}={getattr(self, name)!r}" for name in asked)
+            if self.continues_checkpoint:
+                return "off", f"the checkpoint's schedule continues ({settings})"
             return "off", f"the schedule is set ({settings}): it runs as set"
         return DEFAULT_POLICY, f"the default policy, {DEFAULT_POLICY!r}"
 
@@ -290,7 +293,22 @@ class UntieConfig:
             )
         # Not `dataclasses.replace`, which would pass every value on as given: a setting not given stays so.
         kept = {f.name: getattr(self, f.name) for f in fields(self) if self.was_set(f.name)}
-        return type(self)(**{**kept, **overrides})
+        replaced = type(self)(**{**kept, **overrides})
+        replaced._continued = self._continued - set(overrides)
+        return replaced
+
+    def continuing(self, taken: dict[str, Any]) -> UntieConfig:
+        """This config with `taken` (settings the user left unset) at a checkpoint's values, remembered as the
+        checkpoint's: the run's messages then say that the checkpoint's plan continues (`continues_checkpoint`)."""
+        resumed = self.replace(**taken)
+        resumed._continued = self._continued | frozenset(taken)
+        return resumed
+
+    @property
+    def continues_checkpoint(self) -> bool:
+        """Every schedule setting given was given by a checkpoint (`continuing`), and at least one was."""
+        asked = {name for name in SCHEDULE_SETTINGS if self.was_set(name)}
+        return bool(asked) and asked <= self._continued
 
     # -- JSON ----------------------------------------------------------------------------------------------------------
     def values(self) -> dict[str, Any]:
