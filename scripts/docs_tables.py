@@ -565,6 +565,14 @@ TABLES: dict[str, Table] = {
         extract=nth_table(len(STUDY_TABLES["round-two.md"])),
         cost="data",
     ),
+    # ... and, after it, where the default trigger would have fired in each cell's tied runs (item 5's statement).
+    "when-it-pays-trigger": Table(
+        page="docs/recipes/when-it-pays.md",
+        commands=(("python", "recipes/study.py", "--report_only", "--output_dir", "{out}"),),
+        output="round-two.md",
+        extract=nth_table(len(STUDY_TABLES["round-two.md"]) + 1),
+        cost="data",
+    ),
 }
 
 

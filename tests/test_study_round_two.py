@@ -107,8 +107,8 @@ def test_the_report_writes_round_twos_tables_and_the_librarys_bands(tmp_path):
     report.write_report(tmp_path, _cell_b((3.95, 3.95, 3.95)))
     text = (tmp_path / "round-two.md").read_text()
     tables = [block for block in text.split("\n\n") if block.startswith("|")]
-    assert len(tables) == 5
-    cells, noise, bands, loaded, library = tables
+    assert len(tables) == 6
+    cells, noise, bands, loaded, library, trigger = tables
     assert "| B | 60.0% | 1, 2, 3 | untied-emb16: -0.050 [-0.050, -0.050]" in cells
     assert "untied from step 0, head drawn, the input embedding at 16x the rate (0.0133 nat below" in cells
     assert "| C | - | none |" in cells and "+0.0020" in noise
@@ -119,6 +119,7 @@ def test_the_report_writes_round_twos_tables_and_the_librarys_bands(tmp_path):
     assert [(b.low, b.high, b.arm, b.untie_at, b.embedding_lr_scale) for b in parsed.bands] == [
         (0.0, 1.0, "untied-emb16", 0.0, 16.0)]  # fmt: skip
     assert parsed.status.startswith("pending: cell") and parsed.band(0.3) is None
+    assert trigger.splitlines()[-1].endswith("| pending: not every cell is complete |")  # item 5 waits for every cell
 
 
 def _finetune_table(target: dict[str, float], source: dict[str, float], seeds: int = 3) -> dict:
@@ -189,3 +190,22 @@ def test_the_report_gives_each_fine_tuned_cells_arms_under_the_loaded_model_rule
     text = (tmp_path / "round-two.md").read_text()
     assert "| C (1, 2, 3) | untie-now-emb0.1 | 4.7070 | -0.095 [-0.095, -0.095] | 4.1500 |" in text
     assert "| C (1, 2, 3) | stay-tied | 4.8020 | reference |" in text
+
+
+def test_the_trigger_statement_holds_only_once_every_cell_fires_early_and_unties_best_late():
+    """Item 5: per cell, the tied runs' would-fire steps beside T*; the verdict waits for every cell, and fails where
+    one tied run fires late or one cell's T* is earlier than 1/3."""
+
+    def timing(fire_step: int, t_star: str, cells=("A", "B", "C")) -> str:
+        records, tables = [], {}
+        for cell in cells:
+            for seed in (1, 2, 3):
+                tied = _record(cell, "tied", seed, 4.0)
+                records.append(dataclasses.replace(tied, trigger={"first_would_fire_step": fire_step}))
+            tables[cell] = {"choice": "untied", "arms": {"T*": {"arm": t_star}}}
+        return round_two.trigger_timing(records, tables)["verdict"]
+
+    assert timing(5, "untie@2/3") == "holds"  # 5% of a 100-step run
+    assert timing(10, "untie@2/3") == "does not hold"  # at 10%: not within the first 10%
+    assert timing(5, "untie@0.8") == "holds"
+    assert timing(5, "untie@2/3", cells=("A", "B")).startswith("pending")  # cell C has no table yet

@@ -32,6 +32,10 @@ SCALED_CELLS = ("B", "C")
 OPTIMIZER_BAR = 0.01
 #: A loaded tied model: the fine-tuning arms within this of the lowest mean target loss compete on the source loss.
 TARGET_BAR = 0.01
+#: Item 5's statement: the trigger "fires early" where it would fire within this fraction of the run.
+EARLY_FIRE = 0.10
+#: ... and the untie pays late where the cell's best tied-phase fraction (T*) is at least this.
+LATE_UNTIE = 1 / 3
 
 
 def _fixed_arms(cell: str) -> list[str]:
@@ -198,13 +202,41 @@ def loaded_choice(table: dict) -> dict:
             "lowest mean target loss", "standing": standing}  # fmt: skip
 
 
+def trigger_timing(records: Sequence[StudyRecord], tables: dict[str, dict]) -> dict:
+    """Item 5: where the default trigger would have fired in each development seed's tied run of each cell (it
+    measures without acting), beside the cell's T*. The statement holds once every cell is complete, every tied run
+    would fire within `EARLY_FIRE` of its run, and every cell's T* unties at `LATE_UNTIE` of the run or later: the
+    trigger then detects a divergence present from the start, and does not time the untie."""
+    rows, early, late, complete = [], True, True, True
+    for cell in ROUND_TWO_CELLS:
+        tied = sorted((r for r in records if r.cell == cell and r.kind == "arm" and r.arm == "tied"
+                       and r.seed in DEVELOPMENT_SEEDS), key=lambda r: r.seed)  # fmt: skip
+        fired = [((r.trigger or {}).get("first_would_fire_step"), r.budget_steps, r.seed) for r in tied]
+        fractions = [step / budget if step else None for step, budget, _ in fired]
+        early = early and all(f is not None and f < EARLY_FIRE for f in fractions)
+        best = (tables.get(cell) or {}).get("arms", {}).get("T*")
+        fraction = arm_spec(best["arm"]).fraction if best else None
+        complete = complete and bool((tables.get(cell) or {}).get("choice")) and fraction is not None
+        late = late and (fraction is None or fraction >= LATE_UNTIE)
+        rows.append({"cell": cell, "fired": [{"seed": seed, "step": step, "budget": budget}
+                                             for step, budget, seed in fired],
+                     "t_star": best["arm"] if best else None, "t_star_fraction": fraction})  # fmt: skip
+    if not complete:
+        verdict = "pending: not every cell is complete"
+    elif early and late:
+        verdict = "holds"
+    else:
+        verdict = "does not hold"
+    return {"cells": rows, "verdict": verdict}
+
+
 def round_two(records: Sequence[StudyRecord], finetune: dict[str, dict] | None = None) -> dict:
     """Every round-two cell's table, the share bands, the measured float noise between CPU kinds, and the loaded-model
     rule on each fine-tuned cell's table (`finetune`: cell -> `report.finetune_table`)."""
     tables = {c: round_two_table(c, records) for c in ROUND_TWO_CELLS}
     loaded = {cell: {**table, **loaded_choice(table)} for cell, table in (finetune or {}).items()}
     return {"cells": tables, "share_default": share_bands(tables), "cross_kind": cross_kind_noise(records),
-            "loaded": loaded}  # fmt: skip
+            "loaded": loaded, "trigger": trigger_timing(records, tables)}  # fmt: skip
 
 
 def _difference(row: dict | None) -> str:
@@ -250,7 +282,29 @@ def round_two_markdown(result: dict) -> str:
         lines.append(f"| {band['from']:.1%} to {band['to']:.1%} | {choice_text(band['choice'])} | "
                      f"{', '.join(band['cells'])} |")  # fmt: skip
     lines += ["", *_loaded_lines(result.get("loaded") or {}), "", *library_bands_lines(share)]
+    if "trigger" in result:
+        lines += ["", *trigger_lines(result["trigger"])]
     return "\n".join(lines) + "\n"
+
+
+def _fired_text(fired: dict) -> str:
+    if not fired["step"]:
+        return f"{fired['seed']}: never"
+    return f"{fired['seed']}: step {fired['step']:,} of {fired['budget']:,} ({fired['step'] / fired['budget']:.1%})"
+
+
+def trigger_lines(timing: dict) -> list[str]:
+    """Item 5's table: per cell, where the default trigger would have fired in each tied run, the cell's T*, and the
+    statement's verdict (a last row)."""
+    lines = ["Where the default trigger would have fired (the tied runs measure it without acting), beside T*:", "",
+             "| cell | would fire at (seed: step of the run) | T* |", "|---|---|---|"]  # fmt: skip
+    for row in timing["cells"]:
+        fired = "; ".join(_fired_text(f) for f in row["fired"])
+        t_star = f"{row['t_star']} ({row['t_star_fraction']:.3g} of the run)" if row["t_star"] else "pending"
+        lines.append(f"| {row['cell']} | {fired or 'none yet'} | {t_star} |")
+    lines.append(f"| every cell | fires within {EARLY_FIRE:.0%} of the run, T* at {LATE_UNTIE:.3g} or later | "
+                 f"{timing['verdict']} |")  # fmt: skip
+    return lines
 
 
 def band_schedule(arm: str) -> tuple[str, float]:
