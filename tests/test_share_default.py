@@ -212,3 +212,14 @@ def test_the_scaled_default_trains_the_embedding_at_16x_and_a_resume_continues_i
     assert again.run.rates.current()["untie/lr_input_embedding"] == pytest.approx(16 * args.learning_rate)
     worst = max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters())
     assert worst == 0
+
+
+def test_untie_inspect_says_the_runs_own_decision_for_a_saved_fresh_model(by_share_default, tmp_path):
+    """Issue 79, item 3: `untie inspect` decides through `decide`, so under the by-share default it names the band's
+    tied phase for a model saved fresh, in the words a run's line would use."""
+    from untie.checkpoints import inspection
+
+    tiny_model("gpt2").save_pretrained(tmp_path)
+    report = inspection.describe(tmp_path)["policy"]
+    assert report["default"] == "trains tied; unties at untie_at=0.666667; the head starts as a copy of the embedding"
+    assert "the study's default by embedding share" in report["because"]

@@ -188,15 +188,20 @@ def _load_embeddings(checkpoint: Checkpoint):
 
 
 def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
-    """What the defaults (`UntieCallback()`, `UntieConfig.chosen_policy`) would do with the model `from_pretrained`
-    builds, and why, and its embedding's share of the parameters (`untie.structure.policy`). The plan is said in the
-    words of the run's line at train begin (`untie.decision.decide`), with the default's deadline as a setting (the
-    run's length is not known here)."""
-    from untie.decision.decide import default_plan_text
-    from untie.decision.settings import DEFAULT_POLICY
-    from untie.structure.policy import choose_plan
+    """What the defaults (`UntieCallback()`) would do with the model `from_pretrained` builds, and why, and its
+    embedding's share of the parameters: the run's own decision (`untie.decision.decide.decide` on the facts read
+    here), said in the words of the run's line at train begin, with a deadline as its setting (the run's length is not
+    known here)."""
+    from untie.decision.decide import Facts, Settings, decide, default_plan_text
+    from untie.decision.plan import ModelFacts
+    from untie.decision.settings import UntieConfig
+    from untie.structure.policy import read_for_policy
 
-    choice = choose_plan(DEFAULT_POLICY, model, tied=tied, peft=False, embedding=embedding)
+    defaults = UntieConfig()
+    policy, _ = defaults.chosen_policy()
+    reading = read_for_policy(policy, model, tied=tied, peft=False, embedding=embedding)
+    facts = Facts(ModelFacts("tied" if tied else "untied"), tied=tied, reading=reading, pairs=True)
+    choice = decide(facts, Settings(defaults, "untie inspect")).choice  # the run's own decision, before its first step
     plan = default_plan_text(choice, tied)
     return {
         "embedding_share": choice.embedding_share,
