@@ -193,7 +193,8 @@ class UntieConfig:
     def __post_init__(self) -> None:
         given = {name: not isinstance(getattr(self, name), NotGiven) for name in TRACKED_SETTINGS}
         self._given = frozenset(name for name, was in given.items() if was)
-        self._continued: frozenset[str] = frozenset()  # given by a checkpoint, not by the user (`continuing`)
+        self.from_checkpoint: frozenset[str] = frozenset()
+        """The settings a checkpoint gave at a resume, not the user (`continuing`); not a field: never saved."""
         self.metrics_every = _whole_number(self.metrics_every, "metrics_every", "0 turns the metrics off")
         self.pairs = _parse_pairs(self.pairs)
         self.untie_when = _parse_rule(self.untie_when) if given["untie_when"] else DEFAULT_UNTIE_WHEN
@@ -294,21 +295,21 @@ class UntieConfig:
         # Not `dataclasses.replace`, which would pass every value on as given: a setting not given stays so.
         kept = {f.name: getattr(self, f.name) for f in fields(self) if self.was_set(f.name)}
         replaced = type(self)(**{**kept, **overrides})
-        replaced._continued = self._continued - set(overrides)
+        replaced.from_checkpoint = self.from_checkpoint - set(overrides)
         return replaced
 
     def continuing(self, taken: dict[str, Any]) -> UntieConfig:
         """This config with `taken` (settings the user left unset) at a checkpoint's values, remembered as the
         checkpoint's: the run's messages then say that the checkpoint's plan continues (`continues_checkpoint`)."""
         resumed = self.replace(**taken)
-        resumed._continued = self._continued | frozenset(taken)
+        resumed.from_checkpoint = self.from_checkpoint | frozenset(taken)
         return resumed
 
     @property
     def continues_checkpoint(self) -> bool:
         """Every schedule setting given was given by a checkpoint (`continuing`), and at least one was."""
         asked = {name for name in SCHEDULE_SETTINGS if self.was_set(name)}
-        return bool(asked) and asked <= self._continued
+        return bool(asked) and asked <= self.from_checkpoint
 
     # -- JSON ----------------------------------------------------------------------------------------------------------
     def values(self) -> dict[str, Any]:
