@@ -67,7 +67,11 @@ def fill(instance: Any, preset: dict[str, Any], explicit: set[str]) -> Any:
     """`instance` with the preset's values for its fields that the command line did not set."""
     names = {f.name for f in dataclasses.fields(instance) if f.init}
     values = {k: v for k, v in preset.items() if k in names and k not in explicit}
-    return dataclasses.replace(instance, **values) if values else instance
+    if not values:
+        return instance
+    if isinstance(instance, untie.UntieConfig):  # a setting not given stays so (dataclasses.replace gives them all)
+        return instance.replace(**values)
+    return dataclasses.replace(instance, **values)
 
 
 #: The arms every Trainer recipe knows, and the untie schedule each one trains with. Every arm with a callback runs

@@ -122,10 +122,9 @@ def test_the_default_by_share_runs_its_tied_phase_and_a_plain_resume_continues_i
         warnings.simplefilter("always")
         trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
     assert (again.untie_step, again.untie_reason) == (8, "deadline")
-    assert again.config.chosen_policy()[1] == "the checkpoint's schedule continues (untie_at=0.666667, untie_when=None)"
-    texts = [str(w.message) for w in said if "from_scratch" in str(w.message)]
-    assert texts == ([] if from_scratch is None else [texts[0]])  # said once, naming the checkpoint, not the user
-    assert all("continues its checkpoint's schedule" in t and "Leave from_scratch unset." in t for t in texts)
+    assert "the tied phase its policy chose, so it continues it" in again.run.choice.reason
+    assert not again.config.was_set("untie_at")  # continued from the run state's policy, not written as a setting
+    assert not [w for w in said if "changes nothing" in str(w.message) or "changed settings" in str(w.message)]
     worst = max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters())
     assert worst == 0
 
@@ -223,3 +222,54 @@ def test_untie_inspect_says_the_runs_own_decision_for_a_saved_fresh_model(by_sha
     report = inspection.describe(tmp_path)["policy"]
     assert report["default"] == "trains tied; unties at untie_at=0.666667; the head starts as a copy of the embedding"
     assert "the study's default by embedding share" in report["because"]
+
+
+@pytest.mark.parametrize("from_scratch", [None, False])
+def test_a_schedule_given_beside_policy_by_share_is_named_as_unused_and_its_resume_is_exact(
+    by_share_default, make_args, tmp_path, from_scratch
+):
+    """`policy="by-share"` set with `untie_at` given: the policy's tied phase runs (to 2/3: step 8 of 12) and a
+    warning names the setting it ignores, as for "untie-at-start"; the same config resumed continues it exactly,
+    with no warning of changed settings."""
+    folder = tmp_path / "full"
+    args = make_args(output_dir=str(folder), max_steps=12, save_strategy="steps", save_steps=4)
+    model, callback = tiny_model("gpt2"), untie.UntieCallback(policy="by-share", untie_at=10)
+    with pytest.warns(UserWarning, match=r"untie_at=10 changes nothing here: policy='by-share' runs its own tied"):
+        tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert callback.untie_step == 8
+    reference = _params(model)
+    resumed, again = tiny_model("gpt2"), untie.UntieCallback(policy="by-share", untie_at=10, from_scratch=from_scratch)
+    args = make_args(output_dir=str(folder), max_steps=12, save_strategy="no")
+    trainer = tf.Trainer(model=resumed, args=args, train_dataset=ToyLMDataset(), callbacks=[again])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=str(folder / "checkpoint-4"))
+    assert again.untie_step == 8
+    assert not [w for w in said if "changed settings" in str(w.message)]
+    assert max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters()) == 0
+
+
+def test_a_refused_run_length_leaves_nothing_on_the_optimizer(by_share_default):
+    model = tiny_model("gpt2")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(UntieValueError, match="length is unknown"):
+        untie.Untier(model, optimizer)
+    assert not optimizer._optimizer_step_pre_hooks  # the refusal came before the run installed its step hook
+    untie.Untier(model, optimizer, max_steps=9)  # the same model and optimizer, given the length
+
+
+def test_a_drawn_head_the_first_batch_replaces_by_a_copy_trains_at_the_users_rate():
+    """The first batch says the weights are trained: as for a loaded model, the band's scale does not apply."""
+    from untie.decision.decide import Facts, Settings, decide
+    from untie.decision.plan import ModelFacts
+
+    reading = PolicyReading(share=0.25, parameters=1000, freshness=FRESH)
+    facts = Facts(ModelFacts("tied"), tied=True, reading=reading, first_batch=("copy", "a copy predicts better"))
+    import untie.decision.share_bands as bands_module
+
+    original, bands_module.SHARE_DEFAULT = bands_module.SHARE_DEFAULT, SCALED
+    try:
+        decision = decide(facts, Settings(untie.UntieConfig(policy="by-share"), "UntieCallback"))
+    finally:
+        bands_module.SHARE_DEFAULT = original
+    assert (decision.head_init, decision.embedding_lr_scale) == ("copy", 1.0)

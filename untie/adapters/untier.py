@@ -43,7 +43,8 @@ from untie.checkpoints.saved_state import (
 )
 from untie.core.phases import Adapter
 from untie.core.run import UntieRun
-from untie.decision.plan import SavedFacts
+from untie.decision.decide import check_run_length
+from untie.decision.plan import SavedFacts, saved_policy_phase
 from untie.decision.settings import UntieConfig, build_config, settings_help
 from untie.distributed import gathered, training_engine
 from untie.errors import UntieFileNotFoundError, UntieValueError
@@ -138,6 +139,11 @@ class Untier(RunViews):
         #: Folders this process writes the untie state into once `accelerator.save_state` ends (None outside a save).
         self._saving_to: list[str] | None = None
         self.run.attach(self.model, engine=training_engine(), tokenizer=tokenizer, optimizer=optimizer)
+        try:  # a plan that needs the run's length is refused before anything is installed on the optimizer
+            check_run_length(self.run.decision, "Untier", max_steps)  # type: ignore[arg-type]  # attach decided
+        except UntieValueError:
+            self.run.close()
+            raise
         if accelerator is not None:
             registry = self.run.registry
             registry.hook("Untier: accelerator save hook", accelerator.register_save_state_pre_hook(self._save_hook))
@@ -257,6 +263,7 @@ class Untier(RunViews):
             untied=attributes["untied"],
             head_stored=state.get("tying_mode") == "emulated",
             lr_groups=tuple(groups) if isinstance(groups, list) else None,
+            policy_phase=saved_policy_phase(attributes),
         )
         self.run.split_groups(self.optimizer, saved=saved)  # the checkpoint's groups, before its optimizer state loads
         self.run.expect_checkpoint(saved, self.optimizer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from torch import nn
 from untie import _compat
 from untie.checkpoints.loading import CheckpointError, folder_weight_map, stored_name
 from untie.checkpoints.saved_state import ADAPTER_WEIGHT_PREFIXES, MODEL_WEIGHT_PREFIXES
-from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, plan_structure
+from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, plan_structure, saved_policy_phase
 from untie.errors import UntieValueError
 from untie.structure.surgery import UNTIED_MARKER, embedding_layout, is_tied, tie_embeddings, untie_embeddings
 
@@ -115,17 +116,25 @@ def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedF
     head_stored = None
     if keys is not None and model is not None:
         head_stored = stored_name(model, embedding_layout(model).output_weight, keys) is not None
-    return SavedFacts(folder, checkpoint_is_untied(folder), head_stored, saved_lr_groups(folder))
+    attributes = _saved_attributes(folder)
+    return SavedFacts(
+        folder, checkpoint_is_untied(folder), head_stored, saved_lr_groups(folder), saved_policy_phase(attributes)
+    )
+
+
+def _saved_attributes(checkpoint_dir: str | os.PathLike) -> Any:
+    """The run state's attributes in a Trainer checkpoint (`UntieRun.state_attributes`); None where there are none."""
+    state_file = os.path.join(checkpoint_dir, "trainer_state.json")
+    if not os.path.isfile(state_file):
+        return None
+    with open(state_file) as f:
+        return saved_callback_state(json.load(f).get("stateful_callbacks")).get("attributes")
 
 
 def saved_lr_groups(checkpoint_dir: str | os.PathLike) -> tuple[str, ...] | None:
     """The roles with a learning-rate group of their own in a Trainer checkpoint's optimizer state (the run state's
     `lr_groups`), or None where the folder holds no run state that says."""
-    state_file = os.path.join(checkpoint_dir, "trainer_state.json")
-    if not os.path.isfile(state_file):
-        return None
-    with open(state_file) as f:
-        attributes = saved_callback_state(json.load(f).get("stateful_callbacks")).get("attributes")
+    attributes = _saved_attributes(checkpoint_dir)
     groups = attributes.get("lr_groups") if isinstance(attributes, dict) else None
     return tuple(groups) if isinstance(groups, list) else None
 

@@ -23,7 +23,7 @@ from untie.core import measuring, messages
 from untie.core.model_structure import ModelStructure
 from untie.core.phases import BY_HAND, Adapter, RunOrderError, enter
 from untie.decision.decide import PENDING, Decision, Facts, Settings, check_run_length, checkpoint_config, decide
-from untie.decision.plan import SavedFacts, StructurePlan
+from untie.decision.plan import SavedFacts, StructurePlan, saved_policy_phase
 from untie.decision.settings import UntieConfig
 from untie.decision.triggers import DivergenceTrigger, ScheduledTrigger, UntieWhen
 from untie.distributed import broadcast_decision, resolve_tying_mode
@@ -379,11 +379,11 @@ class UntieRun:
         state = check_state(state, where)
         self.config = resumed_config(self.config, state["config"])  # a setting left unset continues the checkpoint's
         self.rates.scales.update(input_embedding=self.config.embedding_lr_scale, head=self.config.head_lr_scale)
-        step = state["global_step"] if step is None else step
+        step, attributes = state["global_step"] if step is None else step, state["attributes"]
         if not isinstance(self.saved, SavedFacts) and self.facts is not None:  # the state says how its run stood
-            self.saved = SavedFacts(where, untied=bool(state["attributes"].get("untied")))
+            self.saved = SavedFacts(where, bool(attributes.get("untied")), policy_phase=saved_policy_phase(attributes))
             self.redecide(step)
-        self.restore(state["attributes"], step)
+        self.restore(attributes, step)
         messages.warn_changed_settings(self, state["config"], step)
         return state
 

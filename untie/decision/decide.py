@@ -122,15 +122,16 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         fresh = dataclasses.replace(fresh, reason=why)
     elif why:
         fresh = dataclasses.replace(fresh, reason=f"{fresh.reason} ({why})")
-    warnings = _setting_warnings(facts, settings, fresh)
 
     waits = saved is PENDING and fresh.untied_from_start
     known = saved if isinstance(saved, SavedFacts) else None
     choice = fresh if waits else settle(fresh, known)
+    warnings = _setting_warnings(facts, settings, fresh, None if waits else choice)
     if choice.untied_from_start and facts.first_batch is not None:
         start, detail = facts.first_batch
-        if start == "copy":  # the weights' evidence was wrong: the function says what the model is
+        if start == "copy":  # the weights' evidence was wrong: the function says what the model is (trained)
             reason = f"at the first batch, {detail} (its embedding alone had read as a fresh draw)"
+            choice = dataclasses.replace(choice, embedding_lr_scale=None)  # as for a loaded model: the user's rate
         else:
             reason = f"{choice.reason}; at the first batch, {detail}"
         choice = dataclasses.replace(choice, head_init=start, reason=reason)
@@ -176,9 +177,11 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
     )
 
 
-def _setting_warnings(facts: Facts, settings: Settings, fresh: PolicyChoice) -> list[tuple[str, type[Warning]]]:
+def _setting_warnings(
+    facts: Facts, settings: Settings, fresh: PolicyChoice, settled: PolicyChoice | None
+) -> list[tuple[str, type[Warning]]]:
     """What to tell the user about their settings, once each: a retired policy, the weights' evidence against the
-    config's name, a setting the plan does not use."""
+    config's name, and a setting the plan (`settled` by the checkpoint; None while that waits) does not use."""
     config, owner = settings.config, settings.adapter
     warnings: list[tuple[str, type[Warning]]] = []
     if fresh.policy == "auto":
@@ -190,7 +193,7 @@ def _setting_warnings(facts: Facts, settings: Settings, fresh: PolicyChoice) -> 
         warnings.append((retired, FutureWarning))
     if fresh.warning is not None:
         warnings.append((f"{owner}: {fresh.warning}", UserWarning))
-    unused = unused_setting(config, fresh, owner)
+    unused = unused_setting(config, settled, owner) if settled is not None else None
     if unused is not None:
         warnings.append((unused, UserWarning))
     if config.tie_init is not None and facts.tied and not facts.model.peft:
@@ -232,16 +235,15 @@ def check_run_length(decision: Decision, owner: str, max_steps: int | None) -> N
 
 
 def checkpoint_config(config: UntieConfig, decision: Decision | None) -> UntieConfig:
-    """The settings a checkpoint keeps: `config`, with what the policy chose itself ("by-share": a tied phase, an
-    input embedding's rate scale) written as settings, so that a resume continues it
-    (`untie.checkpoints.saved_state.resumed_config`) whatever its trained weights now read as."""
+    """The settings a checkpoint keeps: `config`, with an input embedding's rate scale the policy chose itself
+    ("by-share") written as a setting, so that a resume continues it (`untie.checkpoints.saved_state.resumed_config`)
+    whatever its trained weights now read as. A tied phase it chose is in the run state's policy instead, which a
+    resume reads as `SavedFacts.policy_phase` (`untie.decision.policy_rules.settle`)."""
     if decision is None or decision.choice.policy != config.chosen_policy()[0]:
         return config
     if decision.embedding_lr_scale != config.embedding_lr_scale:
         config = config.replace(embedding_lr_scale=decision.embedding_lr_scale)
-    if decision.choice.tied_phase:
-        config = config.replace(untie_at=decision.choice.untie_at, untie_when=None)
-    return config
+    return config  # a tied phase it chose: the run state's policy says it (`SavedFacts.policy_phase`)
 
 
 def _head_start(config: UntieConfig, choice: PolicyChoice) -> HeadStart:
@@ -343,6 +345,15 @@ def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str
             "trained output role is dropped, as asked. Leave head_init unset to start the head as a copy, or pass "
             "from_scratch=True if the model is built fresh."
         )
+    if choice.tied_phase and config.policy not in (None, "off"):
+        given = [name for name in SCHEDULE_SETTINGS if config.was_set(name)]
+        if given:
+            settings = ", ".join(f"{name}={getattr(config, name)!r}" for name in given)
+            return (
+                f"{owner}: {settings} changes nothing here: policy={config.policy!r} runs its own tied phase for this "
+                f"model ({choice.reason}). Pass policy='off' to run the schedule as set, or leave the policy unset (a "
+                "schedule set then runs as set)."
+            )
     if choice.untied_from_start and config.policy not in (None, "off"):
         # A schedule that asks for a tied phase: an untie_at after step 0 (or none), or a trigger.
         tied_phase = {"untie_at": config.untie_at != 0, "untie_when": config.untie_when is not None}

@@ -19,7 +19,7 @@ out on the model (and the optimizer, once it exists).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from untie.decision.settings import TieInit
 
@@ -86,6 +86,19 @@ class SavedFacts:
     lr_groups: tuple[str, ...] | None = None
     """The roles that had an optimizer param group of their own (`untie.structure.role_rates`); None: not recorded
     (a checkpoint written without them, or before they existed)."""
+    policy_phase: tuple[float | None] | None = None
+    """The checkpoint's run followed a tied phase its policy chose itself ("by-share"): ``(untie_at,)``, a fraction of
+    the run (None: it stays tied); None where it did not (or the checkpoint does not say)."""
+
+
+def saved_policy_phase(attributes: Any) -> tuple[float | None] | None:
+    """`SavedFacts.policy_phase` from a run state's attributes (`UntieRun.state_attributes`): its policy's choice, where
+    that was a tied phase of the policy's own ("by-share")."""
+    policy = attributes.get("policy") if isinstance(attributes, dict) else None
+    if not isinstance(policy, dict) or policy.get("plan") != "tied phase":
+        return None
+    untie_at = policy.get("untie_at")
+    return (float(untie_at) if untie_at is not None else None,)
 
 
 @dataclass(frozen=True)

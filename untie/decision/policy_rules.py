@@ -70,7 +70,15 @@ def settle(choice: PolicyChoice, saved: SavedFacts | None) -> PolicyChoice:
     """The plan once the checkpoint, if any, is known: a checkpoint whose run was still tied decides over an untie
     before the first step that the policy chose for a fresh start (the resumed run continues its tied phase); a fresh
     start, or a checkpoint saved untied, keeps the choice. Pure: both adapters decide with it."""
-    if saved is None or saved.untied is not False or not choice.untied_from_start:
+    if saved is None or saved.untied is not False:
+        return choice
+    if saved.policy_phase is not None and (choice.untied_from_start or choice.tied_phase):
+        (untie_at,) = saved.policy_phase  # the checkpoint's run followed its policy's tied phase: it continues it
+        reason = f"{saved.where}: the checkpoint's run was still in the tied phase its policy chose, so it continues it"
+        return dataclasses.replace(
+            choice, plan="tied phase", reason=reason, head_init="copy", untie_at=untie_at, embedding_lr_scale=None
+        )
+    if not choice.untied_from_start:
         return choice
     reason = (
         f"{saved.where}: the checkpoint's run was still tied, so it continues its tied phase (the default plan trains "

@@ -23,27 +23,41 @@ from untie.errors import UntieRuntimeError, UntieTypeError, UntieValueError
 
 
 class NotGiven:
-    """The default of a schedule setting the user did not give: only ever a field's default, never a value a config
-    holds. `UntieConfig.__post_init__` replaces it by its `value` and records the setting as not given
-    (`UntieConfig.was_set`), so that a value written out (``untie_at=0.3``, ``--untie_at 0.3``, ``"untie_at": 0.3``)
-    counts as asked for while the default does not, and the config holds plain values only."""
+    """A tracked setting the user did not give (`UntieConfig.was_set`): only a field's default and the value
+    `UntieConfig.to_dict` passes for it, never a value a config holds. It equals (and JSON-writes as) its plain
+    value, so that ``UntieConfig(**config.to_dict())`` and ``json.dumps(config.to_dict())`` both work, while a value
+    written out (``untie_at=0.3``, ``--untie_at 0.3``, ``"untie_at": 0.3``) counts as asked for.
+    `UntieConfig.__post_init__` replaces it by its plain `value`: what `torch.compile` traces is plain data."""
 
-    __slots__ = ("value",)
+    __slots__ = ()
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    @property
+    def value(self) -> Any:
+        raise NotImplementedError
 
-    def __repr__(self) -> str:
-        return repr(self.value)
 
-    def __str__(self) -> str:  # argparse's help shows the default's value
-        return str(self.value)
+class _NotGivenNumber(float, NotGiven):
+    __slots__ = ()
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, NotGiven) and type(self.value) is type(other.value) and self.value == other.value
+    @property
+    def value(self) -> float:
+        return float(self)
 
-    def __hash__(self) -> int:
-        return hash((NotGiven, self.value))
+
+class _NotGivenText(str, NotGiven):
+    __slots__ = ()
+
+    @property
+    def value(self) -> str:
+        return str.__str__(self)
+
+    def __str__(self) -> str:
+        return self  # argparse converts a string default with type=str: it stays not given
+
+
+def not_given(value: float | str) -> Any:
+    """`value` marked as not given (`NotGiven`)."""
+    return _NotGivenText(value) if isinstance(value, str) else _NotGivenNumber(value)
 
 
 #: Default deadline: untie after 30% of the run's optimizer steps unless the divergence trigger fires first. Tying
@@ -99,7 +113,8 @@ class UntieConfig:
     tied phase is ``untie_at=<step or fraction>`` (with the divergence trigger unless ``untie_when=None``); a tied
     baseline that still logs is ``untie_at=None, untie_when=None``. Every field parses from a command line
     (``HfArgumentParser((UntieConfig, TrainingArguments))``: ``--untie_at 500 --untie_when none --pairs auto``) and
-    from JSON (`from_json`, `from_json_file`).
+    from JSON (`from_json`, `from_json_file`). Copy it with `config.replace(...)`: `dataclasses.replace` passes every
+    value on, so it would count every tracked setting (`TRACKED_SETTINGS`) as given.
 
     Attributes:
         untie_at: The untie step at the latest. A whole number is a global optimizer step (0: before the first
@@ -175,8 +190,8 @@ class UntieConfig:
             embedding_lr_scale.
     """
 
-    untie_at: float | None = NotGiven(DEFAULT_UNTIE_AT)  # type: ignore[assignment]  # replaced in __post_init__
-    untie_when: dict | str | UntieWhen | None = NotGiven(DEFAULT_UNTIE_WHEN)  # type: ignore[assignment]
+    untie_at: float | None = not_given(DEFAULT_UNTIE_AT)  # plain once __post_init__ ran
+    untie_when: dict | str | UntieWhen | None = not_given(DEFAULT_UNTIE_WHEN)
     metrics_every: int = 50
     pairs: list[tuple[int, int]] | str | None = None
     optimizer_state: OptimizerStateInit = "copy"
@@ -186,8 +201,8 @@ class UntieConfig:
     head_init: HeadInit = "auto"
     from_scratch: bool | None = None
     policy: PolicyName | None = None
-    embedding_lr_scale: float = NotGiven(DEFAULT_LR_SCALE)  # type: ignore[assignment]
-    head_lr_scale: float = NotGiven(DEFAULT_LR_SCALE)  # type: ignore[assignment]
+    embedding_lr_scale: float = not_given(DEFAULT_LR_SCALE)
+    head_lr_scale: float = not_given(DEFAULT_LR_SCALE)
     lr_scales_while_tied: bool = False
 
     def __post_init__(self) -> None:
@@ -318,9 +333,9 @@ class UntieConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Keyword arguments that rebuild this config (`UntieConfig(**config.to_dict())`, the adapters'): the values
-        of `values`, except that a schedule setting not given stays `NotGiven(value)`, so that the rebuilt config
-        leaves it unset too (`to_json_dict` leaves it out instead)."""
-        return {name: value if self.was_set(name) else NotGiven(value) for name, value in self.values().items()}
+        of `values`, a tracked setting not given marked so (`NotGiven`: equal to its value, JSON-writable), so that the
+        rebuilt config leaves it unset too (`to_json_dict` leaves it out instead)."""
+        return {name: value if self.was_set(name) else not_given(value) for name, value in self.values().items()}
 
     def to_json_dict(self) -> dict[str, Any]:
         """`to_dict` as a JSON round trip gives it (tuples become lists): what a checkpoint holds. A schedule setting
