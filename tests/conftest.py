@@ -30,10 +30,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _builds_a_trainer(item: pytest.Item) -> bool:
-    """The test's own code builds a `transformers.Trainer` (a helper it calls is not read)."""
+    """The test's own code builds a Trainer (`transformers.Trainer`, TRL's `SFTTrainer`; a helper it calls is not
+    read)."""
     function = getattr(item, "function", None)
     try:
-        return function is not None and re.search(r"\bTrainer\(", inspect.getsource(function)) is not None
+        return function is not None and re.search(r"Trainer\(", inspect.getsource(function)) is not None
     except (OSError, TypeError):
         return False
 

@@ -273,3 +273,38 @@ def test_a_drawn_head_the_first_batch_replaces_by_a_copy_trains_at_the_users_rat
     finally:
         bands_module.SHARE_DEFAULT = original
     assert (decision.head_init, decision.embedding_lr_scale) == ("copy", 1.0)
+
+
+def test_a_resume_of_a_run_whose_first_batch_kept_the_copy_keeps_the_users_rate(monkeypatch, tmp_path):
+    """Weights that arrive trained after the Trainer is built: the first batch keeps the head a copy and the rate the
+    user's (1x, not the band's 16x). A resume judges no first batch and its fresh model reads as a draw: the
+    checkpoint's settings say 1x, so it continues at 1x, exactly."""
+    from test_head_start import llama_config, trained_llama
+
+    from untie.testing import step_task
+
+    monkeypatch.setattr(share_bands, "SHARE_DEFAULT", SCALED)
+    monkeypatch.setattr(settings_module, "DEFAULT_POLICY", "by-share")
+    trained = trained_llama(200, 3e-3)
+    rows = [{"input_ids": row, "labels": row} for row in step_task(rows=64, seed=1)]
+
+    def trainer(folder, save: bool):
+        args = tf.TrainingArguments(
+            output_dir=str(folder), max_steps=6, per_device_train_batch_size=8, learning_rate=1e-3,
+            lr_scheduler_type="constant", logging_steps=1, save_strategy="steps" if save else "no", save_steps=2,
+            report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        torch.manual_seed(7)
+        callback = untie.UntieCallback()
+        return tf.Trainer(model=tf.LlamaForCausalLM(llama_config()), args=args, train_dataset=rows,
+                          callbacks=[callback]), callback  # fmt: skip
+
+    first, callback = trainer(tmp_path / "full", save=True)
+    first.model.load_state_dict(trained.state_dict())  # the trained weights arrive after the Trainer is built
+    first.train()
+    assert (callback.run.decision.head_init, callback.run.decision.embedding_lr_scale) == ("copy", 1.0)
+    reference = _params(first.model)
+    again, resumed = trainer(tmp_path / "again", save=False)
+    again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.run.decision.embedding_lr_scale == 1.0
+    assert max((p.detach() - reference[n]).abs().max().item() for n, p in again.model.named_parameters()) == 0

@@ -241,7 +241,8 @@ def checkpoint_config(config: UntieConfig, decision: Decision | None) -> UntieCo
     resume reads as `SavedFacts.policy_phase` (`untie.decision.policy_rules.settle`)."""
     if decision is None or decision.choice.policy != config.chosen_policy()[0]:
         return config
-    if decision.embedding_lr_scale != config.embedding_lr_scale:
+    if decision.choice.policy == "by-share" and not config.was_set("embedding_lr_scale"):
+        # whatever it chose, 1x included: a resume's first batch is not judged again, and its weights may read fresh
         config = config.replace(embedding_lr_scale=decision.embedding_lr_scale)
     return config  # a tied phase it chose: the run state's policy says it (`SavedFacts.policy_phase`)
 
