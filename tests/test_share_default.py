@@ -179,7 +179,8 @@ def test_a_scaled_band_trains_the_embedding_at_its_scale_unless_the_user_gave_on
         assert scale(untie.UntieConfig(policy="by-share", embedding_lr_scale=1.0)) == (1.0, [])  # given: the user's
         loaded = PolicyReading(share=0.25, parameters=1000, freshness=TRAINED)
         assert scale(untie.UntieConfig(policy="by-share"), reading=loaded) == (1.0, [])  # a loaded model: no scale
-        under_deepspeed, said = scale(untie.UntieConfig(policy="by-share"), scales_allowed=False)
+        blocked = "DeepSpeed's engine owns the optimizer's param groups"
+        under_deepspeed, said = scale(untie.UntieConfig(policy="by-share"), scale_blocked_by=blocked)
         assert under_deepspeed == 1.0 and said == ["under DeepSpeed"]  # the plan's reason says so; no warning
     finally:
         bands_module.SHARE_DEFAULT = original
@@ -308,3 +309,29 @@ def test_a_resume_of_a_run_whose_first_batch_kept_the_copy_keeps_the_users_rate(
     again.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
     assert resumed.run.decision.embedding_lr_scale == 1.0
     assert max((p.detach() - reference[n]).abs().max().item() for n, p in again.model.named_parameters()) == 0
+
+
+def test_a_scaled_band_never_refuses_a_frozen_embedding_or_a_checkpoint_written_without_the_scale(
+    monkeypatch, make_args, tmp_path
+):
+    """A scale the policy chose yields where it cannot apply: a frozen input embedding (the user's rate; the plan's
+    reason says why), and a resume of a checkpoint written without the scale (its layout: 1x), where a scale the user
+    gave would be refused."""
+    monkeypatch.setattr(share_bands, "SHARE_DEFAULT", SCALED)
+    monkeypatch.setattr(settings_module, "DEFAULT_POLICY", "by-share")
+    frozen = tiny_model("gpt2")
+    frozen.get_input_embeddings().weight.requires_grad_(False)
+    callback = untie.UntieCallback()
+    tf.Trainer(model=frozen, args=make_args(max_steps=2), train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert callback.run.decision.embedding_lr_scale == 1.0
+    assert "trains at your rate instead: the input embedding is frozen" in callback.run.choice.reason
+
+    folder = tmp_path / "plain"
+    args = make_args(output_dir=str(folder), max_steps=4, save_strategy="steps", save_steps=2)
+    plain = untie.UntieCallback(policy="untie-at-start")  # a checkpoint with no embedding group of its own
+    tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[plain]).train()
+    again = untie.UntieCallback()  # the scaled default at the resume
+    args = make_args(output_dir=str(folder), max_steps=4, save_strategy="no")
+    trainer = tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[again])
+    trainer.train(resume_from_checkpoint=str(folder / "checkpoint-2"))
+    assert again.run.decision.embedding_lr_scale == 1.0

@@ -60,8 +60,9 @@ class Facts:
     """The first forward can replace a drawn head in place (not sharded by FSDP2 or DeepSpeed, not split)."""
     first_batch: tuple[HeadStart, str] | None = None
     """The first batch's verdict on a drawn head (`untie.structure.head_start`): the start it keeps, and why."""
-    scales_allowed: bool = True
-    """The run may give a role a param group of its own (not under DeepSpeed, whose engine owns them)."""
+    scale_blocked_by: str | None = None
+    """Why a learning-rate scale the policy chose cannot apply (DeepSpeed's engine owns the param groups; the input
+    embedding is frozen); None: it can."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
         untie_at, rule = config.untie_at, config.rule(with_pairs=config.pairs != [])
     rule, notice, refusal = _rule_for_pairs(rule, facts, settings, trigger_runs=not choice.untied_from_start)
 
-    scale, choice = _embedding_scale(config, choice, untied_now, facts)
+    scale, choice = _embedding_scale(config, choice, untied_now and known is None, facts)
     head_init = _head_start(config, choice)
     judge = (
         untied_now
@@ -206,20 +207,18 @@ def _setting_warnings(
 
 
 def _embedding_scale(
-    config: UntieConfig, choice: PolicyChoice, untied_now: bool, facts: Facts
+    config: UntieConfig, choice: PolicyChoice, fresh_start: bool, facts: Facts
 ) -> tuple[float, PolicyChoice]:
-    """The input embedding's rate scale: the user's where given; else the policy's with an untie before the first
-    step, except where the engine owns the param groups (DeepSpeed: the choice's reason then says it trains at the
-    user's rate); else 1. Returns the scale and the choice, its reason true to the scale."""
+    """The input embedding's rate scale: the user's where given (a resume's: the checkpoint's); else the policy's,
+    on a fresh start untied before the first step, except where a scale cannot apply (`Facts.scale_blocked_by`: the
+    choice's reason then says the embedding trains at the user's rate); else 1. Returns the scale and the choice, its
+    reason true to the scale."""
     asked = choice.embedding_lr_scale
-    if config.was_set("embedding_lr_scale") or asked is None or not untied_now:
-        return config.embedding_lr_scale, choice
-    if not facts.scales_allowed:
-        reason = (
-            f"{choice.reason}; under DeepSpeed the input embedding trains at your rate instead (its engine owns the "
-            "optimizer's param groups)"
-        )
-        return config.embedding_lr_scale, dataclasses.replace(choice, reason=reason)
+    if config.was_set("embedding_lr_scale") or asked is None or not fresh_start:
+        return config.embedding_lr_scale, dataclasses.replace(choice, embedding_lr_scale=None) if asked else choice
+    if facts.scale_blocked_by is not None:
+        reason = f"{choice.reason}; the input embedding trains at your rate instead: {facts.scale_blocked_by}"
+        return config.embedding_lr_scale, dataclasses.replace(choice, reason=reason, embedding_lr_scale=None)
     return asked, choice
 
 

@@ -59,7 +59,10 @@ def read_facts(
     reading = read_for_policy(policy, model, tied=tied, peft=facts.peft, from_scratch=config.from_scratch)
     # FSDP2 and DeepSpeed shard a head drawn before sharding: the first forward cannot replace it in place.
     replaceable = engine is None and not facts.peft and not is_split(output_weight(model))
-    return Facts(facts, tied, reading, pairs, no_pairs_because, replaceable, scales_allowed=engine != "DEEPSPEED")
+    blocked = "DeepSpeed's engine owns the optimizer's param groups" if engine == "DEEPSPEED" else None
+    if not facts.peft and not input_weight(model).requires_grad:
+        blocked = "the input embedding is frozen"
+    return Facts(facts, tied, reading, pairs, no_pairs_because, replaceable, scale_blocked_by=blocked)
 
 
 def refuse_float8(model: nn.Module) -> None:
