@@ -118,7 +118,7 @@ def read_saved_run(folder: str | os.PathLike, model: nn.Module | None) -> SavedF
         head_stored = stored_name(model, embedding_layout(model).output_weight, keys) is not None
     attributes = _saved_attributes(folder)
     return SavedFacts(
-        folder, checkpoint_is_untied(folder), head_stored, saved_lr_groups(folder), saved_policy_phase(attributes)
+        folder, checkpoint_is_untied(folder), head_stored, _lr_groups(attributes), saved_policy_phase(attributes)
     )
 
 
@@ -134,7 +134,10 @@ def _saved_attributes(checkpoint_dir: str | os.PathLike) -> Any:
 def saved_lr_groups(checkpoint_dir: str | os.PathLike) -> tuple[str, ...] | None:
     """The roles with a learning-rate group of their own in a Trainer checkpoint's optimizer state (the run state's
     `lr_groups`), or None where the folder holds no run state that says."""
-    attributes = _saved_attributes(checkpoint_dir)
+    return _lr_groups(_saved_attributes(checkpoint_dir))
+
+
+def _lr_groups(attributes: Any) -> tuple[str, ...] | None:
     groups = attributes.get("lr_groups") if isinstance(attributes, dict) else None
     return tuple(groups) if isinstance(groups, list) else None
 
