@@ -17,7 +17,9 @@ from conftest import training_args
 
 import untie
 from untie.core.run import RunOrderError
+from untie.decision.share_bands import SHARE_DEFAULT
 from untie.distributed import resolve_tying_mode, training_engine
+from untie.structure.policy import embedding_share
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
 
@@ -101,16 +103,20 @@ def test_untie_is_loss_preserving(make_args):
     assert abs(losses[6] - losses[5]) <= max(jumps)  # the step after the untie continues the curve
 
 
-def test_class_passed_without_arguments_trains_a_fresh_model_untied_and_off_runs_the_trigger_with_a_30_percent_deadline(
+def test_class_passed_without_arguments_follows_the_share_default_and_off_runs_the_trigger_with_a_30_percent_deadline(
     make_args,
 ):
-    model = tiny_model("gpt2")
+    model = tiny_model("gpt2")  # 15% of its parameters in the embedding: the lowest band of the committed table
+    band = SHARE_DEFAULT.band(embedding_share(model)[0])
+    assert band is not None and (band.untie_at, band.embedding_lr_scale) == (0, 16.0)  # cell C's choice
     trainer = tf.Trainer(
         model=model, args=make_args(max_steps=20), train_dataset=ToyLMDataset(), callbacks=[untie.UntieCallback]
     )
     trainer.train()
     cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, untie.UntieCallback))
-    assert (cb.untie_step, cb.untie_reason) == (0, "start") and cb.policy_choice.policy == "untie-at-start"
+    assert (cb.untie_step, cb.untie_reason) == (0, "start") and cb.policy_choice.policy == "by-share"
+    rows = [r for r in trainer.state.log_history if r.get("untie/lr_head", 0) > 0]  # the head at 1x its group's rate
+    assert rows and all(math.isclose(r["untie/lr_input_embedding"], 16 * r["untie/lr_head"]) for r in rows)
     model = tiny_model("gpt2")
     cb = untie.UntieCallback(policy="off")  # the tied-phase schedule at its defaults
     _train(model, make_args(max_steps=20), [cb])

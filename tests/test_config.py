@@ -202,7 +202,7 @@ def test_the_defaults_survive_a_round_trip_through_to_dict_and_to_json():
         untie.UntieConfig(**default.to_json_dict()),
     ):
         policy = again.chosen_policy()[0]
-        assert again == default and policy == untie.decision.settings.DEFAULT_POLICY == "untie-at-start"
+        assert again == default and policy == untie.decision.settings.DEFAULT_POLICY == "by-share"
     written = untie.UntieConfig(**json.loads(json.dumps(default.to_dict())))  # the values, written out by hand
     assert written != default and written.chosen_policy()[0] == "off"
 

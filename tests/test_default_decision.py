@@ -16,6 +16,7 @@ from script_modules import load_script
 
 import untie
 from untie.structure import policy
+from untie.structure.role_rates import role_groups
 from untie.testing import ToyLMDataset, step_llama_config, step_task, tiny_model, train_on_step_task
 
 CASES = load_script("scripts", "default_cases")  # the task and the trained states the script prints cases with
@@ -151,18 +152,18 @@ def test_an_optimizer_built_first_gets_the_head_the_default_unties_at_once():
 @pytest.mark.parametrize("trained", [True, False], ids=["loaded", "fresh"])
 def test_trainer_given_its_optimizer_trains_the_head_the_default_unties(make_args, trained):
     """`Trainer(optimizers=(optimizer, None))`: the head untied before the first step (a copy of a loaded model's
-    embedding, or a fresh model's draw) joins the optimizer the user built, so it trains."""
+    embedding, or a fresh model's draw) joins the optimizer the user built, so it trains; a fresh model in the share
+    default's lowest band (23% of its parameters in the embedding) also gets its input embedding's 16x group there."""
     if trained:
-        model = _loaded_llama()
+        model, data = _loaded_llama(), [{"input_ids": row, "labels": row} for row in step_task()]
     else:
-        torch.manual_seed(0)
-        model = tf.LlamaForCausalLM(step_llama_config())
+        model, data = tiny_model("llama"), ToyLMDataset()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     callback = untie.UntieCallback()
     trainer = tf.Trainer(
         model=model,
         args=make_args(max_steps=3, per_device_train_batch_size=8),
-        train_dataset=[{"input_ids": row, "labels": row} for row in step_task()],
+        train_dataset=data,
         callbacks=[callback],
         optimizers=(optimizer, None),
     )
@@ -171,6 +172,7 @@ def test_trainer_given_its_optimizer_trains_the_head_the_default_unties(make_arg
     assert callback.untie_step == 0 and callback.run.decision.head_init == ("copy" if trained else "model")
     assert head is not embedding and _in_optimizer(optimizer, head) and len(optimizer.state[head]) > 0  # it stepped
     assert not torch.equal(head, embedding)
+    assert role_groups(optimizer) == (() if trained else ("input_embedding",))
 
 
 def test_a_policy_set_with_a_tied_phase_asked_for_names_the_schedule_it_ignores():

@@ -29,6 +29,10 @@ from untie.testing import (
 
 VOCAB = STEP_VOCAB
 llama_config = step_llama_config
+#: The policy that draws the head of every model built fresh. The step task's Llama holds 48% of its parameters in
+#: the embedding, a share the default ("by-share") trains with a tied phase (no draw to judge); the check itself is
+#: the same under the default's untied bands (`tests/test_share_default.py`).
+DRAWS = "untie-at-start"
 
 
 def trained_llama(steps: int, lr: float, freeze_embedding: bool = False) -> tf.LlamaForCausalLM:
@@ -61,7 +65,7 @@ def test_judge_copies_where_nothing_can_be_scored():
 
 # -- the cases of issue 67 ---------------------------------------------------------------------------------------------
 def _first_forward_with_untier(model: torch.nn.Module, batch: torch.Tensor) -> tuple[Untier, float]:
-    return _first_forward_with_untier_started(Untier(model, max_steps=10), model, batch)
+    return _first_forward_with_untier_started(Untier(model, max_steps=10, policy=DRAWS), model, batch)
 
 
 def test_a_body_trained_against_a_frozen_tied_embedding_keeps_its_head_as_a_copy():
@@ -82,7 +86,7 @@ def test_a_body_trained_against_a_frozen_tied_embedding_keeps_its_head_as_a_copy
 def test_a_fresh_model_keeps_its_drawn_head():
     torch.manual_seed(3)
     model = tf.LlamaForCausalLM(llama_config())
-    untier = Untier(model, max_steps=10)
+    untier = Untier(model, max_steps=10, policy=DRAWS)
     drawn = output_weight(model).detach().clone()
     assert not torch.equal(drawn, input_weight(model))  # drawn at attach, as before
     untier_run, _ = _first_forward_with_untier_started(untier, model, step_task(seed=1))
@@ -102,7 +106,7 @@ def _trainer(model, folder, steps: int = 1, lr: float = 0.0) -> tf.Trainer:
         output_dir=folder, max_steps=steps, per_device_train_batch_size=16, learning_rate=lr, logging_steps=1,
         save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0,
     )  # fmt: skip
-    return tf.Trainer(model=model, args=args, train_dataset=data, callbacks=[UntieCallback()])
+    return tf.Trainer(model=model, args=args, train_dataset=data, callbacks=[UntieCallback(policy=DRAWS)])
 
 
 def test_weights_loaded_after_the_trainer_is_built_keep_their_head(tmp_path, caplog):
@@ -159,7 +163,7 @@ def test_a_resumed_run_keeps_its_checkpoints_head(tmp_path):
     """The check never judges a resumed run's head: it comes from the checkpoint, trained."""
     torch.manual_seed(3)
     model = tf.LlamaForCausalLM(llama_config())
-    untier = Untier(model, max_steps=10)
+    untier = Untier(model, max_steps=10, policy=DRAWS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     untier.start(optimizer)
     batch = step_task(seed=1)
@@ -173,7 +177,7 @@ def test_a_resumed_run_keeps_its_checkpoints_head(tmp_path):
 
     torch.manual_seed(3)
     resumed = tf.LlamaForCausalLM(llama_config())
-    again = Untier(resumed, max_steps=10)
+    again = Untier(resumed, max_steps=10, policy=DRAWS)
     optimizer = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
     again.start(optimizer)
     resumed.load_state_dict(weights)
@@ -326,7 +330,7 @@ def test_forwards_without_gradients_are_not_judged_and_padding_is_not_evidence()
     torch.manual_seed(5)
     model = tf.LlamaForCausalLM(llama_config())
     model.config.pad_token_id = 0
-    untier = Untier(model, max_steps=10)
+    untier = Untier(model, max_steps=10, policy=DRAWS)
     drawn = output_weight(model).detach().clone()
     ids = step_task(rows=16, seed=1)
     ids[:, 12:] = 0  # right padding: pad -> pad repeats a fresh tied model "predicts"
@@ -344,13 +348,13 @@ def test_forwards_without_gradients_are_not_judged_and_padding_is_not_evidence()
 def test_a_state_saved_at_step_0_keeps_the_check_for_the_draw_it_holds():
     torch.manual_seed(3)
     model = tf.LlamaForCausalLM(llama_config())
-    untier = Untier(model, max_steps=10)
+    untier = Untier(model, max_steps=10, policy=DRAWS)
     untier.start(torch.optim.AdamW(model.parameters(), lr=0.0))
     state, weights = untier.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
 
     torch.manual_seed(3)
     resumed = tf.LlamaForCausalLM(llama_config())
-    again = Untier(resumed, max_steps=10)
+    again = Untier(resumed, max_steps=10, policy=DRAWS)
     again.start(torch.optim.AdamW(resumed.parameters(), lr=0.0))
     resumed.load_state_dict(weights)
     again.load_state_dict(state)
@@ -365,7 +369,7 @@ def test_weights_loaded_after_untier_and_before_the_first_step_are_kept_and_said
     batch = step_task(rows=16, seed=1)
     torch.manual_seed(7)
     model = tf.LlamaForCausalLM(llama_config())
-    untier = Untier(model, max_steps=10)
+    untier = Untier(model, max_steps=10, policy=DRAWS)
     assert not torch.equal(output_weight(model), input_weight(model))  # drawn at attach
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
     untier.start(optimizer)

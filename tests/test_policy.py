@@ -12,6 +12,7 @@ import transformers as tf
 
 import untie
 from untie.decision import policy_rules
+from untie.decision.share_bands import SHARE_DEFAULT
 from untie.structure import policy
 from untie.testing import TINY_MODELS, ToyLMDataset, tiny_model
 
@@ -97,12 +98,15 @@ def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_c
     with caplog.at_level(logging.WARNING, logger="untie"):
         trainer.train()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
+    band = SHARE_DEFAULT.band(policy.embedding_share(model)[0])  # 15%: the lowest band, the embedding at 16x
     assert len(said) == 1 and said[0].startswith(
         "untie: trains untied from step 0; the head is drawn by the model's initialiser (head_init), because the "
-        "model is built fresh (its embedding matches a fresh draw of its own initialiser); from scratch, a tied phase "
-        "cost more than it saved on the decision map (the default policy, 'untie-at-start'); at the first batch, the "
-        "model predicts no better with its tied head than with a drawn one ("
-    )  # the figures of the first batch's check follow (untie.structure.head_start)
+        f"model is built fresh (its embedding matches a fresh draw of its own initialiser); {band.describe()} (the "
+        "default policy, 'by-share'); at the first batch, the model predicts no better with its tied head than with a "
+        "drawn one ("
+    )  # the figures of the first batch's check follow (untie.structure.head_start), then the rates
+    assert said[0].endswith("learning rates: input embedding at 16x, head at 1x the rate of the optimizer group each "
+                            "came from, from the untie on")  # fmt: skip
     assert callback.untie_step == 0 and callback.untie_reason == "start" and not untie.is_tied(model)
     state = json.loads((tmp_path / "run" / "checkpoint-4" / "trainer_state.json").read_text())
     saved = state["stateful_callbacks"]["UntieCallback"]["attributes"]["untie_state"]["attributes"]
@@ -119,7 +123,8 @@ def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_c
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert resumed.untie_step == 0 and not untie.is_tied(resumed_model)
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: resumed")] == [
-        "untie: resumed at step 4: trains untied (untied at step 0, start)"
+        "untie: resumed at step 4: trains untied (untied at step 0, start); learning rates: input embedding at 16x, "
+        "head at 1x the rate of the optimizer group each came from, from the untie on"  # the checkpoint's 16x goes on
     ]
     worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
     assert worst <= 1e-6
@@ -304,9 +309,9 @@ _SCHEDULE_ASKED = {"untie_at": 0.3, "untie_when": "divergence"}  # the defaults'
 _NOT_THE_PLAN = {"metrics_every": 10, "pairs": [(1, 2)], "optimizer_state": "fresh", "tying_mode": "emulated"}
 
 
-def test_the_default_policy_is_untie_at_start_unless_the_schedule_is_set_whatever_its_value():
+def test_the_default_policy_is_by_share_unless_the_schedule_is_set_whatever_its_value():
     assert set(_SCHEDULE_ASKED) == set(untie.decision.settings.SCHEDULE_SETTINGS)
-    assert untie.UntieConfig().chosen_policy() == ("untie-at-start", "the default policy, 'untie-at-start'")
+    assert untie.UntieConfig().chosen_policy() == ("by-share", "the default policy, 'by-share'")
     for name, value in _SCHEDULE_ASKED.items():
         chosen, why = untie.UntieConfig(**{name: value}).chosen_policy()
         assert chosen == "off" and name in why, name
@@ -315,9 +320,9 @@ def test_the_default_policy_is_untie_at_start_unless_the_schedule_is_set_whateve
         assert parsed.chosen_policy()[0] == "off", name  # on a command line
         assert untie.UntieConfig.from_json(json.dumps({name: value})).chosen_policy()[0] == "off", name  # JSON
     for name, value in _NOT_THE_PLAN.items():  # measurement knobs, and how a tied phase runs: not whether
-        assert untie.UntieConfig(**{name: value}).chosen_policy()[0] == "untie-at-start", name
+        assert untie.UntieConfig(**{name: value}).chosen_policy()[0] == "by-share", name
     assert tf.HfArgumentParser((untie.UntieConfig,)).parse_args_into_dataclasses([])[0].chosen_policy()[0] == (
-        "untie-at-start"
+        "by-share"
     )
     assert untie.UntieConfig(policy="fresh-untied", untie_at=500).chosen_policy() == ("fresh-untied", "")
     assert untie.UntieConfig(policy="off").chosen_policy() == ("off", "")

@@ -3,6 +3,7 @@ from the bands `scripts/docs_tables.py` writes into `untie/decision/share_bands.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import warnings
 
@@ -335,3 +336,47 @@ def test_a_scaled_band_never_refuses_a_frozen_embedding_or_a_checkpoint_written_
     trainer = tf.Trainer(model=tiny_model("gpt2"), args=args, train_dataset=ToyLMDataset(), callbacks=[again])
     trainer.train(resume_from_checkpoint=str(folder / "checkpoint-2"))
     assert again.run.decision.embedding_lr_scale == 1.0
+
+
+def test_a_loop_resuming_a_checkpoint_without_the_scale_withdraws_the_group_its_start_made(monkeypatch):
+    """A custom loop resumes the documented way: `Untier()`, `start(optimizer, lr_scheduler)` (the scaled default
+    gives the input embedding a 16x group, and the scheduler an entry for it), then the checkpoint, written by a run
+    at the user's rate. The group and the scheduler's entry are withdrawn before its optimizer state loads (it used
+    to be refused), and the resumed run continues the uninterrupted one exactly."""
+    monkeypatch.setattr(share_bands, "SHARE_DEFAULT", SCALED)
+    monkeypatch.setattr(settings_module, "DEFAULT_POLICY", "by-share")
+    from untie.structure.role_rates import role_groups
+
+    batches = [ToyLMDataset()[i]["input_ids"].unsqueeze(0).repeat(4, 1) for i in range(6)]
+
+    def loop(untier, model, optimizer, scheduler, steps):
+        for step in steps:
+            model(input_ids=batches[step], labels=batches[step]).loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            untier.step()
+
+    def built(**settings):
+        model = tiny_model("llama")
+        untier = untie.Untier(model, max_steps=6, **settings)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)
+        untier.start(optimizer, lr_scheduler=scheduler)
+        return untier, model, optimizer, scheduler
+
+    untier, model, optimizer, scheduler = built(embedding_lr_scale=1.0)  # the checkpoint's run: the user's rate
+    loop(untier, model, optimizer, scheduler, range(3))
+    saved = copy.deepcopy((untier.state_dict(), _params(model), optimizer.state_dict(), scheduler.state_dict()))
+    loop(untier, model, optimizer, scheduler, range(3, 6))
+    reference = _params(model)
+
+    again, resumed, optimizer, scheduler = built()  # the default: a fresh start's 16x group, until the checkpoint
+    assert role_groups(optimizer) == ("input_embedding",) and len(scheduler.base_lrs) == len(optimizer.param_groups)
+    again.load_state_dict(saved[0])
+    assert role_groups(optimizer) == () and len(scheduler.base_lrs) == len(optimizer.param_groups)
+    resumed.load_state_dict(saved[1], strict=False)
+    optimizer.load_state_dict(saved[2])
+    scheduler.load_state_dict(saved[3])
+    loop(again, resumed, optimizer, scheduler, range(3, 6))
+    assert max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters()) == 0

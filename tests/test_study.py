@@ -118,11 +118,13 @@ def test_a_branched_arm_equals_a_live_untie_at_its_step(small_corpus, tmp_path, 
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "A-s1-tied").iterdir()) == ["final.pt"]
 
 
-def test_the_untied_arm_is_what_the_default_policy_does_to_a_fresh_model():
+def test_the_untied_arm_is_what_the_library_does_to_a_fresh_model_it_unties_at_step_0():
+    """The study's untied arm is the model the library trains where it unties a fresh model before the first step
+    (policy "untie-at-start", and the default's untied share bands): the same draw of the same head."""
     drawn = build_model(32, 1, 5, 300, 128, "drawn")
     torch.manual_seed(5)
     fresh = build_model(32, 1, 5, 300, 128, None)
-    untier = untie.Untier(fresh, max_steps=10)
+    untier = untie.Untier(fresh, max_steps=10, policy="untie-at-start")
     untier.start(torch.optim.AdamW(fresh.parameters()))
     assert untier.run.untie_step == 0 and not untie.is_tied(fresh)
     assert torch.equal(fresh.lm_head.weight, drawn.lm_head.weight)

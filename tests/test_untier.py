@@ -13,6 +13,7 @@ from conftest import training_args
 from launch import torchrun
 
 import untie
+from untie.structure.role_rates import role_groups
 from untie.testing import ToyLMDataset, tiny_model
 
 STEPS = 20
@@ -251,7 +252,9 @@ def test_a_default_untier_resuming_a_tied_state_continues_its_plan_without_the_h
     batch, saved, tied_count = _tied_state_at_step_4()
 
     resumed_model = tiny_model("llama")
-    resumed = untie.Untier(resumed_model, max_steps=10)  # the defaults: a fresh model, untied from step 0 (drawn)
+    # The defaults: a fresh model (23% of its parameters in the embedding), untied from step 0 (drawn), the input
+    # embedding at 16x in a param group of its own; the checkpoint has neither, so both are undone before it loads.
+    resumed = untie.Untier(resumed_model, max_steps=10)
     resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=5e-3)
     resumed.start(resumed_optimizer)
     with pytest.warns(UserWarning) as said:
@@ -260,6 +263,7 @@ def test_a_default_untier_resuming_a_tied_state_continues_its_plan_without_the_h
     assert "the head the default made at Untier() for a fresh start (drawn or copied, never trained) is dropped" in said
     assert "changed settings" not in said
     resumed_model.load_state_dict(saved["model"])
+    assert not role_groups(resumed_optimizer) and resumed.run.rates.scales["input_embedding"] == 1.0
     resumed_optimizer.load_state_dict(saved["optimizer"])  # refused by torch before: 17 parameters against 16
     assert (resumed.config.untie_at, resumed.config.untie_when) == (8, None)
     for step in range(5, 9):

@@ -314,6 +314,22 @@ def extend_scheduler_groups(scheduler: Any, sources: list[int], extended: set[in
         extended.add(id(values))
 
 
+def drop_scheduler_groups(scheduler: Any, indices: list[int], dropped: set[int] | None = None) -> None:
+    """Take the entries of the param groups at `indices` (removed from its optimizer again, before any step) out of
+    `scheduler`'s per-group lists: the inverse of `extend_scheduler_groups`, a list shared by several schedulers
+    once (`dropped`: the lists done)."""
+    dropped = set() if dropped is None else dropped
+    inner = getattr(scheduler, "scheduler", scheduler)
+    for child in getattr(inner, "_schedulers", None) or ():
+        drop_scheduler_groups(child, indices, dropped)
+    for name in SCHEDULER_GROUP_LISTS:
+        values = getattr(inner, name, None)
+        if not isinstance(values, list) or id(values) in dropped:
+            continue
+        values[:] = [value for i, value in enumerate(values) if i not in indices]
+        dropped.add(id(values))
+
+
 # -- bitsandbytes: state buffers and per-parameter overrides -----------------------------------------------------------
 # bitsandbytes' optimizers (subclasses of `bitsandbytes.optim.optimizer.Optimizer8bit`) allocate state through
 # `get_state_buffer(p, dtype)` (paged memory for the paged optimizers on CUDA) and read per-parameter overrides

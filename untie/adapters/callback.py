@@ -42,18 +42,19 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
     """Decide, once, whether the LM head trains tied to the input embedding first, and untie it when tying starts to
     hurt, or at a deadline; never draw a head over trained weights.
 
-    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig` (policy "untie-at-start", the study's
-    verdict): every tied model trains untied from the first step; a model built fresh (its embedding matches a fresh
-    draw of its initialiser, or ``from_scratch=True``) gets a head drawn by its initialiser, every other tied model
-    counts as trained and its head starts as a copy of the embedding. One log line at train begin says which, in the
-    run's numbers, and why. Setting the schedule, whatever the value, runs it as set (`UntieCallback(untie_at=0.3)`:
-    tied, then the divergence trigger, at 30% of the run at the latest; add ``untie_when=None`` to untie at the
-    deadline only), and so does ``policy="off"``. An optimizer passed to Trainer (``optimizers=...``) gets the head
-    too. Every `metrics_every` steps it measures the role signals of the shared matrix (drift between the two spaces
-    once untied), feeds them to the divergence trigger (`untie_when`), and logs them as `untie/...` with Trainer's next
-    log, next to `untie/tied` and `untie/untie_step`; `history` keeps every measurement. Saves its state in
-    checkpoints and restores the untied structure by itself when a run resumes from a checkpoint saved after the
-    untie.
+    `Trainer(callbacks=[UntieCallback])` uses the defaults of `UntieConfig` (policy "by-share", the study's verdict): a
+    model built fresh (its embedding matches a fresh draw of its initialiser, or ``from_scratch=True``) follows the
+    study's choice for its embedding's share of the parameters (untied from step 0 with a head drawn by its initialiser,
+    the input embedding at 16x at the lowest shares; or a tied phase to 2/3 of the run); every other tied model counts
+    as trained and unties before the first step, its head a copy of the embedding. One log line at train begin says
+    which, in the run's numbers, and why. Setting the schedule, whatever the value, runs it as set
+    (`UntieCallback(untie_at=0.3)`: tied, then the divergence trigger, at 30% of the run at the latest; add
+    ``untie_when=None`` to untie at the deadline only), and so does ``policy="off"``. An optimizer passed to Trainer
+    (``optimizers=...``) gets the head too. Every `metrics_every` steps it measures the role signals of the shared
+    matrix (drift between the two spaces once untied), feeds them to the divergence trigger (`untie_when`), and logs
+    them as `untie/...` with Trainer's next log, next to `untie/tied` and `untie/untie_step`; `history` keeps every
+    measurement. Saves its state in checkpoints and restores the untied structure by itself when a run resumes from a
+    checkpoint saved after the untie.
 
     The run logic is `untie.core.run.UntieRun` (shared with `untie.Untier`, for custom loops); this class only maps
     Trainer's events onto it and handles what only Trainer does (building the model, loading checkpoints, logs).
@@ -222,7 +223,8 @@ class UntieCallback(RunViews, TrainerCallback, ExportableState):
         @functools.wraps(create_optimizer)
         def create_optimizer_with_role_groups(*args, **kwargs):
             optimizer = create_optimizer(*args, **kwargs)
-            if self.run.structure is not None and trainer.optimizer is not None:
+            # A model swapped in after the Trainer was built is refused by name at on_train_begin, not here.
+            if self.run.structure is not None and trainer.optimizer is not None and trainer.model is self.run.model:
                 self.run.split_groups(trainer.optimizer, trainer.lr_scheduler)
             return optimizer
 

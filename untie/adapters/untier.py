@@ -74,9 +74,10 @@ CUSTOM_LOOP = Adapter(
 class Untier(RunViews):
     """Train tied, then untie the LM head from the input embedding, in a custom training loop.
 
-    With the defaults (`UntieConfig`, policy "untie-at-start"), every tied model trains untied from the first step:
-    a model built fresh (its embedding matches a fresh draw of its initialiser, or ``from_scratch=True``) with its
-    head drawn, every other one with its head a copy of the embedding. A schedule set (``untie_at=0.3``: tied, the
+    With the defaults (`UntieConfig`, policy "by-share"), a model built fresh (its embedding matches a fresh draw of
+    its initialiser, or ``from_scratch=True``) follows the study's choice for its embedding's share (untied from step
+    0 with its head drawn, or a tied phase to a fraction of `max_steps`), every other tied model trains untied from
+    the first step with its head a copy of the embedding. A schedule set (``untie_at=0.3``: tied, the
     trigger, at 30% of `max_steps` at the latest) runs as set. A state loaded later whose run was still tied decides
     instead (`load_state_dict`, `accelerator.load_state`), as under Trainer.
 

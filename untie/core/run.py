@@ -74,8 +74,7 @@ class UntieRun:
         self.structure: ModelStructure | None = None
         self.arrived_untied = False
         self.attach_args: dict = {}  # the engine and the tokenizer it attached with (to attach a later model alike)
-        self.optimizer = None
-        self.built_optimizer = None  # built before attach (Untier(model, optimizer), Trainer(optimizers=...))
+        self.optimizer, self.built_optimizer = None, None  # built: before attach (Untier(model, opt), Trainer(...))
         self.registry = Registry(adapter.name)
         self.plan: str | None = None
         self.begun: tuple[int, int | None] = (0, None)
@@ -220,7 +219,8 @@ class UntieRun:
     def split_groups(self, optimizer, lr_scheduler=None, saved: SavedFacts | None = None) -> None:
         """The per-role param groups (`RoleRates.split`), as the resumed checkpoint (default: the known one) has."""
         saved = saved if saved is not None else self.saved if isinstance(self.saved, SavedFacts) else None
-        self.rates.split(optimizer, self.attached.model, self.registry, lr_scheduler, saved)
+        provisional = ("input_embedding",) if self.choice is not None and self.choice.embedding_lr_scale else ()
+        self.rates.split(optimizer, self.attached.model, self.registry, lr_scheduler, saved, provisional)
 
     def take_head_verdict(self, verdict: HeadVerdict) -> None:
         """The first batch's verdict on the drawn head: a new fact, decided on (the line and the run state say it)."""

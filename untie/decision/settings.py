@@ -159,16 +159,17 @@ class UntieConfig:
             every rank takes rank 0's verdict); weights that do not match, or that cannot be read here (an FSDP2
             shard, the meta device, quantized values, a model without an initialiser), count as trained. The
             config's name (what from_pretrained records) decides nothing.
-        policy: None (default): DEFAULT_POLICY ('untie-at-start'; 'by-share' once the study's round two is
-            complete), unless the schedule is set (untie_at or untie_when, whatever the value): then 'off', and the
-            schedule runs as set (`chosen_policy`). 'off' runs untie_at / untie_when as set. 'by-share': a model built
-            fresh follows the study's choice for its embedding's share (untie.decision.share_bands: untied from step
-            0 with a drawn head, a tied phase to a fraction of the run with no trigger, or tied), a loaded tied model
-            unties at once with its head a copy; while the bands are pending it runs as 'untie-at-start'.
-            'untie-at-start': every model that arrives tied trains untied from the first step, its
-            head drawn by its initialiser where the model is built fresh (see from_scratch), a copy of the embedding
-            otherwise (the study's verdict, docs/recipes/when-it-pays.md: in fine-tuning, untying at once reached the
-            lowest target loss of the arms measured). 'fresh-untied' (the default before the study's fine-tuning
+        policy: None (default): DEFAULT_POLICY ('by-share', the study's round two), unless the schedule is set
+            (untie_at or untie_when, whatever the value): then 'off', and the schedule runs as set (`chosen_policy`).
+            'off' runs untie_at / untie_when as set. 'by-share': a model built fresh follows the study's choice for
+            its embedding's share (untie.decision.share_bands: untied from step 0 with a drawn head, the input
+            embedding at the band's rate scale unless embedding_lr_scale is set, or a tied phase to a fraction of
+            the run with no trigger), a loaded tied model unties at once with its head a copy (bands still pending
+            would run it as 'untie-at-start'). 'untie-at-start' (the default before round two): every model that
+            arrives tied trains untied from the first step, its head drawn by its initialiser where the model is
+            built fresh (see from_scratch), a copy of the embedding otherwise (the study's verdict,
+            docs/recipes/when-it-pays.md: in fine-tuning, untying at once reached the lowest target loss of the arms
+            measured). 'fresh-untied' (the default before the study's fine-tuning
             table): a model built fresh trains untied from the first step, its head drawn; a model holding trained
             weights runs untie_at / untie_when (by default: tied, the trigger, the deadline). Both were validated for
             models built fresh on held-out cells (docs/recipes/decision-map.md, "`fresh-untied` held out: the

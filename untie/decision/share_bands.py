@@ -18,8 +18,9 @@ BANDS_TABLE = """
 <!-- table: library-share-bands -->
 | from | to | choice | untie_at | input embedding's rate | cells | status |
 |---|---|---|---|---|---|---|
-| 0.000000 | 0.708344 | untie@2/3 | 0.666667 | 1x | B | pending: cell C has no choice yet |
-| 0.708344 | 1.000000 | untied | 0 | 1x | A | pending: cell C has no choice yet |
+| 0.000000 | 0.412660 | untied-emb16 | 0 | 16x | C | complete |
+| 0.412660 | 0.708344 | untie@2/3 | 0.666667 | 1x | B | complete |
+| 0.708344 | 1.000000 | untied | 0 | 1x | A | complete |
 <!-- end table: library-share-bands -->
 """
 

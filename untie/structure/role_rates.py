@@ -127,19 +127,33 @@ class RoleRates:
         return tuple(role for role in ROLES if role in saved)
 
     def split(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module, registry: Registry, lr_scheduler=None, saved=None
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        registry: Registry,
+        lr_scheduler=None,
+        saved=None,
+        provisional: tuple[str, ...] = (),
     ) -> None:
         """Give each role the run needs a group for (`groups_for` the checkpoint `saved`, a `SavedFacts`, or a fresh
         start) a group of its own in `optimizer` (a copy of its source group's hyperparameters), extend
         `lr_scheduler` (built before: its per-group lists) to them, and install the follower. Idempotent: an
         optimizer that has the groups already (a second `train()` call) keeps them; one with other role groups than
-        the checkpoint's is refused (its state would load crosswise)."""
+        the checkpoint's is refused (its state would load crosswise).
+
+        `provisional`: roles whose scale the run's policy chose for a fresh start (not the user): where the
+        checkpoint `saved` has no group for one, its scale falls back to 1 and a group made for it at a fresh start
+        is withdrawn, so that the checkpoint's optimizer state loads (a resume continues the checkpoint's run)."""
         where = getattr(saved, "where", None)
-        roles = self.groups_for(getattr(saved, "lr_groups", None), where)
         inner = inner_optimizer(optimizer)
         self.optimizer, self.model = optimizer, model
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None else self.lr_scheduler
         lr_scheduler = self.lr_scheduler
+        if where is not None:
+            lacking = tuple(role for role in provisional if role not in (getattr(saved, "lr_groups", None) or ()))
+            self.scales.update(dict.fromkeys(lacking, 1.0))
+            self._withdraw(inner, model, lacking)
+        roles = self.groups_for(getattr(saved, "lr_groups", None), where)
         existing = role_groups(inner)
         if existing and roles != existing:
             raise UntieValueError(
@@ -200,6 +214,22 @@ class RoleRates:
             inner.param_groups.append(group)  # as add_param_group does, keeping the source's every hyperparameter
         _compat.reindex_bitsandbytes_overrides(inner)
         return sources
+
+    def _withdraw(self, inner: torch.optim.Optimizer, model: nn.Module, roles: tuple[str, ...]) -> None:
+        """Take the groups of `roles` out of `inner` again (made at a fresh start, before any step: they hold no
+        state), their parameters back in their source groups in a fresh optimizer's order, and their entries out of
+        the LR scheduler given the groups."""
+        if not any(group.get(ROLE_KEY) in roles for group in inner.param_groups):
+            return
+        dropped = [i for i, group in enumerate(inner.param_groups) if group.get(ROLE_KEY) in roles]
+        for index in dropped:
+            group = inner.param_groups[index]
+            inner.param_groups[int(group[SOURCE_KEY])]["params"].extend(group["params"])
+        inner.param_groups[:] = [group for i, group in enumerate(inner.param_groups) if i not in dropped]
+        if self.lr_scheduler is not None:
+            _compat.drop_scheduler_groups(self.lr_scheduler, dropped)
+        sort_param_groups(inner, model)
+        self._find_sources(inner)
 
     def _unhook(self) -> None:
         self._hooked = None
