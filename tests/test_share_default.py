@@ -325,7 +325,7 @@ def test_a_scaled_band_never_refuses_a_frozen_embedding_or_a_checkpoint_written_
     callback = untie.UntieCallback()
     tf.Trainer(model=frozen, args=make_args(max_steps=2), train_dataset=ToyLMDataset(), callbacks=[callback]).train()
     assert callback.run.decision.embedding_lr_scale == 1.0
-    assert "trains at your rate instead: the input embedding is frozen" in callback.run.choice.reason
+    assert "trains at your rate, not the band's 16x: the input embedding is frozen" in callback.run.choice.reason
 
     folder = tmp_path / "plain"
     args = make_args(output_dir=str(folder), max_steps=4, save_strategy="steps", save_steps=2)
@@ -380,3 +380,74 @@ def test_a_loop_resuming_a_checkpoint_without_the_scale_withdraws_the_group_its_
     scheduler.load_state_dict(saved[3])
     loop(again, resumed, optimizer, scheduler, range(3, 6))
     assert max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters()) == 0
+
+
+def test_a_checkpoint_of_policy_off_resumed_by_the_plain_default_continues_its_schedule(
+    by_share_default, make_args, tmp_path
+):
+    """A tied-phase checkpoint written under `policy="off"` (its schedule left unset: tied, the trigger, the deadline at
+    30%) and resumed by a plain `UntieCallback()`: the checkpoint's policy continues, not the band's tied phase to 2/3
+    (which untied 4 steps later and ended 0.004 away from the uninterrupted run, a tester found)."""
+    folder = tmp_path / "off"
+    args = make_args(output_dir=str(folder), max_steps=12, save_strategy="steps", save_steps=2)
+    model, callback = tiny_model("gpt2"), untie.UntieCallback(policy="off")
+    tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert (callback.untie_step, callback.untie_reason) == (4, "deadline")  # 30% of 12, the trigger never fired
+    reference = _params(model)
+    resumed, again = tiny_model("gpt2"), untie.UntieCallback()
+    args = make_args(output_dir=str(folder), max_steps=12, save_strategy="no")
+    trainer = tf.Trainer(model=resumed, args=args, train_dataset=ToyLMDataset(), callbacks=[again])
+    trainer.train(resume_from_checkpoint=str(folder / "checkpoint-2"))
+    assert again.config.policy == "off" and (again.untie_step, again.untie_reason) == (4, "deadline")
+    assert max((p.detach() - reference[n]).abs().max().item() for n, p in resumed.named_parameters()) == 0
+
+
+def test_the_plan_says_the_scale_the_run_trains_with_not_the_bands(monkeypatch, make_args, caplog):
+    """A user's `embedding_lr_scale` wins over the band's 16x, and the line says the user's (it used to say both)."""
+    monkeypatch.setattr(share_bands, "SHARE_DEFAULT", SCALED)
+    monkeypatch.setattr(settings_module, "DEFAULT_POLICY", "by-share")
+    for scale in (1.0, 4.0):
+        callback = untie.UntieCallback(embedding_lr_scale=scale)
+        with caplog.at_level("WARNING", logger="untie"):
+            tf.Trainer(model=tiny_model("gpt2"), args=make_args(max_steps=2), train_dataset=ToyLMDataset(),
+                       callbacks=[callback]).train()  # fmt: skip
+        line = callback.plan
+        assert "16x" not in line and f"the input embedding trains at your embedding_lr_scale={scale:g}" in line, line
+        caplog.clear()
+
+
+def test_an_optimizer_that_computes_its_own_step_size_takes_no_scale_the_policy_chose(monkeypatch, make_args):
+    """Adafactor with `relative_step=True` (and Trainer's `AdafactorSchedule`) computes its own rate, which no group's
+    `lr` sets: the band's 16x used to be announced and logged but never applied. The policy's scale now yields, and
+    the line says why; a scale the user gives is refused, naming the fix."""
+    from transformers.optimization import Adafactor, AdafactorSchedule
+
+    monkeypatch.setattr(share_bands, "SHARE_DEFAULT", SCALED)
+    monkeypatch.setattr(settings_module, "DEFAULT_POLICY", "by-share")
+
+    def trainer(callback):
+        model = tiny_model("gpt2")
+        optimizer = Adafactor(model.parameters(), relative_step=True, warmup_init=True, lr=None)
+        return tf.Trainer(model=model, args=make_args(max_steps=2), train_dataset=ToyLMDataset(),
+                          callbacks=[callback], optimizers=(optimizer, AdafactorSchedule(optimizer)))  # fmt: skip
+
+    callback = untie.UntieCallback()
+    trained = trainer(callback)
+    trained.train()
+    assert len(trained.optimizer.param_groups) == 1 and callback.run.decision.embedding_lr_scale == 1.0
+    assert "not the band's 16x: the optimizer computes its own step size" in callback.plan
+    with pytest.raises(UntieValueError, match=r"computes its own step size .* set embedding_lr_scale=1.0"):
+        trainer(untie.UntieCallback(embedding_lr_scale=16.0)).train()
+
+
+def test_a_frozen_tied_embedding_unties_after_a_tied_phase_into_a_frozen_copy_without_a_crash(make_args):
+    """A tied phase on a frozen embedding (the default's middle band, or a schedule set) used to stop the run at the
+    untie step: the frozen matrix is in no optimizer, and the head could not join it. The head is a frozen copy now,
+    and the run says so."""
+    model = tiny_model("gpt2")
+    model.get_input_embeddings().weight.requires_grad_(False)
+    callback = untie.UntieCallback(untie_at=0.5, untie_when=None)
+    with pytest.warns(UserWarning, match="the tied embedding is frozen"):
+        tf.Trainer(model=model, args=make_args(max_steps=6), train_dataset=ToyLMDataset(), callbacks=[callback]).train()
+    assert callback.untie_step == 3 and not untie.is_tied(model) and not model.lm_head.weight.requires_grad
+    assert torch.equal(model.lm_head.weight, model.get_input_embeddings().weight)

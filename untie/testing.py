@@ -188,16 +188,22 @@ def step_llama_config() -> tf.LlamaConfig:
 
 def train_on_step_task(model: nn.Module, steps: int, lr: float, freeze_embedding: bool = False) -> nn.Module:
     """`model` trained `steps` AdamW steps of 16 rows on the step task (seed 0); with `freeze_embedding`, only its
-    body trains (the embedding keeps its fresh draw: the weights' evidence reads it as built fresh)."""
-    model.get_input_embeddings().weight.requires_grad_(not freeze_embedding)  # type: ignore[operator]
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    body's matrices train (the embedding keeps its fresh draw and the normalisation layers their constants: the
+    weights' evidence reads it as built fresh, and only the model's function tells)."""
+    frozen = [model.get_input_embeddings().weight] if freeze_embedding else []  # type: ignore[operator]
+    if freeze_embedding:
+        norms = [m for m in model.modules() if "norm" in type(m).__name__.lower()]
+        frozen += [p for m in norms for p in m.parameters(recurse=False)]
+    trained = [p for p in model.parameters() if p.requires_grad and not any(p is f for f in frozen)]
+    optimizer = torch.optim.AdamW(trained, lr=lr)
     data = step_task()
     for step in range(steps):
         batch = data[(step * 16) % 64 :][:16]
         model(input_ids=batch, labels=batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    model.get_input_embeddings().weight.requires_grad_(True)  # type: ignore[operator]
+    for param in frozen:
+        param.grad = None  # computed (the matrix is shared or in the graph), never applied
     return model
 
 

@@ -59,10 +59,13 @@ class UntieStateError(UntieError, ValueError):
 def resumed_config(config: UntieConfig, saved_config: Mapping[str, Any]) -> UntieConfig:
     """The settings a resume runs with: `config`, where each tracked setting the user left unset (`TRACKED_SETTINGS`:
     the schedule's, and the input embedding's rate scale) takes the value the checkpoint's run set (`saved_config`, its
-    JSON). A setting the user set wins (the run says what changed); one the checkpoint left unset stays unset. A plan
-    the policy chose itself is written into the checkpoint's settings (`untie.decision.decide.checkpoint_config`)."""
+    JSON), and so does the policy where the user left it unset and the checkpoint's run set one. A setting the user set
+    wins (the run says what changed); one the checkpoint left unset stays unset. A plan the policy chose itself is
+    written into the checkpoint's settings (`untie.decision.decide.checkpoint_config`)."""
     unset = [name for name in TRACKED_SETTINGS if not config.was_set(name)]
     taken = {name: saved_config[name] for name in unset if name in saved_config}
+    if config.policy is None and saved_config.get("policy") is not None:
+        taken["policy"] = saved_config["policy"]  # a policy the checkpoint's run set ("off": its schedule) goes on
     return config.continuing(taken) if taken else config
 
 

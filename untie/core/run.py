@@ -54,8 +54,7 @@ class UntieRun:
     `divergence`, the schedule the decision gives; `untie_step` and `untie_reason` (the one record of the untie:
     "trigger", "deadline", "checkpoint" or "start"); `pending_untie`, the step of an untie due at a resume whose
     optimizer state loads after `start`, done at the first forward; `pairs`; `measurements`; `structure`, the attached
-    model's (`model`); `rates`, the per-role learning rates; `plan`, the line it said; `said`, each warning once.
-    """
+    model's (`model`); `rates`, the per-role learning rates; `plan`, the line it said; `said`, each warning once."""
 
     def __init__(self, config: UntieConfig, adapter: Adapter = BY_HAND) -> None:
         self.config, self.adapter, self.owner = config, adapter, adapter.name
@@ -190,8 +189,7 @@ class UntieRun:
             self._execute(decision.start, self.built_optimizer)
 
     def adopt(self, other: UntieRun) -> None:
-        """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings); `other` is
-        left empty."""
+        """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings), emptied."""
         self._enter("adopt")
         for name in ("model", "structure", "attach_args", "pairs", "facts", "saved", "said", "arrived_untied", "phase"):
             setattr(self, name, getattr(other, name))
@@ -220,7 +218,10 @@ class UntieRun:
         """The per-role param groups (`RoleRates.split`), as the resumed checkpoint (default: the known one) has."""
         saved = saved if saved is not None else self.saved if isinstance(self.saved, SavedFacts) else None
         provisional = ("input_embedding",) if self.choice is not None and self.choice.embedding_lr_scale else ()
-        self.rates.split(optimizer, self.attached.model, self.registry, lr_scheduler, saved, provisional)
+        blocked = self.rates.split(optimizer, self.attached.model, self.registry, lr_scheduler, saved, provisional)
+        if blocked and self.facts is not None:  # the policy's own scale cannot apply to this optimizer: a new fact
+            self.facts = dataclasses.replace(self.facts, scale_blocked_by=blocked)
+            self.redecide()
 
     def take_head_verdict(self, verdict: HeadVerdict) -> None:
         """The first batch's verdict on the drawn head: a new fact, decided on (the line and the run state say it)."""
@@ -301,14 +302,13 @@ class UntieRun:
         """Optimizer step `step` is done: untie if the trigger fired or the deadline is reached (returns why), or
         measure the drift of an untied model. Every rank must call it."""
         self._step_begins("end_of_step")
+        if self.untied and self.measurements.measures(step):
+            self.measurements.record(step, measuring.drift(self.attached.model, self.pairs, step))
         if self.untied:
-            if self.measurements.measures(step):
-                self.measurements.record(step, measuring.drift(self.attached.model, self.pairs, step))
             return None
         reason = None
-        if self.divergence is not None and self.measurements.measures(step):
-            if broadcast_decision(self.divergence.fired_step is not None):  # every rank takes rank 0's decision
-                reason = "trigger"
+        if self.divergence is not None and self.measurements.measures(step):  # every rank takes rank 0's decision
+            reason = "trigger" if broadcast_decision(self.divergence.fired_step is not None) else None
         if reason is None and self.deadline.fires(step):
             reason = "deadline"
         if reason is not None:

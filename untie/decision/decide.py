@@ -26,6 +26,7 @@ from typing import Literal
 from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, StructurePlan, plan_structure
 from untie.decision.policy_rules import PolicyChoice, PolicyReading, choose, settle
 from untie.decision.settings import DEFAULT_POLICY, SCHEDULE_SETTINGS, UntieConfig
+from untie.decision.share_bands import scale_clause
 from untie.decision.triggers import UntieWhen, rule_name
 from untie.errors import UntieValueError
 
@@ -214,10 +215,15 @@ def _embedding_scale(
     choice's reason then says the embedding trains at the user's rate); else 1. Returns the scale and the choice, its
     reason true to the scale."""
     asked = choice.embedding_lr_scale
-    if config.was_set("embedding_lr_scale") or asked is None or not fresh_start:
-        return config.embedding_lr_scale, dataclasses.replace(choice, embedding_lr_scale=None) if asked else choice
+    if asked is None:
+        return config.embedding_lr_scale, choice
+    band = choice.reason.replace(scale_clause(asked), "")  # the reason without the scale the band would give
+    if config.was_set("embedding_lr_scale") or not fresh_start:
+        whose = "the checkpoint's" if "embedding_lr_scale" in config.from_checkpoint else "your"
+        reason = f"{band}; the input embedding trains at {whose} embedding_lr_scale={config.embedding_lr_scale:g}"
+        return config.embedding_lr_scale, dataclasses.replace(choice, reason=reason, embedding_lr_scale=None)
     if facts.scale_blocked_by is not None:
-        reason = f"{choice.reason}; the input embedding trains at your rate instead: {facts.scale_blocked_by}"
+        reason = f"{band}; the input embedding trains at your rate, not the band's {asked:g}x: {facts.scale_blocked_by}"
         return config.embedding_lr_scale, dataclasses.replace(choice, reason=reason, embedding_lr_scale=None)
     return asked, choice
 

@@ -51,17 +51,21 @@ class ShareBand:
             plan = "trains untied from step 0, its head drawn"
         else:
             plan = f"trains tied to {self.untie_at:.3g} of the run, then unties (no trigger)"
-        scale = (
-            ""
-            if self.embedding_lr_scale == 1
-            else f", the input embedding at {self.embedding_lr_scale:g}x the learning rate (embedding_lr_scale; pass "
-            "embedding_lr_scale=1 to keep your rate)"
-        )
+        scale = "" if self.embedding_lr_scale == 1 else scale_clause(self.embedding_lr_scale)
         cells = f"cell{'s' * (len(self.cells) > 1)} {', '.join(self.cells)}"
         return (
             f"the study's default by embedding share: from {self.low:.1%} to {self.high:.1%} ({cells}) it {plan}"
             f"{scale} (arm {self.arm}, docs/recipes/when-it-pays.md)"
         )
+
+
+def scale_clause(scale: float) -> str:
+    """What a band that scales the input embedding's rate says of it (`ShareBand.describe`): the run's reason drops it
+    where the scale does not apply (`untie.decision.decide`)."""
+    return (
+        f", the input embedding at {scale:g}x the learning rate (embedding_lr_scale; pass embedding_lr_scale=1 to keep "
+        "your rate)"
+    )
 
 
 @dataclass(frozen=True)

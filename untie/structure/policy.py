@@ -30,6 +30,7 @@ the run state (`PolicyChoice.to_dict`), so a checkpoint says what its run chose 
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -47,7 +48,7 @@ from untie.decision.policy_rules import (
     settle,
 )
 from untie.decision.settings import POLICIES, PolicyName
-from untie.distributed import broadcast_decision, full_shape, gathered, is_sharded, world_size
+from untie.distributed import broadcast_decision, full_shape, gathered, is_sharded, is_split, world_size
 from untie.structure.surgery import input_weight
 
 #: The sample of the input embedding `weights_evidence` compares with a fresh draw: at most this many entries (rows
@@ -141,11 +142,61 @@ def weights_evidence(model: nn.Module, embedding: torch.Tensor | None = None) ->
     for draw in _fresh_draws(model, actual.shape[0], width):
         mismatch = _mismatch(actual, draw)
         if not mismatch:
+            moved = _moved_constant(model)
+            if moved:
+                return WeightsEvidence("trained", f"its embedding matches a fresh draw, but {moved}")
             return WeightsEvidence("drawn", "its embedding matches a fresh draw of its own initialiser")
         mismatches.append(mismatch)
     if not mismatches:
         return WeightsEvidence("unreadable", "its initialiser draws no bare embedding or head to compare with")
     return WeightsEvidence("trained", f"its embedding does not match a fresh draw of its initialiser: {mismatches[0]}")
+
+
+def _moved_constant(model: nn.Module) -> str:
+    """Where a parameter that the model's initialiser draws as a constant vector (a normalisation layer's weight or
+    bias: ones, zeros, T5's factor) no longer is one, which is in words ("" where none moved): positive evidence that
+    training touched the model, which an embedding of large spread hides. A few optimizer steps move every entry of
+    such a vector apart (each by about the learning rate) where they move an embedding's entries by a fraction of a
+    percent of their spread (issue 78: T5 after 3 AdamW steps at 1e-3, a Llama at `initializer_range=0.2` after one).
+    Read on the normalisation modules only (small vectors), whole on this rank (a split parameter tells nothing here);
+    each kind of module is drawn once, on a copy, to learn which of its vectors the initialiser makes constant."""
+    constant_by_kind: dict[type, set[str]] = {}
+    for path, module in model.named_modules():
+        if "norm" not in type(module).__name__.lower():
+            continue
+        vectors = [
+            (name, p) for name, p in module.named_parameters(recurse=False)
+            if p.dim() == 1 and p.numel() > 1 and p.is_floating_point() and p.device.type != "meta" and not is_split(p)
+        ]  # fmt: skip
+        moved = [(name, p) for name, p in vectors if bool(p.detach().amax() != p.detach().amin())]
+        if not moved:
+            continue
+        kind = type(module)
+        if kind not in constant_by_kind:
+            constant_by_kind[kind] = _drawn_constant(model, module)
+        for name, _ in moved:
+            if name in constant_by_kind[kind]:
+                where = f"{path}.{name}" if path else name
+                return f"its {where} varies where its initialiser draws a constant: training touched the model"
+    return ""
+
+
+def _drawn_constant(model: nn.Module, module: nn.Module) -> set[str]:
+    """The names of `module`'s 1-D parameters that the model's initialiser draws as a constant vector, read on a
+    copy whose values are first set to NaN (a parameter the initialiser leaves alone stays NaN: no evidence); the
+    global random state is left as it was."""
+    draw = copy.deepcopy(module)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for param in draw.parameters(recurse=False):
+            param.fill_(float("nan"))
+        try:
+            _compat.init_module_weights(model, draw)
+        except Exception:  # noqa: BLE001 - an initialiser that cannot take this module tells nothing
+            return set()
+    return {
+        name for name, p in draw.named_parameters(recurse=False)
+        if p.dim() == 1 and not p.isnan().any() and bool(p.amax() == p.amin())
+    }  # fmt: skip
 
 
 def _nonzero_rows(rows: torch.Tensor) -> torch.Tensor:

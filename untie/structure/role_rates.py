@@ -134,7 +134,7 @@ class RoleRates:
         lr_scheduler=None,
         saved=None,
         provisional: tuple[str, ...] = (),
-    ) -> None:
+    ) -> str | None:
         """Give each role the run needs a group for (`groups_for` the checkpoint `saved`, a `SavedFacts`, or a fresh
         start) a group of its own in `optimizer` (a copy of its source group's hyperparameters), extend
         `lr_scheduler` (built before: its per-group lists) to them, and install the follower. Idempotent: an
@@ -143,7 +143,10 @@ class RoleRates:
 
         `provisional`: roles whose scale the run's policy chose for a fresh start (not the user): where the
         checkpoint `saved` has no group for one, its scale falls back to 1 and a group made for it at a fresh start
-        is withdrawn, so that the checkpoint's optimizer state loads (a resume continues the checkpoint's run)."""
+        is withdrawn, so that the checkpoint's optimizer state loads (a resume continues the checkpoint's run). An
+        optimizer that computes its own step size cannot take one (`lr=None`, or Adafactor's `relative_step=True`,
+        whose rate no group's `lr` sets): a user's scale is refused, the policy's falls back to 1. Returns why it
+        fell back (None where nothing did)."""
         where = getattr(saved, "where", None)
         inner = inner_optimizer(optimizer)
         self.optimizer, self.model = optimizer, model
@@ -153,6 +156,11 @@ class RoleRates:
             lacking = tuple(role for role in provisional if role not in (getattr(saved, "lr_groups", None) or ()))
             self.scales.update(dict.fromkeys(lacking, 1.0))
             self._withdraw(inner, model, lacking)
+        own_step = any(group.get("lr") is None or group.get("relative_step") for group in inner.param_groups)
+        yielded = None
+        if own_step and any(role in provisional and self.scales[role] != 1.0 for role in ROLES):
+            self.scales.update(dict.fromkeys(provisional, 1.0))
+            yielded = "the optimizer computes its own step size (Adafactor's relative_step=True), which no scale sets"
         roles = self.groups_for(getattr(saved, "lr_groups", None), where)
         existing = role_groups(inner)
         if existing and roles != existing:
@@ -162,11 +170,11 @@ class RoleRates:
                 "each role it has a group for)."
             )
         if roles and not existing:
-            if any(group.get("lr") is None for group in inner.param_groups):
+            if own_step:
                 raise UntieValueError(
-                    f"{self.owner}: the optimizer has no learning rate to scale (lr=None: Adafactor with "
-                    "relative_step=True computes its own step size), so embedding_lr_scale / head_lr_scale cannot "
-                    "apply: pass Adafactor(..., relative_step=False, lr=<a rate>), or leave the scales at 1.0."
+                    f"{self.owner}: the optimizer computes its own step size (Adafactor with relative_step=True: no "
+                    "group's lr sets it), so embedding_lr_scale / head_lr_scale cannot apply: pass Adafactor(..., "
+                    "relative_step=False, lr=<a rate>), or set embedding_lr_scale=1.0 and head_lr_scale=1.0."
                 )
             if lr_scheduler is None and _compat.has_lr_scheduler(inner):
                 raise UntieValueError(
@@ -184,6 +192,7 @@ class RoleRates:
             registry.add("per-role learning rates: the hook's record", self._unhook)
             self._hooked = (id(inner), id(registry))
         self.follow()
+        return yielded
 
     def _add_groups(self, inner: torch.optim.Optimizer, model: nn.Module, roles: tuple[str, ...]) -> dict[str, int]:
         embedding = input_weight(model)
@@ -308,7 +317,8 @@ class RoleRates:
             else:
                 index = _group_index(groups, param)
                 index = _group_index(groups, input_weight(self.model)) if index is None else index
-            values[f"untie/lr_{role}"] = float(groups[index]["lr"]) if index is not None else float("nan")
+            rate = groups[index]["lr"] if index is not None else None
+            values[f"untie/lr_{role}"] = float(rate) if rate is not None else float("nan")  # None: its own step size
         return values
 
     def line(self) -> str | None:

@@ -424,6 +424,8 @@ def add_param_like(
     """
     opt = inner_optimizer(optimizer)
     group = next((g for g in opt.param_groups if any(p is like for p in g["params"])), None)
+    if group is None and not (like.requires_grad or new.requires_grad):
+        return  # a frozen matrix is in no optimizer (Trainer leaves it out), and its frozen copy joins none either
     if group is None:
         raise UntieValueError(
             "The shared embedding parameter is not in the optimizer, so the untied head would not train. Build the "
