@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 import transformers as tf
+from packaging.version import Version
 
 import untie
 from untie.decision import policy_rules
@@ -327,7 +328,16 @@ def test_lightly_trained_weights_whose_embedding_barely_moves_keep_their_head(fa
     untier.close()
 
 
-@pytest.mark.parametrize(("family", "init"), [("t5", None), ("t5", 10.0), ("llama", 0.2), ("llama", 0.002)])
+_OLD_T5_INIT = pytest.mark.xfail(
+    Version(tf.__version__) < Version("5.24"),
+    reason="transformers 5.12's T5 initialiser draws a bare embedding at std 1 whatever initializer_factor says, so "
+    "the embedding's evidence reads factor 10 as trained (a false copy, never a draw over trained weights)",
+    strict=True,
+)
+
+
+@pytest.mark.parametrize(("family", "init"), [("t5", None), pytest.param("t5", 10.0, marks=_OLD_T5_INIT),
+                                              ("llama", 0.2), ("llama", 0.002)])  # fmt: skip
 def test_fresh_models_of_any_spread_still_read_as_drawn(family, init):
     """The constants' evidence calls no fresh model trained: a T5 at `initializer_factor` 1 and 10, a Llama at
     `initializer_range` 0.2 and 0.002 (seeds 0-4)."""
@@ -459,7 +469,7 @@ def test_a_tied_checkpoint_resumed_under_the_default_keeps_its_tied_phase(make_a
     assert resumed.untie_step == 6 and resumed.untie_reason == "deadline"
     assert resumed.policy_choice.plan == "as set"
     assert resumed.run.plan.startswith("untie: resumed at step 4: trains tied; unties when the divergence trigger")
-    assert "the checkpoint's run was still tied, so it continues its tied phase" in resumed.run.plan
+    assert "policy='off' runs the schedule as set (the checkpoint's policy='off' continues)" in resumed.run.plan
     worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())
     assert worst <= 1e-6
 

@@ -120,7 +120,7 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
     config, owner = settings.config, settings.adapter
     policy, why = config.chosen_policy()
     fresh = choose(policy, tied=facts.tied, peft=facts.model.peft, reading=facts.reading)
-    if why and policy == "off":  # the schedule was set: that is the whole reason
+    if why and policy == "off" and config.policy is None:  # the schedule was set: that is the whole reason
         fresh = dataclasses.replace(fresh, reason=why)
     elif why:
         fresh = dataclasses.replace(fresh, reason=f"{fresh.reason} ({why})")

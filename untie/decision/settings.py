@@ -281,6 +281,8 @@ class UntieConfig:
     def chosen_policy(self) -> tuple[str, str]:
         """The policy the run follows, and why in words: `policy` as set; unset (None), `DEFAULT_POLICY`, or "off" where
         the schedule (`SCHEDULE_SETTINGS`) was set, whatever its value: a schedule asked for runs as set."""
+        if self.policy is not None and "policy" in self.from_checkpoint:
+            return self.policy, f"the checkpoint's policy={self.policy!r} continues"
         if self.policy is not None:
             return self.policy, ""
         asked = [name for name in SCHEDULE_SETTINGS if self.was_set(name)]
