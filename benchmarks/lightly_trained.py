@@ -23,7 +23,7 @@ import transformers as tf
 from common import machine, write_results
 
 import untie
-from untie.testing import STEP_VOCAB, step_llama_config, step_task
+from untie.testing import step_batch, step_model
 
 #: (family, initialiser setting, AdamW steps, learning rate): the hand-overs issue 78 named.
 TRAINED_CASES = [("t5", None, 3, 1e-3), ("t5", None, 10, 3e-4), ("llama", 0.2, 1, 1e-3), ("llama", 0.2, 3, 1e-3),
@@ -38,48 +38,26 @@ class Arguments:
     output_dir: str = "runs/bench-lightly-trained"
 
 
-def build(family: str, init: float | None, seed: int) -> tf.PreTrainedModel:
-    """A tied T5 (`initializer_factor` `init`, default 1) or Llama (`initializer_range` `init`, default 0.02)."""
-    torch.manual_seed(seed)
-    if family == "t5":
-        config = tf.T5Config(vocab_size=STEP_VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
-                             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
-        if init is not None:
-            config.initializer_factor = init
-        return tf.T5ForConditionalGeneration(config)
-    config = step_llama_config()
-    if init is not None:
-        config.initializer_range = init
-    return tf.LlamaForCausalLM(config)
-
-
-def batch(family: str, seed: int) -> dict[str, torch.Tensor]:
-    rows = step_task(rows=16, length=24, seed=seed)
-    if family == "t5":
-        return {"input_ids": rows[:, :12].contiguous(), "labels": rows[:, 12:].contiguous()}
-    return {"input_ids": rows, "labels": rows}
-
-
 def first_step(model: tf.PreTrainedModel, family: str, seed: int) -> tuple[str, float]:
     """The head start the default chooses for `model`, and the loss of its first forward on the case's batch."""
     untier = untie.Untier(model, max_steps=10, policy="untie-at-start")
     untier.start(torch.optim.SGD(model.parameters(), lr=0.0))
-    loss = model(**batch(family, 5000 + seed)).loss.item()
+    loss = model(**step_batch(family, 5000 + seed)).loss.item()
     start = untier.run.decision.head_init
     untier.close()
     return start, loss
 
 
 def trained_case(family: str, init: float | None, steps: int, lr: float, seed: int) -> dict:
-    trained = build(family, init, seed)
+    trained = step_model(family, seed, init)
     optimizer = torch.optim.AdamW(trained.parameters(), lr=lr)
     for step in range(steps):
-        trained(**batch(family, 1000 + 50 * seed + step)).loss.backward()
+        trained(**step_batch(family, 1000 + 50 * seed + step)).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     with torch.no_grad():
-        own = trained(**batch(family, 5000 + seed)).loss.item()
-    handed = build(family, init, seed + 7777)
+        own = trained(**step_batch(family, 5000 + seed)).loss.item()
+    handed = step_model(family, seed + 7777, init)
     handed.load_state_dict(trained.state_dict())
     start, loss = first_step(handed, family, seed)
     return {"case": f"{family} {init or 'default'} init, {steps} steps at {lr:g}", "seed": seed, "start": start,
@@ -93,7 +71,7 @@ def main() -> None:
     trained = [trained_case(*case, seed) for case in TRAINED_CASES for seed in args.seeds]
     fresh = [
         {"case": f"{family} {init or 'default'} init, fresh", "seed": seed,
-         "start": first_step(build(family, init, seed), family, seed)[0]}
+         "start": first_step(step_model(family, seed, init), family, seed)[0]}
         for family, init in FRESH_CASES for seed in args.seeds
     ]  # fmt: skip
     lines = [f"The default's head start after a hand-over by hand, on {machine()}; seeds {args.seeds}.", "",

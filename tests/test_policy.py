@@ -15,7 +15,7 @@ import untie
 from untie.decision import policy_rules
 from untie.decision.share_bands import SHARE_DEFAULT
 from untie.structure import policy
-from untie.testing import STEP_VOCAB, TINY_MODELS, ToyLMDataset, step_llama_config, step_task, tiny_model
+from untie.testing import TINY_MODELS, ToyLMDataset, step_batch, step_model, tiny_model
 
 
 def _share(arch: str = "gpt2") -> float:
@@ -275,29 +275,6 @@ def test_a_freshly_drawn_embedding_matches_its_initialiser_whatever_the_seed(arc
         assert evidence.verdict == "drawn", (seed, evidence.detail)
 
 
-def _wide_model(family: str, seed: int, init: float | None = None) -> tf.PreTrainedModel:
-    """A tied model whose embedding a few optimizer steps barely move against its spread: T5 (entries of std
-    `initializer_factor`, 1 by default) or a Llama drawn at `initializer_range` `init` (0.2), on the step task's
-    vocabulary."""
-    torch.manual_seed(seed)
-    if family == "t5":
-        config = tf.T5Config(vocab_size=STEP_VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
-                             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
-        if init is not None:
-            config.initializer_factor = init
-        return tf.T5ForConditionalGeneration(config)
-    config = step_llama_config()
-    config.initializer_range = init if init is not None else 0.2
-    return tf.LlamaForCausalLM(config)
-
-
-def _wide_batch(family: str, seed: int) -> dict[str, torch.Tensor]:
-    rows = step_task(rows=16, length=24, seed=seed)
-    if family == "t5":
-        return {"input_ids": rows[:, :12].contiguous(), "labels": rows[:, 12:].contiguous()}
-    return {"input_ids": rows, "labels": rows}
-
-
 @pytest.mark.parametrize(("family", "steps", "lr"), [("t5", 3, 1e-3), ("t5", 10, 3e-4), ("llama", 1, 1e-3),
                                                       ("llama", 10, 1e-3)])  # fmt: skip
 def test_lightly_trained_weights_whose_embedding_barely_moves_keep_their_head(family, steps, lr):
@@ -306,20 +283,21 @@ def test_lightly_trained_weights_whose_embedding_barely_moves_keep_their_head(fa
     over them (`python benchmarks/lightly_trained.py` measures what that cost). The normalisation weights, drawn as
     constants, moved: the model counts as trained, its head starts as a copy, and the first step's loss is the trained
     model's."""
-    trained = _wide_model(family, seed=1)
+    spread = 0.2 if family == "llama" else None  # a Llama drawn wide; T5 is wide at its default
+    trained = step_model(family, 1, spread)
     optimizer = torch.optim.AdamW(trained.parameters(), lr=lr)
     for step in range(steps):
-        trained(**_wide_batch(family, 100 + step)).loss.backward()
+        trained(**step_batch(family, 100 + step)).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    handed = _wide_model(family, seed=2)
+    handed = step_model(family, 2, spread)
     handed.load_state_dict(trained.state_dict())  # by hand: no name says "loaded"
     evidence = policy.weights_evidence(handed)
     assert evidence.verdict == "trained" and "varies where its initialiser draws a constant" in evidence.detail
     assert evidence.detail.startswith(
         "its embedding matches a fresh draw, but"
     )  # the case: the embedding alone reads fresh
-    batch = _wide_batch(family, 999)
+    batch = step_batch(family, 999)
     with torch.no_grad():
         own = trained(**batch).loss.item()
     untier = untie.Untier(handed, max_steps=10)
@@ -342,7 +320,7 @@ def test_fresh_models_of_any_spread_still_read_as_drawn(family, init):
     """The constants' evidence calls no fresh model trained: a T5 at `initializer_factor` 1 and 10, a Llama at
     `initializer_range` 0.2 and 0.002 (seeds 0-4)."""
     for seed in range(5):
-        evidence = policy.weights_evidence(_wide_model(family, seed, init))
+        evidence = policy.weights_evidence(step_model(family, seed, init))
         assert evidence.verdict == "drawn", (seed, evidence.detail)
 
 

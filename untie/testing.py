@@ -186,6 +186,32 @@ def step_llama_config() -> tf.LlamaConfig:
     )  # fmt: skip
 
 
+def step_model(family: str, seed: int, init: float | None = None) -> tf.PreTrainedModel:
+    """A tied model for the step task's vocabulary, drawn under `seed`: "t5" (a one-layer T5, its embedding's entries
+    of std `initializer_factor`, `init`, 1 by default) or "llama" (`step_llama_config`, at `initializer_range`
+    `init`, 0.02 by default). At a large spread (T5; a Llama at 0.2) a few optimizer steps barely move the embedding."""
+    torch.manual_seed(seed)
+    if family == "t5":
+        config = tf.T5Config(vocab_size=STEP_VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
+                             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+        if init is not None:
+            config.initializer_factor = init
+        return tf.T5ForConditionalGeneration(config)
+    llama = step_llama_config()
+    if init is not None:
+        llama.initializer_range = init
+    return tf.LlamaForCausalLM(llama)
+
+
+def step_batch(family: str, seed: int) -> dict[str, torch.Tensor]:
+    """16 rows of the step task as `step_model(family)` trains on them: a T5 reads the first 12 tokens and predicts
+    the next 12; a causal model predicts each next token."""
+    rows = step_task(rows=16, length=24, seed=seed)
+    if family == "t5":
+        return {"input_ids": rows[:, :12].contiguous(), "labels": rows[:, 12:].contiguous()}
+    return {"input_ids": rows, "labels": rows}
+
+
 def train_on_step_task(model: nn.Module, steps: int, lr: float, freeze_embedding: bool = False) -> nn.Module:
     """`model` trained `steps` AdamW steps of 16 rows on the step task (seed 0); with `freeze_embedding`, only its
     body's matrices train (the embedding keeps its fresh draw and the normalisation layers their constants: the
