@@ -193,7 +193,8 @@ def step_model(family: str, seed: int, init: float | None = None) -> tf.PreTrain
     torch.manual_seed(seed)
     if family == "t5":
         config = tf.T5Config(vocab_size=STEP_VOCAB, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
-                             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)  # fmt: skip
+                             dropout_rate=0.0, pad_token_id=0)  # fmt: skip
+        config.decoder_start_token_id = 0  # a keyword T5Config takes through **kwargs (typed as unknown)
         if init is not None:
             config.initializer_factor = init
         return tf.T5ForConditionalGeneration(config)
