@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -287,22 +287,28 @@ def has_lr_scheduler(optimizer: torch.optim.Optimizer) -> bool:
     return bool(getattr(optimizer.step, "_wrapped_by_lr_sched", False))
 
 
-def extend_scheduler_groups(scheduler: Any, sources: list[int], extended: set[int] | None = None) -> None:
-    """Give `scheduler` (built before param groups were appended to its optimizer) an entry for each new group: a copy
-    of the entry of its source group (`sources`, one index per appended group, in order). A list shared by several
-    schedulers (SequentialLR's `_last_lr` is its first child's) is extended once (`extended`: the lists done). A
-    per-group list of another length is refused by name."""
-    extended = set() if extended is None else extended
-    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's AcceleratedScheduler
+def _scheduler_group_lists(scheduler: Any, seen: set[int] | None = None) -> Iterator[tuple[Any, str, list]]:
+    """Each per-group list (`SCHEDULER_GROUP_LISTS`) of `scheduler`'s children (SequentialLR's and ChainedScheduler's
+    `_schedulers`), then its own (accelerate's AcceleratedScheduler unwrapped), with the scheduler that holds it and
+    its name: a list shared by several (SequentialLR's `_last_lr` is its first child's) once (`seen`: those done)."""
+    seen = set() if seen is None else seen
+    inner = getattr(scheduler, "scheduler", scheduler)
     for child in getattr(inner, "_schedulers", None) or ():
-        extend_scheduler_groups(child, sources, extended)
-    optimizer = getattr(inner, "optimizer", None)
-    groups = len(optimizer.param_groups) if optimizer is not None else None
-    before = groups - len(sources) if groups is not None else None
+        yield from _scheduler_group_lists(child, seen)
     for name in SCHEDULER_GROUP_LISTS:
         values = getattr(inner, name, None)
-        if not isinstance(values, list) or id(values) in extended:
-            continue
+        if isinstance(values, list) and id(values) not in seen:
+            seen.add(id(values))
+            yield inner, name, values
+
+
+def extend_scheduler_groups(scheduler: Any, sources: list[int]) -> None:
+    """Give `scheduler` (built before param groups were appended to its optimizer) an entry for each new group: a copy
+    of the entry of its source group (`sources`, one index per appended group, in order). A per-group list of another
+    length is refused by name."""
+    for inner, name, values in list(_scheduler_group_lists(scheduler)):
+        optimizer = getattr(inner, "optimizer", None)
+        before = len(optimizer.param_groups) - len(sources) if optimizer is not None else None
         if before is not None and len(values) != before:
             raise UntieValueError(
                 f"The LR scheduler {type(inner).__name__} keeps {len(values)} entries in {name}, for {before} param "
@@ -311,23 +317,13 @@ def extend_scheduler_groups(scheduler: Any, sources: list[int], extended: set[in
                 "at 1."
             )
         values.extend(values[source] for source in sources)
-        extended.add(id(values))
 
 
-def drop_scheduler_groups(scheduler: Any, indices: list[int], dropped: set[int] | None = None) -> None:
+def drop_scheduler_groups(scheduler: Any, indices: list[int]) -> None:
     """Take the entries of the param groups at `indices` (removed from its optimizer again, before any step) out of
-    `scheduler`'s per-group lists: the inverse of `extend_scheduler_groups`, a list shared by several schedulers
-    once (`dropped`: the lists done)."""
-    dropped = set() if dropped is None else dropped
-    inner = getattr(scheduler, "scheduler", scheduler)
-    for child in getattr(inner, "_schedulers", None) or ():
-        drop_scheduler_groups(child, indices, dropped)
-    for name in SCHEDULER_GROUP_LISTS:
-        values = getattr(inner, name, None)
-        if not isinstance(values, list) or id(values) in dropped:
-            continue
+    `scheduler`'s per-group lists: the inverse of `extend_scheduler_groups`."""
+    for _, _, values in list(_scheduler_group_lists(scheduler)):
         values[:] = [value for i, value in enumerate(values) if i not in indices]
-        dropped.add(id(values))
 
 
 # -- bitsandbytes: state buffers and per-parameter overrides -----------------------------------------------------------

@@ -19,6 +19,7 @@ from untie.signals.metrics import (
     pair_gap_sums_from_log_probs,
     role_signals_on_rows,
 )
+from untie.structure.policy import normalisation_modules
 
 if TYPE_CHECKING:
     from untie.adapters.untier import Untier
@@ -219,8 +220,7 @@ def train_on_step_task(model: nn.Module, steps: int, lr: float, freeze_embedding
     weights' evidence reads it as built fresh, and only the model's function tells)."""
     frozen = [model.get_input_embeddings().weight] if freeze_embedding else []  # type: ignore[operator]
     if freeze_embedding:
-        norms = [m for m in model.modules() if "norm" in type(m).__name__.lower()]
-        frozen += [p for m in norms for p in m.parameters(recurse=False)]
+        frozen += [p for _, m in normalisation_modules(model) for p in m.parameters(recurse=False)]
     trained = [p for p in model.parameters() if p.requires_grad and not any(p is f for f in frozen)]
     optimizer = torch.optim.AdamW(trained, lr=lr)
     data = step_task()

@@ -161,9 +161,7 @@ def _moved_constant(model: nn.Module) -> str:
     Read on the normalisation modules only (small vectors), whole on this rank (a split parameter tells nothing here);
     each kind of module is drawn once, on a copy, to learn which of its vectors the initialiser makes constant."""
     constant_by_kind: dict[type, set[str]] = {}
-    for path, module in model.named_modules():
-        if "norm" not in type(module).__name__.lower():
-            continue
+    for path, module in normalisation_modules(model):
         vectors = [
             (name, p) for name, p in module.named_parameters(recurse=False)
             if p.dim() == 1 and p.numel() > 1 and p.is_floating_point() and p.device.type != "meta" and not is_split(p)
@@ -179,6 +177,11 @@ def _moved_constant(model: nn.Module) -> str:
                 where = f"{path}.{name}" if path else name
                 return f"its {where} varies where its initialiser draws a constant: training touched the model"
     return ""
+
+
+def normalisation_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`model`'s normalisation layers (LayerNorm, RMSNorm, T5LayerNorm, ...: a class name holding "norm"), by path."""
+    return [(path, module) for path, module in model.named_modules() if "norm" in type(module).__name__.lower()]
 
 
 def _drawn_constant(model: nn.Module, module: nn.Module) -> set[str]:

@@ -152,8 +152,9 @@ class RoleRates:
         self.optimizer, self.model = optimizer, model
         self.lr_scheduler = lr_scheduler if lr_scheduler is not None else self.lr_scheduler
         lr_scheduler = self.lr_scheduler
+        saved_groups = getattr(saved, "lr_groups", None)
         if where is not None:
-            lacking = tuple(role for role in provisional if role not in (getattr(saved, "lr_groups", None) or ()))
+            lacking = tuple(role for role in provisional if role not in (saved_groups or ()))
             self.scales.update(dict.fromkeys(lacking, 1.0))
             self._withdraw(inner, model, lacking)
         own_step = any(group.get("lr") is None or group.get("relative_step") for group in inner.param_groups)
@@ -161,7 +162,7 @@ class RoleRates:
         if own_step and any(role in provisional and self.scales[role] != 1.0 for role in ROLES):
             self.scales.update(dict.fromkeys(provisional, 1.0))
             yielded = "the optimizer computes its own step size (Adafactor's relative_step=True), which no scale sets"
-        roles = self.groups_for(getattr(saved, "lr_groups", None), where)
+        roles = self.groups_for(saved_groups, where)
         existing = role_groups(inner)
         if existing and roles != existing:
             raise UntieValueError(
@@ -228,9 +229,9 @@ class RoleRates:
         """Take the groups of `roles` out of `inner` again (made at a fresh start, before any step: they hold no
         state), their parameters back in their source groups in a fresh optimizer's order, and their entries out of
         the LR scheduler given the groups."""
-        if not any(group.get(ROLE_KEY) in roles for group in inner.param_groups):
-            return
         dropped = [i for i, group in enumerate(inner.param_groups) if group.get(ROLE_KEY) in roles]
+        if not dropped:
+            return
         for index in dropped:
             group = inner.param_groups[index]
             inner.param_groups[int(group[SOURCE_KEY])]["params"].extend(group["params"])
