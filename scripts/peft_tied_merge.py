@@ -1,5 +1,5 @@
 """What the installed PEFT does with `modules_to_save` on a tied model, in a process that never imports `untie`:
-the measurement behind `untie.structure.peft_support.MERGE_RECORDS_THE_SPLIT` (issue 69).
+the measurement behind `untie.decision.plan.MERGE_RECORDS_THE_SPLIT` (issue 69).
 
     python scripts/peft_tied_merge.py
 

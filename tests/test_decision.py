@@ -102,14 +102,16 @@ def test_tie_init_ties_a_checkpoint_this_library_untied():
 
 
 def test_the_decision_and_its_rules_import_without_torch():
-    """The run's one decision is pure: `untie.decision.decide` (with the policy's rules, the structure plans and the
-    settings) imports in a process where torch cannot be imported."""
+    """The run's one decision is pure: every module of `untie.decision` (the decision, the policy's rules, the structure
+    plans, the settings and the run's lines) imports in a process where torch cannot be imported."""
     import subprocess
     import sys
 
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import untie.decision.decide, untie.decision.policy_rules, untie.decision.plan, untie.decision.settings\n"
+        "import pkgutil, importlib, untie.decision\n"
+        "for module in pkgutil.iter_modules(untie.decision.__path__):\n"
+        "    importlib.import_module(f'untie.decision.{module.name}')\n"
         "assert 'torch' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -180,9 +180,14 @@ def test_a_run_attached_again_chooses_again_for_the_new_model(monkeypatch):
     monkeypatch.setattr(policy_rules, "UNTIED_FROM_START_SHARE", (_share("llama") + _share("gpt2")) / 2)
     run = UntieRun(untie.UntieConfig(policy="auto", untie_when=None, untie_at=5))
     run.attach(big)
-    assert run.choice.untied_from_start and run.untie_at == 0 and not untie.is_tied(big)
+    assert run.choice.untied_from_start and run.deadline.untie_at == 0 and not untie.is_tied(big)
     run.attach(small)  # a new model for a new train() call (model_init): the schedule as set again
-    assert run.choice.plan == "as set" and run.untie_at == 5 and run.deadline.untie_at == 5 and untie.is_tied(small)
+    assert (
+        run.choice.plan == "as set"
+        and run.deadline.untie_at == 5
+        and run.deadline.untie_at == 5
+        and untie.is_tied(small)
+    )
     assert run.config.untie_at == 5  # the config keeps what the user set
     run.close()
 
@@ -468,7 +473,7 @@ def test_a_default_untier_resumes_a_tied_phase_state_saved_at_step_0_as_tied_too
     resumed.start(optimizer)
     resumed.load_state_dict(state)
     model.load_state_dict(first_model.state_dict())
-    assert untie.is_tied(model) and resumed.policy_choice.plan == "as set" and resumed.run.untie_at == 0.3
+    assert untie.is_tied(model) and resumed.policy_choice.plan == "as set" and resumed.run.deadline.untie_at == 0.3
     data = ToyLMDataset()
     for step in range(6):
         batch = data[step]

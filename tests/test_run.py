@@ -106,8 +106,8 @@ def test_measurements_happen_on_metrics_steps_only_and_feed_the_history():
     adapter = FakeAdapter(UntieConfig(untie_at=None, untie_when=None, metrics_every=3))
     adapter.begin()
     adapter.train(7)
-    assert [h["step"] for h in adapter.run.history] == [3, 6]
-    assert {"cosine", "cancellation", "norm_ratio"} <= set(adapter.run.history[0])
+    assert [h["step"] for h in adapter.run.measurements.history] == [3, 6]
+    assert {"cosine", "cancellation", "norm_ratio"} <= set(adapter.run.measurements.history[0])
     assert adapter.run.take_latest()["untie/tied"] == 1.0
 
 
@@ -129,8 +129,8 @@ def test_a_trigger_that_fires_unties_at_the_measurement_step_before_the_deadline
     adapter.train(6)
     assert adapter.reasons == {4: "trigger"}  # measurements at 2 and 4: the second in a row fires
     assert adapter.run.untie_reason == "trigger" and adapter.run.measurements.probe is None
-    assert math.isfinite(next(h for h in adapter.run.history if h["step"] == 4)["trigger"])
-    assert "knn_overlap" in adapter.run.history[-1]  # after the untie: the drift between the two spaces
+    assert math.isfinite(next(h for h in adapter.run.measurements.history if h["step"] == 4)["trigger"])
+    assert "knn_overlap" in adapter.run.measurements.history[-1]  # after the untie: the drift between the two spaces
 
 
 def test_the_saved_state_restores_the_trigger_and_the_history_up_to_the_step():
@@ -143,7 +143,7 @@ def test_the_saved_state_restores_the_trigger_and_the_history_up_to_the_step():
     saved["history"].append({"step": 99})  # a later measurement (from a run that went on) is dropped on restore
     resumed = FakeAdapter(UntieConfig(untie_at=None, untie_when=rule, metrics_every=2))
     resumed.begin(saved, step=4)
-    assert [h["step"] for h in resumed.run.history] == [2, 4]
+    assert [h["step"] for h in resumed.run.measurements.history] == [2, 4]
     resumed.train(2)
     assert resumed.reasons == {6: "trigger"}  # the streak carried over: the third measurement fires
 
@@ -158,7 +158,10 @@ def test_the_one_state_format_round_trips_through_json_and_is_checked():
     state["adapter"] = "UntieCallback"  # the Trainer adapter's state: it may leave out the weights' fingerprint
     resumed = FakeAdapter(UntieConfig(untie_at=None, untie_when=rule, metrics_every=2))
     resumed.run.load_state_dict(state, "the saved state")
-    assert resumed.run.history == adapter.run.history and resumed.run.trigger_state == adapter.run.trigger_state
+    assert (
+        resumed.run.measurements.history == adapter.run.measurements.history
+        and resumed.run.divergence.state_dict() == adapter.run.divergence.state_dict()
+    )
     with pytest.raises(UntieStateError, match="the saved state has untie state format 2"):
         resumed.run.load_state_dict({**state, "format": 2}, "the saved state")
     # Only a Trainer state may leave out the weights' fingerprint (Trainer saves a checkpoint folder as a whole).
@@ -317,7 +320,7 @@ def test_a_checkpoint_expected_before_attach_and_an_untie_held_back_are_phases_o
     with pytest.raises(RunOrderError, match=r"start\(\) in phase 'unsettled'"):
         held.start(torch.optim.AdamW(fresh.parameters(), lr=1e-3), 0, 8)
     held.settle(None)  # a fresh start: the default trains this fresh model untied from step 0
-    assert (held.phase, is_tied(fresh), held.untie_at) == ("attached", False, 0)
+    assert (held.phase, is_tied(fresh), held.deadline.untie_at) == ("attached", False, 0)
     held.close()
     assert held.phase == "closed"
 

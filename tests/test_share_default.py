@@ -142,7 +142,7 @@ def test_a_tied_phase_to_a_fraction_in_a_loop_of_unknown_length_is_refused_namin
 
 
 def test_untie_inspect_says_a_bands_plan_in_the_runs_words():
-    from untie.decision.decide import default_plan_text
+    from untie.decision.lines import default_plan_text
 
     assert default_plan_text(_choose(0.25), tied=True) == (
         "trains tied; unties at untie_at=0.333333; the head starts as a copy of the embedding"

@@ -35,12 +35,13 @@ class RunViews:
     @property
     def history(self) -> list[dict[str, float]]:
         """Every measurement: {"step": ..., signal: value, ...}."""
-        return self.run.history
+        return self.run.measurements.history
 
     @property
     def trigger_state(self) -> dict | None:
         """The divergence trigger's running state (None without one)."""
-        return self.run.trigger_state
+        divergence = self.run.divergence
+        return divergence.state_dict() if divergence is not None else None
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
@@ -54,7 +55,7 @@ class RunViews:
 
     @property
     def plan(self) -> str | None:
-        """What the run said at train begin it would do, in its own numbers (`untie.core.messages.plan_line`)."""
+        """What the run said at train begin it would do, in its own numbers (`untie.decision.lines.plan_line`)."""
         return self.run.plan
 
     @property

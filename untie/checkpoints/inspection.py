@@ -192,7 +192,8 @@ def _policy(model, tied: bool, embedding: torch.Tensor) -> dict[str, Any]:
     embedding's share of the parameters: the run's own decision (`untie.decision.decide.decide` on the facts read
     here), said in the words of the run's line at train begin, with a deadline as its setting (the run's length is not
     known here)."""
-    from untie.decision.decide import Facts, Settings, decide, default_plan_text
+    from untie.decision.decide import Facts, Settings, decide
+    from untie.decision.lines import default_plan_text
     from untie.decision.plan import ModelFacts
     from untie.decision.settings import UntieConfig
     from untie.structure.policy import read_for_policy

@@ -17,6 +17,7 @@ from torch import nn
 
 from untie import _compat
 from untie.core.phases import RunOrderError
+from untie.decision import lines
 from untie.decision.plan import ModelFacts, StructurePlan
 from untie.decision.settings import OptimizerStateInit
 from untie.distributed import sync_grads_across_ranks
@@ -169,14 +170,7 @@ class ModelStructure:
     def _say_if_frozen(self) -> None:
         """A tied matrix the user froze unties into two identical frozen matrices: say so, with the fix."""
         if not input_weight(self.model).requires_grad:
-            _compat.warn_in_user_code(
-                f"{self.owner}: the tied embedding is frozen (requires_grad=False), so the head the untie gives its "
-                "own matrix is frozen too and never trains: a copy stays equal to the embedding (one more matrix "
-                "for nothing), a drawn head stays a draw. To train the head apart, unfreeze the embedding before the "
-                "run attaches "
-                "(model.get_input_embeddings().weight.requires_grad_(True)); to keep the model tied, pass "
-                "untie_at=None, untie_when=None, metrics_every=0."
-            )
+            _compat.warn_in_user_code(lines.frozen_tied_embedding_text(self.owner))
 
     def install_grad_sync(self) -> None:
         """Average the head's gradient over ranks: a head created after DDP wrapped the model is not reduced by DDP."""

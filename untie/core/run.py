@@ -7,7 +7,7 @@ facts, the settings and, on resume, the checkpoint; it decides again only when a
 (`untie.UntieCallback`, `untie.Untier`) call it in the order of `untie.core.phases`: `attach` before the optimizer
 exists, `start` with it, then per optimizer step `t` (from 1) `arm(t)` before its first forward, `measure(t)` once its
 gradients are complete and `end_of_step(t)` after it (the untie happens here); `close()` takes every install off
-(`registry`). What the run says is `untie.core.messages`'.
+(`registry`). What the run says is worded from its `summary` (`untie.decision.lines`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from untie.checkpoints.saved_state import check_state, resumed_config, run_state
 from untie.core import measuring, messages
 from untie.core.model_structure import ModelStructure
 from untie.core.phases import BY_HAND, Adapter, RunOrderError, enter
+from untie.decision import lines
 from untie.decision.decide import PENDING, Decision, Facts, Settings, check_run_length, checkpoint_config, decide
 from untie.decision.plan import SavedFacts, StructurePlan, saved_policy_phase
 from untie.decision.settings import UntieConfig
@@ -49,12 +50,10 @@ class UntieRun:
         config: the run's settings (`untie.UntieConfig`).
         adapter: who drives the run (`untie.core.phases.Adapter`): messages name it; its calls are checked too.
 
-    Attributes: `phase` (`untie.core.phases`); `facts`, what the run read off the attached model; `saved`, what the
-    checkpoint says about its run (None: a fresh start, `PENDING`: not known yet); `decision`; `deadline` and
-    `divergence`, the schedule the decision gives; `untie_step` and `untie_reason` (the one record of the untie:
-    "trigger", "deadline", "checkpoint" or "start"); `pending_untie`, the step of an untie due at a resume whose
-    optimizer state loads after `start`, done at the first forward; `pairs`; `measurements`; `structure`, the attached
-    model's (`model`); `rates`, the per-role learning rates; `plan`, the line it said; `said`, each warning once."""
+    Attributes: `phase`; `facts` (read off the model); `saved` (the checkpoint's run; None: fresh, `PENDING`: not known
+    yet); `decision`; `deadline` and `divergence` (its schedule); `untie_step` and `untie_reason` (the untie's one
+    record); `pending_untie` (an untie due at the first forward of a resume); `pairs`; `measurements`; `structure` (of
+    `model`); `rates` (per role); `plan` (the line it said); `said` (each warning once)."""
 
     def __init__(self, config: UntieConfig, adapter: Adapter = BY_HAND) -> None:
         self.config, self.adapter, self.owner = config, adapter, adapter.name
@@ -91,16 +90,28 @@ class UntieRun:
         return self.decision.choice if self.decision is not None else None
 
     @property
-    def untie_at(self) -> int | float | None:
-        return self.deadline.untie_at
-
-    @property
     def rule(self) -> UntieWhen | None:
         return self.divergence.rule if self.divergence is not None else None
 
-    @property
-    def history(self) -> list[dict[str, float]]:
-        return self.measurements.history
+    def summary(self) -> lines.RunSummary:
+        """Where the run stands, as plain values: what its lines are rendered from (`untie.decision.lines`)."""
+        return lines.RunSummary(
+            owner=self.owner,
+            config=self.config,
+            decision=self.decision,
+            untie_at=self.deadline.untie_at,
+            deadline_step=self.deadline.step,
+            rule=self.rule,
+            warmup_step=self.divergence.warmup_step if self.divergence is not None else 0,
+            untie_step=self.untie_step,
+            untie_reason=self.untie_reason,
+            arrived_untied=self.arrived_untied,
+            pairs=bool(self.pairs),
+            peft_split=self.facts.model.peft_split if self.facts is not None else (),
+            emulated=self.structure is not None and self.structure.emulation is not None,
+            measuring=self.measurements.probe is not None,
+            rates=self.rates.line(),
+        )
 
     @property
     def attached(self) -> ModelStructure:
@@ -112,8 +123,6 @@ class UntieRun:
     def check(self, call: str) -> None:
         """An adapter's call (a row of its `Adapter.transitions`) against the run's phase."""
         self.phase = enter(self.phase, call, self.adapter)
-
-    _enter = check
 
     def redecide(self, step: int = 0, optimizer=None) -> Decision:
         """Decide from what the run knows now (`decide`; the model's structure read again), say what is new, and
@@ -127,7 +136,7 @@ class UntieRun:
         if decision.refusal is not None:
             raise UntieValueError(decision.refusal)
         messages.say_once(self.said, decision.warnings)
-        if self.decision is None or (decision.untie_at, decision.rule) != (self.untie_at, self.rule):
+        if self.decision is None or (decision.untie_at, decision.rule) != (self.deadline.untie_at, self.rule):
             self.deadline = ScheduledTrigger(decision.untie_at)
             self.divergence = DivergenceTrigger(decision.rule) if decision.rule else None
         if not decision.judge_first_batch:
@@ -175,14 +184,14 @@ class UntieRun:
             raise
         self.phase = attached
         if decision.waits:
-            self._enter("hold")
+            self.check("hold")
         if expected is not None:
             self.expect_checkpoint(expected)
 
     def settle(self, saved: SavedFacts | None) -> None:
         """The checkpoint, if any, is known (`saved`; None: a fresh start): decide again, and untie before the first
         step where the decision now says so. Before the optimizer exists."""
-        self._enter("settle")
+        self.check("settle")
         self.saved = saved
         decision = self.redecide(optimizer=self.built_optimizer)
         if decision.untied_from_start:
@@ -190,7 +199,7 @@ class UntieRun:
 
     def adopt(self, other: UntieRun) -> None:
         """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings), emptied."""
-        self._enter("adopt")
+        self.check("adopt")
         for name in ("model", "structure", "attach_args", "pairs", "facts", "saved", "said", "arrived_untied", "phase"):
             setattr(self, name, getattr(other, name))
         self.registry, other.registry, other.structure, other.phase = other.registry, Registry(), None, "closed"
@@ -205,9 +214,9 @@ class UntieRun:
         `start`), a head the untie adds joins it."""
         self.saved = saved
         if self.phase not in ("attached", "started"):
-            self._enter("expect")
+            self.check("expect")
             return
-        self._enter("expect_checkpoint")
+        self.check("expect_checkpoint")
         if is_peft_model(self.attached.model):
             return  # PEFT adapters hold no embedding; `attach` checked the model
         plan = self.redecide(optimizer=optimizer).resume
@@ -230,7 +239,7 @@ class UntieRun:
             self.facts = dataclasses.replace(self.facts, first_batch=(verdict.start, verdict.detail))
             self.redecide()
         if verdict.start == "copy":
-            logger.warning("untie: the head starts as a copy of the embedding, not drawn: %s", verdict.detail)
+            logger.warning(lines.kept_copy_text(verdict.detail))
 
     # -- phase 2: start ------------------------------------------------------------------------------------------------
     def start(
@@ -239,7 +248,7 @@ class UntieRun:
         """Phase 2: begin training with `optimizer` at optimizer step `step` of `max_steps`, fresh (`saved` None) or
         resuming the run state `saved` (`state_dict`'s layout; checked: a damaged one raises `UntieStateError` naming
         `where`). Returns the checked state. A run may start again until its first step begins."""
-        self._enter("start")
+        self.check("start")
         self.optimizer, self.begun = optimizer, (step, max_steps)
         checked = self.load_state_dict(saved, where, step) if saved else None
         if not saved:
@@ -271,10 +280,7 @@ class UntieRun:
             self._record_untie(self.untie_step if self.untie_step is not None else step, reason)
             return
         elif self.untied:
-            raise UntieRuntimeError(
-                f"{self.owner}: the checkpoint state says the model was untied, but the model is tied. Resume with "
-                "the same model class, or call untie.prepare_for_resume(model, checkpoint_dir) before loading it."
-            )
+            raise UntieRuntimeError(lines.tied_model_for_untied_state(self.owner))
         if self.deadline.fires(step) and resumed and self.adapter.loads_after_start and emulation is None:
             # Its users load the optimizer state after `start`, into the tied structure it was saved from.
             self.pending_untie = step
@@ -282,14 +288,14 @@ class UntieRun:
                 "untie (a deadline passed at the resume)", lambda: self.untie(step, "deadline")
             )
         elif self.deadline.fires(step):
-            self.untie(step, "start" if step == 0 and self.untie_at == 0 else "deadline")
+            self.untie(step, "start" if step == 0 and self.deadline.untie_at == 0 else "deadline")
         elif self.config.metrics_every:
             self.measurements.watch(model, self.pairs, self.registry, emulation)
 
     # -- phase 3: the steps --------------------------------------------------------------------------------------------
     def arm(self, step: int) -> None:
         """Optimizer step `step` is about to run its first forward: measure its gradients if it is a metrics step."""
-        self._enter("arm")
+        self.check("arm")
         self.measurements.arm(step)
 
     def measure(self, step: int) -> None:
@@ -318,11 +324,9 @@ class UntieRun:
     def _step_begins(self, call: str) -> None:
         """The run's first step begins when it leaves "started": what the run does is said then, once."""
         begun = self.phase == "started"
-        self._enter(call)
+        self.check(call)
         if begun:
-            self.plan = messages.announce(self, *self.begun)
-            if self.decision is not None and self.divergence is not None and self.measurements.probe is not None:
-                messages.say_once(self.said, [(notice, None) for notice in self.decision.notices])  # a trigger runs
+            self.plan = messages.announce(self.summary(), self.said, *self.begun)
 
     def untie(self, step: int, reason: str) -> None:
         """Untie now, between optimizer steps, with the optimizer state of `config.optimizer_state`."""
@@ -331,7 +335,7 @@ class UntieRun:
         self.attached.untie(self.optimizer, self.config.optimizer_state)
         self.rates.place_head()
         self._record_untie(step, reason)
-        logger.info("untie: untied the LM head from the input embedding at step %d (%s)", step, reason)
+        logger.info(lines.untied_text(step, reason))
 
     def _record_untie(self, step: int, reason: str) -> None:
         if self.untie_step is None:
@@ -345,7 +349,7 @@ class UntieRun:
         """The run is over: take off every install; the model keeps the structure it was given. Idempotent."""
         self._teardown()
         if self.phase not in ("new", "expecting"):
-            self._enter("close")
+            self.check("close")
 
     def _teardown(self) -> None:
         self.measurements.stop()
@@ -355,11 +359,6 @@ class UntieRun:
             self.structure.first_batch = None
 
     # -- run state -----------------------------------------------------------------------------------------------------
-    @property
-    def trigger_state(self) -> dict | None:
-        """The divergence trigger's running state (average, streak, firing step); None without a trigger."""
-        return self.divergence.state_dict() if self.divergence is not None else None
-
     def state_dict(self, step: int, weights: dict | None = None) -> dict:
         """The run state at step `step`, JSON-able, in the layout both adapters save (`untie.checkpoints.saved_state`),
         with the weights' fingerprint (`weights`; None where the framework saves a folder as a whole)."""
@@ -369,9 +368,10 @@ class UntieRun:
 
     def state_attributes(self) -> dict:
         """The run state a checkpoint keeps (`SAVED_ATTRIBUTES`), as JSON-able values."""
-        attributes = {name: getattr(self, name) for name in SAVED_ATTRIBUTES[:5]}
+        trigger = self.divergence.state_dict() if self.divergence is not None else None  # average, streak, firing
         policy = self.choice.to_dict() if self.choice is not None else None
-        return {**attributes, "policy": policy, "plan": self.plan, "lr_groups": list(self.rates.groups)}
+        values = (self.untied, self.untie_step, self.untie_reason, trigger, self.measurements.history, policy)
+        return dict(zip(SAVED_ATTRIBUTES, (*values, self.plan, list(self.rates.groups)), strict=True))
 
     def load_state_dict(self, state: dict, where: str, step: int | None = None) -> dict:
         """Restore the run state `state_dict` saved (checked first: a damaged state raises `UntieStateError` naming
@@ -384,7 +384,7 @@ class UntieRun:
             self.saved = SavedFacts(where, bool(attributes.get("untied")), policy_phase=saved_policy_phase(attributes))
             self.redecide(step)
         self.restore(attributes, step)
-        messages.warn_changed_settings(self, state["config"], step)
+        messages.warn_changed_settings(self.summary(), state["config"], step)
         return state
 
     def restore(self, attributes: dict, step: int) -> None:

@@ -27,7 +27,7 @@ from untie.decision.plan import ModelFacts, RunSettings, SavedFacts, StructurePl
 from untie.decision.policy_rules import PolicyChoice, PolicyReading, choose, settle
 from untie.decision.settings import DEFAULT_POLICY, SCHEDULE_SETTINGS, UntieConfig
 from untie.decision.share_bands import scale_clause
-from untie.decision.triggers import UntieWhen, rule_name
+from untie.decision.triggers import UntieWhen
 from untie.errors import UntieValueError
 
 
@@ -286,57 +286,6 @@ def _rule_for_pairs(
         "id_b), ...], or a pair-free rule (untie_when='cancellation')."
     )
     return rule, None, refusal
-
-
-#: How a head untied before the first step starts, in the words of the run's line and of `untie inspect`.
-HEAD_STARTS = {
-    "model": "the head is drawn by the model's initialiser (head_init)",
-    "copy": "the head starts as a copy of the embedding (head_init)",
-}
-#: A model that arrives untied, in the same words.
-ARRIVED_UNTIED = "trains untied from step 0; the model arrived untied: its head is its own matrix"
-
-
-def untied_from_start_text(head_init: str, reason: str | None, step: int = 0, asked: str = "") -> str:
-    """A plan that unties before the first step, in words: "trains untied from step 0; the head ..., because ..."
-    (the line at train begin, `untie.core.messages.plan_line`, and `untie inspect` say it alike)."""
-    why = f", because {reason}" if reason else ""
-    return f"trains untied from step {step:,}{asked}; {HEAD_STARTS[head_init]}{why}"
-
-
-def tied_text(when: str, reason: str | None, emulated: bool = False) -> str:
-    """A plan with a tied phase, in words: "trains tied; unties when ...; the head starts as a copy of the embedding,
-    because ..."; `when` says when it unties (`untie_when_text`)."""
-    why = f", because {reason}" if reason else ""
-    tied = "trains tied (emulated tying)" if emulated else "trains tied"
-    return f"{tied}; {when}; the head starts as a copy of the embedding{why}"
-
-
-def untie_when_text(deadline: str, rule: str | None) -> str:
-    """When a tied phase ends, in words: `deadline` ("at step 1,234 (untie_at=0.3 of 4,000)", or "" for none) and the
-    trigger's rule by name (None: no trigger)."""
-    if rule is not None:
-        latest = f", {deadline} at the latest" if deadline else " (no deadline)"
-        return f"unties when the divergence trigger ({rule}) fires{latest}"
-    if deadline:
-        return f"unties {deadline}"
-    return "stays tied (untie_at=None, untie_when=None)"
-
-
-def default_plan_text(choice: PolicyChoice, tied: bool) -> str:
-    """The default settings' plan for a model that arrives `tied` or not, under `choice`, in the words of the run's
-    line at train begin: what `untie inspect` says before the run's length is known (a deadline as its setting)."""
-    if not tied:
-        return ARRIVED_UNTIED
-    if choice.untied_from_start:
-        return untied_from_start_text(choice.head_init, None)
-    if choice.tied_phase:  # the policy's own tied phase: to a fraction of the run, no trigger
-        deadline = f"at untie_at={choice.untie_at!r}" if choice.untie_at is not None else ""
-        return tied_text(untie_when_text(deadline, None), None)
-    defaults = UntieConfig()
-    rule = defaults.rule(with_pairs=True)  # inspect reads the checkpoint tokenizer's pairs, as Trainer's run does
-    deadline = f"at untie_at={defaults.untie_at!r}" if defaults.untie_at is not None else ""
-    return tied_text(untie_when_text(deadline, rule_name(rule) if rule is not None else None), None)
 
 
 def unused_setting(config: UntieConfig, choice: PolicyChoice, owner: str) -> str | None:

@@ -25,6 +25,16 @@ from untie.decision.settings import TieInit
 
 Structure = Literal["tied", "emulated", "untied"]
 
+#: The first PEFT release whose `merge_and_unload()` records the split that `modules_to_save` makes on a tied model
+#: (`tie_word_embeddings=False` once the merged input embedding and LM head are separate matrices). Measured (issue
+#: 69, `scripts/peft_tied_merge.py`: a tiny tied Qwen3, LoRA + `modules_to_save` on one or both roles, 5 AdamW steps,
+#: transformers 5.24.0): peft 0.18.0 and 0.18.1 keep the flag True, so `tie_weights()` after the merge, or a save and
+#: reload, replaces the trained head with the embedding (logits move by 0.6-1.03); peft 0.19.0, 0.19.1, 0.20.0, 0.21.0
+#: and 0.21.2 write False, and the merged model keeps both matrices through `tie_weights()` and a reload (logits
+#: within 3e-7). peft 0.17 does not import under transformers 5. PEFT writes the top-level config only: a multimodal
+#: `text_config` keeps True (Gemma 3), which `untie.untie_embeddings(merged)` records too.
+MERGE_RECORDS_THE_SPLIT = "0.19.0"
+
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -37,6 +47,10 @@ class ModelFacts:
     """A PEFT model (or a transformers model with an adapter): PEFT owns both matrices."""
     config_says_untied: bool = False
     """Its config says untied (the marker or ``tie_word_embeddings=False``); read for PEFT models."""
+    peft_split: tuple[str, ...] = ()
+    """The roles ("input embedding", "LM head") to which PEFT's `modules_to_save` gave a trainable copy of the tied
+    matrix, untying the model when it wrapped it; () where it did not (read for an untied PEFT model whose config does
+    not say so)."""
     sharded: bool = False
     """Its embedding is already sharded (FSDP2's `fully_shard` ran): no parameter can be added any more."""
     optimizer_built: bool = False

@@ -233,10 +233,7 @@ class DivergenceTrigger:
 
     def chances(self, metrics_every: int, last_step: int) -> int:
         """How many measurements, taken every `metrics_every` steps, fall after the warm-up and by `last_step`."""
-        if metrics_every <= 0:
-            return 0
-        first = max(self.warmup_step, 1)
-        return max(0, last_step // metrics_every - (first - 1) // metrics_every)
+        return measurement_chances(self.warmup_step, metrics_every, last_step)
 
     def value_of(self, signals: dict[str, float]) -> float:
         """The rule's signal from a dict of measurements (``tension``, ``gap``: the largest finite pair value)."""
@@ -317,6 +314,15 @@ class DivergenceTrigger:
         self.learned_step = state.get("learned_step")
         self.evidence = dict(state.get("evidence", {}))
         self.fired_pairs = list(state.get("fired_pairs", []))
+
+
+def measurement_chances(warmup_step: int, metrics_every: int, last_step: int) -> int:
+    """How many measurements, taken every `metrics_every` steps, fall after a warm-up of `warmup_step` steps and by
+    `last_step`."""
+    if metrics_every <= 0:
+        return 0
+    first = max(warmup_step, 1)
+    return max(0, last_step // metrics_every - (first - 1) // metrics_every)
 
 
 def rule_name(rule: UntieWhen) -> str:

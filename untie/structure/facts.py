@@ -11,7 +11,7 @@ from untie.decision.plan import ModelFacts, Structure
 from untie.decision.settings import UntieConfig
 from untie.distributed import is_sharded, is_split, world_size
 from untie.errors import UntieValueError
-from untie.structure.peft_support import is_peft_model
+from untie.structure.peft_support import is_peft_model, split_by_modules_to_save
 from untie.structure.policy import read_for_policy
 from untie.structure.surgery import input_weight, is_tied, output_weight, untie_recorded, was_untied
 
@@ -28,11 +28,13 @@ def model_facts(model: nn.Module, *, emulating: bool = False, optimizer_built: b
     """What `untie.decision.plan.plan_structure` needs to know about `model` now."""
     peft = is_peft_model(model)
     structure = structure_of(model, emulating)
+    recorded = peft and untie_recorded(model)
     return ModelFacts(
         structure=structure,
         marked_untied=was_untied(model),
         peft=peft,
-        config_says_untied=peft and untie_recorded(model),
+        config_says_untied=recorded,
+        peft_split=tuple(split_by_modules_to_save(model)) if peft and structure != "tied" and not recorded else (),
         optimizer_built=optimizer_built,
         distributed=world_size() > 1,
         sharded=not peft and structure == "tied" and is_sharded(input_weight(model)),

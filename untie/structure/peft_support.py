@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from untie import _compat
+from untie.decision.plan import MERGE_RECORDS_THE_SPLIT
 from untie.errors import UntieError
 
 _UNTIE_FIRST = (
@@ -21,16 +22,6 @@ _UNTIE_FIRST = (
     "the input embedding's module to train it too). Load the adapter onto a base model untied the same way. "
     "The whole route, with new tokens, merge and TRL: docs/guides/tied-checkpoints.md."
 )
-
-#: The first PEFT release whose `merge_and_unload()` records the split that `modules_to_save` makes on a tied model
-#: (`tie_word_embeddings=False` once the merged input embedding and LM head are separate matrices). Measured (issue
-#: 69, `scripts/peft_tied_merge.py`: a tiny tied Qwen3, LoRA + `modules_to_save` on one or both roles, 5 AdamW steps,
-#: transformers 5.24.0): peft 0.18.0 and 0.18.1 keep the flag True, so `tie_weights()` after the merge, or a save and
-#: reload, replaces the trained head with the embedding (logits move by 0.6-1.03); peft 0.19.0, 0.19.1, 0.20.0, 0.21.0
-#: and 0.21.2 write False, and the merged model keeps both matrices through `tie_weights()` and a reload (logits
-#: within 3e-7). peft 0.17 does not import under transformers 5. PEFT writes the top-level config only: a multimodal
-#: `text_config` keeps True (Gemma 3), which `untie.untie_embeddings(merged)` records too.
-MERGE_RECORDS_THE_SPLIT = "0.19.0"
 
 
 class PeftUnsupported(UntieError, ValueError):
@@ -79,22 +70,6 @@ def multimodal_levels(model: nn.Module) -> bool:
     PEFT's merge leaves saying tied."""
     config = getattr(model, "config", None)
     return config is not None and hasattr(config, "get_text_config") and config.get_text_config() is not config
-
-
-def split_by_peft(model: nn.Module, *, tied: bool, recorded: bool) -> str | None:
-    """What PEFT did to a tied `model` it wrapped with `modules_to_save`, in words, for the run's line; None where it
-    did not split it (not a PEFT model, still `tied`, no copy, or a config that already says untied: `recorded`).
-    The caller reads `tied` and `recorded` (`untie.structure.surgery`), which imports this module."""
-    if not is_peft_model(model) or tied or recorded:
-        return None
-    roles = split_by_modules_to_save(model)
-    if not roles:
-        return None
-    return (
-        f"PEFT's modules_to_save gave the {' and the '.join(roles)} a trainable copy of the tied matrix, so PEFT "
-        "untied the model when it wrapped it and this library has nothing to untie; merge_and_unload() records the "
-        f"untie (tie_word_embeddings=False, peft >= {MERGE_RECORDS_THE_SPLIT})"
-    )
 
 
 def refuse_peft_surgery(model: nn.Module, action: str) -> None:

@@ -24,7 +24,7 @@ The config's name (``_name_or_path``, which `from_pretrained` records, and `from
 dir))` too) decides nothing but a warning: where it and the weights disagree, a warning names both and
 `from_scratch`.
 
-The choice is said once at train begin, in the run's own numbers (`untie.core.messages.plan_line`), and kept in
+The choice is said once at train begin, in the run's own numbers (`untie.decision.lines.plan_line`), and kept in
 the run state (`PolicyChoice.to_dict`), so a checkpoint says what its run chose and why.
 """
 
