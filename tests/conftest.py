@@ -19,24 +19,35 @@ tf.logging.set_verbosity_error()
 TRAINER_FIXTURES = frozenset({"make_args"})
 
 
+#: The markers of what the quick set (`-m quick`) leaves out: long runs, the recipes' and docs' tests, launches,
+#: Trainer runs, tests that start a Python process of their own, and `torch.compile`.
+NOT_QUICK = ("slow", "recipes", "distributed", "trainer", "process", "compile")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Record the collected tests by node id for tests/launch.py, which refuses a launch from an unmarked test; mark
-    every test that takes a Trainer fixture (`TRAINER_FIXTURES`) or builds a Trainer in its own code `trainer`, so
-    that the unit set leaves it out."""
+    every test that takes a Trainer fixture (`TRAINER_FIXTURES`) or builds a Trainer in its own code `trainer`, every
+    test whose own code starts a Python process (`subprocess`, `sys.executable`) `process`, and every test none of
+    `NOT_QUICK` marks `quick`: the library's unit tests a change is checked with in about a minute."""
     launch.COLLECTED.update((item.nodeid, item) for item in items)
     for item in items:
-        if TRAINER_FIXTURES & set(getattr(item, "fixturenames", ())) or _builds_a_trainer(item):
+        source = _own_source(item)
+        if TRAINER_FIXTURES & set(getattr(item, "fixturenames", ())) or re.search(r"Trainer\(", source):
             item.add_marker(pytest.mark.trainer)
+        if re.search(r"\bsubprocess\.|\bsys\.executable\b", source):
+            item.add_marker(pytest.mark.process)
+        if not any(item.get_closest_marker(name) for name in NOT_QUICK):
+            item.add_marker(pytest.mark.quick)
 
 
-def _builds_a_trainer(item: pytest.Item) -> bool:
-    """The test's own code builds a Trainer (`transformers.Trainer`, TRL's `SFTTrainer`; a helper it calls is not
-    read)."""
+def _own_source(item: pytest.Item) -> str:
+    """The test function's own code (a helper it calls is not read): where a Trainer is built (`transformers.Trainer`,
+    TRL's `SFTTrainer`) or a process started."""
     function = getattr(item, "function", None)
     try:
-        return function is not None and re.search(r"Trainer\(", inspect.getsource(function)) is not None
+        return inspect.getsource(function) if function is not None else ""
     except (OSError, TypeError):
-        return False
+        return ""
 
 
 def training_args(default_dir, **overrides) -> tf.TrainingArguments:

@@ -17,6 +17,8 @@ from untie.structure.policy import weights_evidence
 from untie.structure.surgery import input_weight, is_tied, output_weight
 from untie.testing import ToyLMDataset, loss_on, step_llama_config, step_task, tiny_model, train_on_step_task
 
+pytestmark = pytest.mark.compile
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():

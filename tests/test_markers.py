@@ -27,3 +27,24 @@ def test_a_test_that_takes_a_trainer_fixture_is_marked_trainer_and_a_unit_test_i
 
 def test_a_unit_test_is_not_marked_trainer(request):
     assert request.node.get_closest_marker("trainer") is None
+
+
+def test_a_unit_test_is_in_the_quick_set_and_a_trainer_run_is_not(request, make_args):
+    """`-m quick` (docs/development.md): tests/conftest.py marks `quick` every test none of `NOT_QUICK` marks."""
+    assert request.node.get_closest_marker("trainer") is not None
+    assert request.node.get_closest_marker("quick") is None
+
+
+def test_a_plain_unit_test_is_quick(request):
+    assert request.node.get_closest_marker("quick") is not None
+    assert set(conftest.NOT_QUICK) == {"slow", "recipes", "distributed", "trainer", "process", "compile"}
+
+
+def test_a_test_that_starts_a_process_is_marked_process_and_not_quick(request):
+    """A test whose own code starts a Python process (`subprocess`, `sys.executable`) is marked `process`."""
+    import subprocess
+    import sys
+
+    assert subprocess.run([sys.executable, "-c", "pass"]).returncode == 0
+    assert request.node.get_closest_marker("process") is not None
+    assert request.node.get_closest_marker("quick") is None
