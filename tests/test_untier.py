@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from conftest import training_args
 from launch import torchrun
 
 import untie
+from untie.core.phases import RunOrderError
 from untie.structure.role_rates import role_groups
 from untie.testing import ToyLMDataset, tiny_model
 
@@ -350,3 +352,42 @@ def test_the_plan_line_names_the_rule_in_force_not_its_signal():
     assert "unties when the divergence trigger (evidence) fires, at step 3" in lines["default"], lines["default"]
     assert "divergence trigger (gap) fires" in lines["gap"], lines["gap"]
     assert "divergence trigger (gap past 2) fires" in lines["own"], lines["own"]
+
+
+def test_an_optimizer_state_loaded_before_the_runs_is_refused_naming_the_order():
+    """A tester's case: `optimizer.load_state_dict` before `untier.load_state_dict`, into the groups the default set
+    up for a fresh start, raised torch's "different number of parameter groups". Now the refusal names the order, and
+    the documented order still resumes."""
+
+    def train(untier, model, optimizer, steps):
+        for _ in range(steps):
+            model(**ToyLMDataset(n=2)[:]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            untier.step()
+
+    saved = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = untie.Untier(saved, max_steps=10, policy="off", untie_at=5, untie_when=None)
+        optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-3)
+        first.start(optimizer)
+        train(first, saved, optimizer, 2)
+        state, weights, optimizer_state = first.state_dict(), saved.state_dict(), optimizer.state_dict()
+        first.close()
+
+        for order in ("optimizer first", "run state first"):
+            model = tiny_model("llama", seed=1)
+            untier = untie.Untier(model, max_steps=10)
+            resumed = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            untier.start(resumed)
+            if order == "optimizer first":
+                with pytest.raises(RunOrderError, match=r"loaded before the run's: .* untier.load_state_dict"):
+                    resumed.load_state_dict(optimizer_state)
+            else:
+                untier.load_state_dict(state)
+                model.load_state_dict(weights)
+                resumed.load_state_dict(optimizer_state)
+                train(untier, model, resumed, 1)
+                assert untier.global_step == 3 and untie.is_tied(model)
+            untier.close()

@@ -41,8 +41,9 @@ from untie.checkpoints.saved_state import (
     weights_fingerprint,
     write_state_file,
 )
-from untie.core.phases import Adapter
+from untie.core.phases import Adapter, RunOrderError
 from untie.core.run import UntieRun
+from untie.decision import lines
 from untie.decision.decide import check_run_length
 from untie.decision.plan import SavedFacts, saved_policy_phase
 from untie.decision.settings import UntieConfig, build_config, settings_help
@@ -137,6 +138,7 @@ class Untier(RunViews):
         self.run = UntieRun(config, CUSTOM_LOOP)
         """The run logic and state (`untie.core.run.UntieRun`)."""
         self._expected_weights: tuple[dict, str] | None = None  # (fingerprint, where) to check before the next step
+        self._state_loaded = False  # the run's state was loaded (`load_state_dict`): the optimizer's may follow
         #: Folders this process writes the untie state into once `accelerator.save_state` ends (None outside a save).
         self._saving_to: list[str] | None = None
         self.run.attach(self.model, engine=training_engine(), tokenizer=tokenizer, optimizer=optimizer)
@@ -192,7 +194,21 @@ class Untier(RunViews):
             lookup: Any = self.model.get_input_embeddings()  # type: ignore[operator]  # a PreTrainedModel's method
             hook = lookup.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._check_loaded_weights()))
             registry.hook("Untier: check loaded weights before the first forward", hook)
+        if hasattr(inner, "register_load_state_dict_pre_hook"):
+            handle = inner.register_load_state_dict_pre_hook(self._before_optimizer_state_loads)
+            registry.hook("Untier: the run's state loads before the optimizer's", handle)
         self._start(None, "")
+
+    def _before_optimizer_state_loads(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Refuse, naming the order, an optimizer state loaded after `start` and before the run's own state
+        (`load_state_dict`), into param groups the run set up for a fresh start that it does not fit: torch would
+        raise about group counts and say nothing of the cause."""
+        if self._state_loaded or self.run.phase != "started":
+            return
+        saved = [len(group["params"]) for group in state.get("param_groups", [])]
+        sizes = [len(group["params"]) for group in optimizer.param_groups]
+        if saved != sizes:
+            raise RunOrderError(lines.optimizer_state_first_text("Untier", saved, sizes))
 
     def _start(self, saved: dict | None, where: str) -> None:
         """Start the run at `global_step`, fresh or from `saved`, and arm its first step."""
@@ -256,6 +272,7 @@ class Untier(RunViews):
 
     def _restore(self, state: Any, where: str, *, weights_checked: bool = False) -> None:
         self.run.check("Untier.load_state_dict")  # after start (the head joins the optimizer), before any step
+        self._state_loaded = True
         state = check_state(state, where)
         attributes = state["attributes"]
         groups = attributes.get("lr_groups")
