@@ -95,14 +95,16 @@ def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_c
     args = make_args(output_dir=str(tmp_path / "run"), save_strategy="steps", save_steps=4, max_steps=8)
     callback = untie.UntieCallback()
     model = tiny_model("gpt2")
+    share = policy.embedding_share(model)[0]  # as the run reads it: of the tied model
     trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(), callbacks=[callback])
     with caplog.at_level(logging.WARNING, logger="untie"):
         trainer.train()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: trains")]
-    band = SHARE_DEFAULT.band(policy.embedding_share(model)[0])  # 15%: the lowest band, the embedding at 16x
+    band = SHARE_DEFAULT.band(share)  # 15%: the lowest band, the embedding at 16x
     assert len(said) == 1 and said[0].startswith(
         "untie: trains untied from step 0; the head is drawn by the model's initialiser (head_init), because the "
-        f"model is built fresh (its embedding matches a fresh draw of its own initialiser); {band.describe()} (the "
+        "model is built fresh (its embedding matches a fresh draw of its own initialiser); its embedding holds "
+        f"{share:.1%} of the parameters, and {band.describe()} (the "
         "default policy, 'by-share'); at the first batch, the model predicts no better with its tied head than with a "
         "drawn one ("
     )  # the figures of the first batch's check follow (untie.structure.head_start), then the rates

@@ -162,7 +162,7 @@ def _by_share(policy: str, fresh: Freshness, share: float, total: int, bands: Sh
             "as 'untie-at-start' does"
         )
         return PolicyChoice(policy, "untied from the start", reason, share, total, "model", fresh.warning)
-    reason = f"{fresh.why}; {band.describe()}"
+    reason = f"{fresh.why}; its embedding holds {share:.1%} of the parameters, and {band.describe()}"
     if band.untie_at == 0:
         scale = band.embedding_lr_scale if band.embedding_lr_scale != 1 else None
         plan: Plan = "untied from the start"
