@@ -315,3 +315,28 @@ def test_the_version_lives_in_a_leaf_module_and_pyproject_says_the_same():
     pyproject = (Path(untie.__file__).parent.parent / "pyproject.toml").read_text()
     declared = re.search(r'^version = "([^"]+)"', pyproject, flags=re.M)
     assert declared is not None and untie.__version__ == _version.__version__ == declared.group(1)
+
+
+def test_the_layout_section_lists_the_folders_in_an_order_the_imports_keep():
+    """Issue 79, item 6: docs/development.md's "Layout" lists the library's folders so that each imports only from the
+    folders above it (any import: top, in-function or type-only); the list is checked against the code."""
+    text = (PACKAGE.parent / "docs" / "development.md").read_text()
+    block = text[text.index("## Layout") :]
+    block = block[block.index("```text") : block.index("```", block.index("```text") + 7)]
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    order: list[str] = []
+    for match in re.finditer(r"^  (\w+)/", block, flags=re.M):
+        if match.group(1) in folders and match.group(1) not in order:
+            order.append(match.group(1))
+    assert set(order) == folders, sorted(folders - set(order))
+    graph = _module_imports()
+    for position, folder in enumerate(order):
+        below = set(order[position + 1 :])
+        wrong = sorted(
+            f"{source} -> {target}"
+            for source, targets in graph.items()
+            if source.split(".")[1:2] == [folder]
+            for target in targets
+            if target.split(".")[1:2] and target.split(".")[1] in below
+        )
+        assert not wrong, (folder, wrong)

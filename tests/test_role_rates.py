@@ -16,7 +16,7 @@ from launch import torchrun
 
 import untie
 import untie.core.run
-from untie.structure.role_rates import ROLE_KEY, RoleRates
+from untie.structure.role_rates import ROLE_KEY
 from untie.structure.surgery import inner_optimizer
 from untie.testing import ToyLMDataset, tiny_model
 
@@ -242,7 +242,10 @@ def test_deepspeed_is_refused_at_attach_not_run_silently_at_1():
     run = untie.core.run.UntieRun(untie.UntieConfig(embedding_lr_scale=0.1))
     with pytest.raises(ValueError, match=r"DeepSpeed's engine owns the param groups.*leave them at 1.0"):
         run.attach(tiny_model("gpt2"), engine="DEEPSPEED")
-    RoleRates({"input_embedding": 1.0, "head": 1.0}, False, "UntieCallback").check_engine("DEEPSPEED")  # scales at 1
+    from untie.decision.decide import _engine_refusal  # the decision's own rule: scales at 1 pass, other engines too
+
+    assert _engine_refusal(untie.UntieConfig(), "DEEPSPEED", "UntieCallback") is None
+    assert _engine_refusal(untie.UntieConfig(embedding_lr_scale=0.1), "FSDP2", "UntieCallback") is None
 
 
 @pytest.mark.parametrize("value", [-0.1, float("nan"), float("inf"), "0.1", True, None])

@@ -149,7 +149,7 @@ def test_the_tied_run_measures_the_default_trigger_without_acting(small_corpus, 
     order = data_order(len(small_corpus.train), 1)
     train_steps(model, optimizer, scheduler, spec.setup, small_corpus.train, order, 0, spec.budget,
                 lambda step, loss: untier.step())  # fmt: skip
-    history = [h for h in untier.run.history if "trigger" in h]
+    history = [h for h in untier.history if "trigger" in h]
     live = [(h["step"], None if math.isnan(h["trigger"]) else h["trigger"]) for h in history]
     watched = [(m["step"], m["average"]) for m in trigger["measurements"]][: len(live)]
     assert [step for step, _ in watched] == [step for step, _ in live]  # pytest 9's approx takes no nested pairs

@@ -13,10 +13,8 @@ from torch import nn
 from untie import _compat
 from untie.decision.triggers import DivergenceTrigger
 from untie.distributed import full_shape, gather_rows, gathered, is_sharded
-from untie.errors import UntieValueError
 from untie.registry import Registry
 from untie.signals.metrics import drift_metrics, role_signals_on_rows, sampled_drift_metrics, summarize_pair_metrics
-from untie.signals.pairs import is_tokenizer, tokenizer_pairs
 from untie.signals.probe import RoleGradientProbe
 from untie.structure.surgery import input_weight, output_weight
 
@@ -24,54 +22,6 @@ logger = logging.getLogger(__name__)
 
 #: Sample sizes of the drift metrics measured during training: about 0.1 s on CPU for GPT-2 small.
 DRIFT_SAMPLE = {"queries": 256, "pool": 4096, "rows": 2048}
-
-
-def read_pairs(
-    tokenizer, model: nn.Module | None, *, asked: bool, owner: str, hint: str
-) -> tuple[list[tuple[int, int]], str | None]:
-    """The tokenizer's most frequent case and word-start variants that the model has rows for, and why there are
-    none (None where there are some, or where the user asked and was warned).
-
-    `asked`: the user chose pairs="auto" (a missing tokenizer is an error, an empty result a warning); else pairs=None
-    found a tokenizer (an empty result is only said by the rule's message). `hint`: how the adapter takes a tokenizer.
-    """
-    if tokenizer is None:
-        raise UntieValueError(
-            f"{owner}(pairs='auto') reads the pairs from the tokenizer: pass it ({hint}), or list the pairs yourself: "
-            "pairs=[(id_a, id_b), ...]."
-        )
-    rows = full_shape(input_weight(model))[0] if model is not None else None
-    pairs = tokenizer_pairs(tokenizer, max_id=rows)
-    within = f" among the model's {rows} embedding rows" if rows is not None else ""
-    because = None
-    if pairs:
-        shown = ", ".join("/".join(p.tokens) for p in pairs[:6])
-        logger.info("untie: pairs='auto' measures %d pairs from the tokenizer (%s, ...)", len(pairs), shown)
-    elif asked:
-        _compat.warn_in_user_code(
-            f"{owner}(pairs='auto'): the tokenizer's vocabulary has no case or word-start variants{within}, so no "
-            "pair is measured. Pass pairs=[(id_a, id_b), ...]."
-        )
-    else:
-        because = f"the tokenizer's vocabulary has no case or word-start variants{within}"
-    return [p.ids for p in pairs], because
-
-
-def pairs_for(config, tokenizer, model: nn.Module, adapter, pairs: list[tuple[int, int]]):
-    """The pairs a run measures and why there are none: the tokenizer's (`read_pairs`) where `config.pairs` is "auto",
-    or None with a tokenizer given; else `pairs` (the listed ones). `adapter`: `untie.core.phases.Adapter`."""
-    if config.pairs == "auto" or (config.pairs is None and is_tokenizer(tokenizer)):
-        asked, hint = config.pairs == "auto", adapter.tokenizer_hint
-        return read_pairs(tokenizer, model, asked=asked, owner=adapter.name, hint=hint)
-    rows = full_shape(input_weight(model))[0] if pairs else 0
-    outside = sorted({token for pair in pairs for token in pair if token >= rows})
-    if outside:  # refused now, not at the first measurement (an IndexError at step `metrics_every`)
-        raise UntieValueError(
-            f"{adapter.name}: pairs={pairs} holds token id(s) {outside} outside the model's vocabulary ({rows} rows "
-            f"of its input embedding): pass pairs of ids in [0, {rows}) from this model's tokenizer, or pairs='auto' "
-            f"with the tokenizer ({adapter.tokenizer_hint})."
-        )
-    return pairs, None
 
 
 def drift(model: nn.Module, pairs: list[tuple[int, int]], step: int) -> dict[str, float]:

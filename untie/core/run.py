@@ -70,7 +70,6 @@ class UntieRun:
         self.measurements = measuring.Measurements(config.metrics_every, adapter.name)
         self.model: nn.Module | None = None
         self.structure: ModelStructure | None = None
-        self.arrived_untied = False
         self.attach_args: dict = {}  # the engine and the tokenizer it attached with (to attach a later model alike)
         self.optimizer, self.built_optimizer = None, None  # built: before attach (Untier(model, opt), Trainer(...))
         self.registry = Registry(adapter.name)
@@ -105,7 +104,7 @@ class UntieRun:
             warmup_step=self.divergence.warmup_step if self.divergence is not None else 0,
             untie_step=self.untie_step,
             untie_reason=self.untie_reason,
-            arrived_untied=self.arrived_untied,
+            arrived_untied=self.facts is not None and self.facts.arrived_untied,
             pairs=bool(self.pairs),
             peft_split=self.facts.model.peft_split if self.facts is not None else (),
             emulated=self.structure is not None and self.structure.emulation is not None,
@@ -125,8 +124,7 @@ class UntieRun:
         self.phase = enter(self.phase, call, self.adapter)
 
     def redecide(self, step: int = 0, optimizer=None) -> Decision:
-        """Decide from what the run knows now (`decide`; the model's structure read again), say what is new, and
-        follow the schedule it gives."""
+        """Decide from what the run knows now (`decide`, the structure read again); say what is new; follow it."""
         assert self.facts is not None
         structure = self.attached
         self.facts = dataclasses.replace(self.facts, model=structure.facts(optimizer))
@@ -154,10 +152,9 @@ class UntieRun:
     def attach(
         self, model: nn.Module, *, engine: str | None = None, tokenizer=None, optimizer=None, settle_later: bool = False
     ) -> None:
-        """Phase 1, before the optimizer exists and the model is wrapped: read the model's facts, decide, and give the
-        model its tied-phase structure and the resume guard. With `optimizer` already built, a structure it was built
-        without is refused. Attaching again (a new `train()` call) closes the previous attachment first.
-        `settle_later`: the default's untie before the first step waits for `settle`."""
+        """Phase 1, before the optimizer exists and the model is wrapped: read the model's facts (`read_facts`), decide,
+        give the model its structure and the resume guard (with `optimizer` built, a structure it lacks is refused).
+        Attaching again closes the previous attachment. `settle_later`: an untie before the first step waits."""
         expected = self.saved if self.phase == "expecting" and isinstance(self.saved, SavedFacts) else None
         attached = enter(self.phase, "attach", self.adapter)
         self._teardown()
@@ -165,14 +162,17 @@ class UntieRun:
         self.model, self.optimizer, self.decision, self.built_optimizer = model, None, None, optimizer
         self.attach_args = {"engine": engine, "tokenizer": tokenizer}
         mode = resolve_tying_mode(self.config.tying_mode, engine)
-        self.rates.check_engine(engine)
         self.structure = ModelStructure(model, self.owner, self.registry, engine, mode)
-        self.pairs, because = measuring.pairs_for(self.config, tokenizer, model, self.adapter, self.pairs)
-        built = optimizer is not None
-        self.facts = read_facts(
-            model, self.config, engine=engine, optimizer_built=built, pairs=bool(self.pairs), no_pairs_because=because
+        self.facts, self.pairs = read_facts(
+            model,
+            self.config,
+            engine=engine,
+            optimizer_built=optimizer is not None,
+            tokenizer=tokenizer,
+            listed=self.pairs,
+            owner=self.owner,
+            hint=self.adapter.tokenizer_hint,
         )
-        self.arrived_untied = not is_tied(model) and (not self.facts.model.peft or self.facts.model.config_says_untied)
         self.saved = expected if expected is not None else (PENDING if settle_later else None)
         try:
             decision = self.redecide(optimizer=optimizer)
@@ -200,7 +200,7 @@ class UntieRun:
     def adopt(self, other: UntieRun) -> None:
         """Take over what `other` attached (a callback Trainer re-created from a checkpoint's settings), emptied."""
         self.check("adopt")
-        for name in ("model", "structure", "attach_args", "pairs", "facts", "saved", "said", "arrived_untied", "phase"):
+        for name in ("model", "structure", "attach_args", "pairs", "facts", "saved", "said", "phase"):
             setattr(self, name, getattr(other, name))
         self.registry, other.registry, other.structure, other.phase = other.registry, Registry(), None, "closed"
         if self.structure is not None:

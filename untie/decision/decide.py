@@ -64,6 +64,10 @@ class Facts:
     scale_blocked_by: str | None = None
     """Why a learning-rate scale the policy chose cannot apply (DeepSpeed's engine owns the param groups; the input
     embedding is frozen); None: it can."""
+    arrived_untied: bool = False
+    """It arrived untied with a head of its own (not a PEFT split its config does not record)."""
+    engine: str | None = None
+    """The training engine ("FSDP2", "DEEPSPEED"; None: DDP, one process)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,7 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
     else:
         untie_at, rule = config.untie_at, config.rule(with_pairs=config.pairs != [])
     rule, notice, refusal = _rule_for_pairs(rule, facts, settings, trigger_runs=not choice.untied_from_start)
+    refusal = refusal or _engine_refusal(config, facts.engine, owner)
 
     scale, choice = _embedding_scale(config, choice, untied_now and known is None, facts)
     head_init = _head_start(config, choice)
@@ -226,6 +231,16 @@ def _embedding_scale(
         reason = f"{band}; the input embedding trains at your rate, not the band's {asked:g}x: {facts.scale_blocked_by}"
         return config.embedding_lr_scale, dataclasses.replace(choice, reason=reason, embedding_lr_scale=None)
     return asked, choice
+
+
+def _engine_refusal(config: UntieConfig, engine: str | None, owner: str) -> str | None:
+    """A learning-rate scale the engine cannot apply: DeepSpeed's engine owns the param groups (never a silent 1.0)."""
+    if engine != "DEEPSPEED" or (config.embedding_lr_scale, config.head_lr_scale) == (1.0, 1.0):
+        return None
+    return (
+        f"{owner}: DeepSpeed's engine owns the param groups, so embedding_lr_scale / head_lr_scale cannot be applied "
+        "under it: leave them at 1.0, or train under DDP or FSDP2."
+    )
 
 
 def check_run_length(decision: Decision, owner: str, max_steps: int | None) -> None:

@@ -88,14 +88,6 @@ class RoleRates:
 
         return cls(scales, bool(config.lr_scales_while_tied), owner, emulating)
 
-    def check_engine(self, engine: str | None) -> None:
-        """Refuse scales the engine cannot apply: DeepSpeed's engine owns the param groups (never a silent 1.0)."""
-        if self.wanted and engine == "DEEPSPEED":
-            raise UntieValueError(
-                f"{self.owner}: DeepSpeed's engine owns the param groups, so embedding_lr_scale / head_lr_scale "
-                "cannot be applied under it: leave them at 1.0, or train under DDP or FSDP2."
-            )
-
     @property
     def wanted(self) -> tuple[str, ...]:
         """The roles whose scale asks for a group of their own (a scale other than 1)."""

@@ -15,10 +15,10 @@ import math
 import torch
 
 from untie import UntieConfig
-from untie.core.measuring import read_pairs
 from untie.decision.triggers import DivergenceTrigger, resolve_step
 from untie.signals.metrics import role_signals_on_rows
 from untie.signals.probe import RoleGradientProbe
+from untie.structure.facts import read_pairs
 
 
 class TriggerWatch:
