@@ -97,7 +97,7 @@ def _pairs(ids: torch.Tensor, count: int, source: str, vocab: int) -> list[tuple
 
 def _step(model, optimizer, untier: untie.Untier, batch, device, measure: bool) -> float:
     """One optimizer step; `measure` False disarms the probe (hooks stay on): a step between two measurements."""
-    untier.run.probe.armed = measure
+    untier.run.measurements.probe.armed = measure
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()

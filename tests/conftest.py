@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Record the collected tests by node id for tests/launch.py, which refuses a launch from an unmarked test; mark
     every test that takes a Trainer fixture (`TRAINER_FIXTURES`) or builds a Trainer in its own code `trainer`, every
     test whose own code starts a Python process (`subprocess`, `sys.executable`) `process`, and every test none of
-    `NOT_QUICK` marks `quick`: the library's unit tests a change is checked with in about a minute."""
+    `NOT_QUICK` marks `quick`: the library's unit tests a change is checked with (about 2 minutes on 2 cores)."""
     launch.COLLECTED.update((item.nodeid, item) for item in items)
     for item in items:
         source = _own_source(item)

@@ -112,3 +112,21 @@ print(short_run_notice(run, 0, 80))
     )
     assert changed.startswith("Untier: resumed at step 12 with changed settings (untie_at: 0.3 -> 0.5)")
     assert "metrics_every=50 leaves the divergence trigger 0 measurement(s)" in notice and "True)" in notice
+
+
+def test_at_the_first_step_the_plan_then_the_short_run_note_then_the_rules_notice(caplog):
+    """The order the lines come in at the first step, as before they were worded from values: the plan line, the
+    trigger's too-short run, then the decision's notice that the default rule reads no pairs."""
+    import logging
+
+    model = tiny_model("llama")
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="untie"):
+        warnings.simplefilter("ignore")
+        untier = untie.Untier(model, max_steps=8, policy="off", untie_at=4, metrics_every=50)
+        _first_step(untier, model)
+    said = [r.getMessage() for r in caplog.records]
+    plan = next(i for i, text in enumerate(said) if text.startswith("untie: trains tied"))
+    short = next(i for i, text in enumerate(said) if "metrics_every=50 leaves the divergence trigger" in text)
+    notice = next(i for i, text in enumerate(said) if "reads no pairs" in text or "pair-free" in text)
+    assert plan < short < notice, said
+    untier.close()

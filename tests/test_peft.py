@@ -10,7 +10,8 @@ import transformers as tf
 from packaging.version import Version
 
 import untie
-from untie.structure.peft_support import MERGE_RECORDS_THE_SPLIT, PeftUnsupported
+from untie.decision.plan import MERGE_RECORDS_THE_SPLIT
+from untie.structure.peft_support import PeftUnsupported
 from untie.testing import ToyLMDataset, tiny_model
 
 peft = pytest.importorskip("peft")  # in the `test` extra: installed wherever the suite runs
@@ -112,6 +113,12 @@ def test_callback_refuses_peft_cases_when_the_trainer_is_built(config, match, ma
     with pytest.raises(PeftUnsupported, match=match) as error:
         _trainer(model, make_args)
     assert "untie.untie_embeddings(base_model)" in str(error.value)
+
+
+def test_the_refusal_names_the_adapter_that_refuses():
+    """A reviewer's note: under Untier, the PEFT refusal named UntieCallback (and told to train without it)."""
+    with pytest.raises(PeftUnsupported, match=r"^Untier cannot untie a PEFT model.*train without Untier:"):
+        untie.Untier(_wrap(tiny_model("gpt2")), max_steps=6)
 
 
 def _copies(model) -> list[torch.Tensor]:

@@ -14,7 +14,6 @@ from conftest import training_args
 from launch import torchrun
 
 import untie
-from untie.core.phases import RunOrderError
 from untie.structure.role_rates import role_groups
 from untie.testing import ToyLMDataset, tiny_model
 
@@ -382,7 +381,7 @@ def test_an_optimizer_state_loaded_before_the_runs_is_refused_naming_the_order()
             resumed = torch.optim.AdamW(model.parameters(), lr=1e-3)
             untier.start(resumed)
             if order == "optimizer first":
-                with pytest.raises(RunOrderError, match=r"loaded before the run's: .* untier.load_state_dict"):
+                with pytest.raises(untie.RunOrderError, match=r"loaded before the run.s: .* untier.load_state_dict"):
                     resumed.load_state_dict(optimizer_state)
             else:
                 untier.load_state_dict(state)
@@ -391,3 +390,31 @@ def test_an_optimizer_state_loaded_before_the_runs_is_refused_naming_the_order()
                 train(untier, model, resumed, 1)
                 assert untier.global_step == 3 and untie.is_tied(model)
             untier.close()
+
+
+def test_an_optimizer_state_that_fits_the_sizes_but_not_the_roles_is_refused_at_the_runs_load():
+    """A reviewer's case: the checkpoint's groups [11, 1] hold the head apart (head_lr_scale), the default's fresh
+    start [11, 1] the input embedding: loaded first, the state fits by size, maps the moments onto the wrong
+    parameters, and the first step crashed on a shape. The run's load now refuses it, naming the order."""
+    saved = tiny_model("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = untie.Untier(saved, max_steps=10, policy="off", untie_at=2, untie_when=None, head_lr_scale=0.5)
+        optimizer = torch.optim.AdamW(saved.parameters(), lr=1e-3)
+        first.start(optimizer)
+        for _ in range(3):
+            saved(**ToyLMDataset(n=2)[:]).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            first.step()
+        state, optimizer_state = first.state_dict(), optimizer.state_dict()
+        first.close()
+        model = tiny_model("llama", seed=1)
+        untier = untie.Untier(model, max_steps=10)
+        resumed = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        untier.start(resumed)
+        assert [len(g["params"]) for g in resumed.param_groups] == [len(g["params"]) for g in optimizer.param_groups]
+        resumed.load_state_dict(optimizer_state)  # fits by size: torch takes it
+        with pytest.raises(untie.RunOrderError, match=r"already holds state, and the head.s group holds another"):
+            untier.load_state_dict(state)
+        untier.close()

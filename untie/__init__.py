@@ -31,6 +31,7 @@ PUBLIC_API = (
     ("Errors", "untie.errors", ("UntieError",)),
     ("Errors", "untie.checkpoints.saved_state", ("UntieStateError",)),
     ("Errors", "untie.structure.peft_support", ("PeftUnsupported",)),
+    ("Errors", "untie.core.phases", ("RunOrderError",)),
 )
 #: Public name -> the module that defines it (from `PUBLIC_API`).
 _EXPORTS = {name: module for _section, module, names in PUBLIC_API for name in names}
@@ -42,6 +43,7 @@ __all__ = [
     "RULES",
     "EmbeddingLayout",
     "PeftUnsupported",
+    "RunOrderError",
     "TokenPair",
     "UntieCallback",
     "UntieConfig",
@@ -68,6 +70,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference: the same names, im
     from untie.checkpoints.checkpoint import install_resume_guard as install_resume_guard
     from untie.checkpoints.checkpoint import prepare_for_resume as prepare_for_resume
     from untie.checkpoints.saved_state import UntieStateError as UntieStateError
+    from untie.core.phases import RunOrderError as RunOrderError
     from untie.decision.settings import UntieConfig as UntieConfig
     from untie.decision.settings import parse_command_line as parse_command_line
     from untie.decision.triggers import RULES as RULES

@@ -49,6 +49,7 @@ from untie.decision.plan import SavedFacts, saved_policy_phase
 from untie.decision.settings import UntieConfig, build_config, settings_help
 from untie.distributed import gathered, training_engine
 from untie.errors import UntieFileNotFoundError, UntieValueError
+from untie.structure.role_rates import misplaced_roles
 from untie.structure.surgery import inner_optimizer, input_weight, output_weight
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,12 @@ class Untier(RunViews):
         saved = [len(group["params"]) for group in state.get("param_groups", [])]
         sizes = [len(group["params"]) for group in optimizer.param_groups]
         if saved != sizes:
-            raise RunOrderError(lines.optimizer_state_first_text("Untier", saved, sizes))
+            found = (
+                f"its param groups hold {saved} parameters, this optimizer's {sizes}, which the run set up for a fresh "
+                "start (the checkpoint's run had another structure or other groups: an untied head, a role's own "
+                "group for its learning rate)"
+            )
+            raise RunOrderError(lines.optimizer_state_first_text("Untier", found))
 
     def _start(self, saved: dict | None, where: str) -> None:
         """Start the run at `global_step`, fresh or from `saved`, and arm its first step."""
@@ -272,10 +278,11 @@ class Untier(RunViews):
 
     def _restore(self, state: Any, where: str, *, weights_checked: bool = False) -> None:
         self.run.check("Untier.load_state_dict")  # after start (the head joins the optimizer), before any step
-        self._state_loaded = True
         state = check_state(state, where)
         attributes = state["attributes"]
         groups = attributes.get("lr_groups")
+        self._refuse_optimizer_state_loaded_first()
+        self._state_loaded = True
         saved = SavedFacts(
             "the checkpoint",
             untied=attributes["untied"],
@@ -291,6 +298,18 @@ class Untier(RunViews):
         if expected is None:  # a Trainer checkpoint's state: no fingerprint to compare
             return
         self._expected_weights = None if weights_checked else (expected, where)
+
+    def _refuse_optimizer_state_loaded_first(self) -> None:
+        """An optimizer state that fitted the fresh start's group sizes but was laid out for other roles loaded by
+        position: its groups now carry the checkpoint's role marks over the fresh start's parameters. Refuse it
+        before anything changes."""
+        optimizer = self.optimizer
+        loaded = optimizer is not None and bool(getattr(inner_optimizer(optimizer), "state", None))
+        wrong = misplaced_roles(optimizer, self.model) if optimizer is not None and loaded else ()
+        if wrong:
+            names = " and ".join(f"the {role.replace('_', ' ')}'s" for role in wrong)
+            found = f"it already holds state, and {names} group holds another parameter (the checkpoint's layout)"
+            raise RunOrderError(lines.optimizer_state_first_text("Untier", found))
 
     def _check_loaded_weights(self) -> None:
         """Refuse weights that were not saved with the untie state `load_state_dict` restored (once, before the first

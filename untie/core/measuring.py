@@ -1,7 +1,7 @@
-"""What a run measures: the tokenizer's pairs that the model has rows for (`read_pairs`), the role signals of each
-`metrics_every`-th step's gradients, fed to the divergence trigger, and the drift between the two spaces once untied
-(`drift`), kept as the run's history (`Measurements`). The run (`untie.core.run.UntieRun`) says when; this module
-measures and keeps."""
+"""What a run measures: the role signals of each `metrics_every`-th step's gradients, fed to the divergence trigger,
+and the drift between the two spaces once untied (`drift`), kept as the run's history (`Measurements`); the pairs it
+measures are read with the model's other facts (`untie.structure.facts.pairs_for`). The run
+(`untie.core.run.UntieRun`) says when; this module measures and keeps."""
 
 from __future__ import annotations
 

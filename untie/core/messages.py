@@ -28,21 +28,21 @@ def say_once(said: set[str], texts) -> None:
 def announce(run: RunSummary, said: set[str], step: int, max_steps: int | None) -> str:
     """Say what the run begun at `step` will do, in one line in its own numbers (`lines.plan_line`, with the per-role
     rates; returned, the run keeps it in its state): a warning where a policy decided, a note where the schedule was
-    set; where a trigger runs, the decision's notices (once each: `said`) and whether it can fire in the run
-    (`lines.short_run_notice`)."""
+    set; where a trigger runs, whether it can fire in the run (`lines.short_run_notice`) and the decision's notices
+    (once each: `said`)."""
     line = lines.plan_line(run, step, max_steps)
     line = f"{line}; {run.rates.removeprefix('untie: ')}" if run.rates else line
     decided = run.decision is not None and run.decision.choice.policy != "off"
     logger.log(logging.WARNING if decided else logging.INFO, line)
-    if run.decision is not None and run.rule is not None and run.measuring:
-        say_once(said, [(notice, None) for notice in run.decision.notices])
-    notice = lines.short_run_notice(run, step, max_steps) if run.measuring else None
-    if notice is not None:
-        text, warns = notice
+    short = lines.short_run_notice(run, step, max_steps) if run.measuring else None
+    if short is not None:
+        text, warns = short
         if warns:
             _compat.warn_in_user_code(text)
         else:
             logger.info(text)
+    if run.decision is not None and run.rule is not None and run.measuring:
+        say_once(said, [(notice, None) for notice in run.decision.notices])
     return line
 
 

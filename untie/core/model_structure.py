@@ -83,7 +83,8 @@ class ModelStructure:
         model, facts = self.model, self.facts(optimizer)
         if plan.check_peft:  # PEFT owns the embedding and the head: only a base model untied before wrapping trains
             tied = facts.structure == "tied"
-            check_peft_run(model, tied=tied, untie_recorded=facts.config_says_untied, keep_untied=plan.keep_untied)
+            recorded, keep = facts.config_says_untied, plan.keep_untied
+            check_peft_run(model, tied=tied, untie_recorded=recorded, keep_untied=keep, owner=self.owner)
             return
         if plan.warning is not None:
             _compat.warn_in_user_code(plan.warning)

@@ -151,7 +151,7 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
     else:
         untie_at, rule = config.untie_at, config.rule(with_pairs=config.pairs != [])
     rule, notice, refusal = _rule_for_pairs(rule, facts, settings, trigger_runs=not choice.untied_from_start)
-    refusal = refusal or _engine_refusal(config, facts.engine, owner)
+    refusal = _engine_refusal(config, facts.engine, owner) or refusal
 
     scale, choice = _embedding_scale(config, choice, untied_now and known is None, facts)
     head_init = _head_start(config, choice)

@@ -248,14 +248,13 @@ def frozen_tied_embedding_text(owner: str) -> str:
     )
 
 
-def optimizer_state_first_text(owner: str, saved_sizes: list[int], sizes: list[int]) -> str:
-    """Refusal: an optimizer state loaded before the run's own state, into param groups it does not fit (`saved_sizes`
-    parameters per group in the state, `sizes` in the optimizer the run set up for a fresh start)."""
+def optimizer_state_first_text(owner: str, found: str) -> str:
+    """Refusal: an optimizer state loaded before the run's own state, into param groups it does not fit (`found`: how
+    they differ)."""
     return (
-        f"{owner}: the optimizer's state was loaded before the run's: its param groups hold {saved_sizes} parameters, "
-        f"this optimizer's {sizes}, as the run set them up for a fresh start (an untied head, or a role's own group "
-        "for its learning rate). Resuming, load the run's state first: untier.start(optimizer), then "
-        "untier.load_state_dict(state) (or accelerator.load_state), then the model's and the optimizer's state "
-        "dicts; the optimizer then has the checkpoint's groups. An optimizer state saved without untie cannot hold "
-        "them: pass policy='off' and the schedule it was trained under, or start the optimizer afresh."
+        f"{owner}: the optimizer's state was loaded before the run's: {found}. Resuming, load the run's state first: "
+        "untier.start(optimizer), then untier.load_state_dict(state) (or accelerator.load_state), then the model's "
+        "and the optimizer's state dicts; the optimizer then has the checkpoint's structure and groups. An optimizer "
+        "state saved without untie cannot hold them: pass policy='off' and the schedule it was trained under, or start "
+        "the optimizer afresh."
     )

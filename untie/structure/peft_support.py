@@ -85,10 +85,13 @@ def refuse_peft_surgery(model: nn.Module, action: str) -> None:
     )
 
 
-def check_peft_run(model: nn.Module, *, tied: bool, untie_recorded: bool, keep_untied: bool) -> None:
-    """Accept a PEFT model for `UntieCallback` only if it trains untied and its merge keeps both matrices: a base
-    model untied before wrapping, or a tied one that `modules_to_save` split on a PEFT whose merge records it
-    (`MERGE_RECORDS_THE_SPLIT`). Refuse what would lose or freeze a trained matrix, or what the run cannot do.
+def check_peft_run(
+    model: nn.Module, *, tied: bool, untie_recorded: bool, keep_untied: bool, owner: str = "UntieCallback"
+) -> None:
+    """Accept a PEFT model for a run (`owner`: the adapter, named in the refusals) only if it trains untied and its
+    merge keeps both matrices: a base model untied before wrapping, or a tied one that `modules_to_save` split on a
+    PEFT whose merge records it (`MERGE_RECORDS_THE_SPLIT`). Refuse what would lose or freeze a trained matrix, or
+    what the run cannot do.
 
     `untie_recorded`: the config says untied (flag False or this library's marker); `keep_untied`: the run asks to
     train untied from the start (`untie_at=0`, or a checkpoint this library untied), or leaves `tie_init` unset.
@@ -98,13 +101,13 @@ def check_peft_run(model: nn.Module, *, tied: bool, untie_recorded: bool, keep_u
         # Nothing split the tied matrix (LoRA only, ensure_weight_tying, or trainable_token_indices, whose rows PEFT
         # ties in both roles): the model trains tied and its merge stays tied.
         raise PeftUnsupported(
-            "UntieCallback cannot untie a PEFT model during training: the new head would be a frozen base-model "
+            f"{owner} cannot untie a PEFT model during training: the new head would be a frozen base-model "
             f"parameter outside the adapter, so it would neither train nor be saved. {_UNTIE_FIRST} Or train "
-            "without UntieCallback: PEFT keeps this model tied, and its merge stays tied."
+            f"without {owner}: PEFT keeps this model tied, and its merge stays tied."
         )
     if not keep_untied:
         raise PeftUnsupported(
-            "This PEFT model is untied, and tie_init asks UntieCallback to tie it first (then untie at untie_at); it "
+            f"This PEFT model is untied, and tie_init asks {owner} to tie it first (then untie at untie_at); it "
             "cannot do that under PEFT. Leave tie_init unset to train it untied, as without PEFT, or tie the base "
             "model before wrapping it (`untie.tie_embeddings(base_model)`)."
         )
@@ -116,7 +119,7 @@ def check_peft_run(model: nn.Module, *, tied: bool, untie_recorded: bool, keep_u
             f"LoraConfig(ensure_weight_tying=True) asks PEFT to keep the tie, but PEFT gave the {roles} a trainable "
             "copy of its own, so this model would train untied against that setting. To keep the tie, name the "
             "modules PEFT ties for this model (or leave both matrices out of modules_to_save) and train without "
-            f"UntieCallback; to untie, drop ensure_weight_tying. {_UNTIE_FIRST}"
+            f"{owner}; to untie, drop ensure_weight_tying. {_UNTIE_FIRST}"
         )
     if not merge_records_the_split():
         from importlib.metadata import version

@@ -50,6 +50,18 @@ def role_groups(optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return tuple(role for role in ROLES if role in marked)
 
 
+def misplaced_roles(optimizer: torch.optim.Optimizer, model: nn.Module) -> tuple[str, ...]:
+    """The roles whose group in `optimizer` holds a parameter other than the role's own (an optimizer state loaded by
+    position from another layout renames the groups, not their parameters); a head's group may be empty while tied."""
+    own = {"input_embedding": input_weight(model), "head": output_weight(model)}
+    wrong = []
+    for group in inner_optimizer(optimizer).param_groups:
+        role = group.get(ROLE_KEY)
+        if role in own and any(param is not own[role] for param in group["params"]):
+            wrong.append(role)
+    return tuple(role for role in ROLES if role in wrong)
+
+
 def _format_scale(scale: float) -> str:
     return f"{scale:g}x"
 
