@@ -27,7 +27,8 @@ NOT_QUICK = ("slow", "recipes", "distributed", "trainer", "process", "compile")
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Record the collected tests by node id for tests/launch.py, which refuses a launch from an unmarked test; mark
     every test that takes a Trainer fixture (`TRAINER_FIXTURES`) or builds a Trainer in its own code `trainer`, every
-    test whose own code starts a Python process (`subprocess`, `sys.executable`) `process`, and every test none of
+    test whose own code starts a Python process (`subprocess`, `sys.executable`) `process` (its own code: with its
+    module's helpers that it calls, `_own_source`), and every test none of
     `NOT_QUICK` marks `quick`: the library's unit tests a change is checked with (about 2 minutes on 2 cores)."""
     launch.COLLECTED.update((item.nodeid, item) for item in items)
     for item in items:
@@ -41,13 +42,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _own_source(item: pytest.Item) -> str:
-    """The test function's own code (a helper it calls is not read): where a Trainer is built (`transformers.Trainer`,
-    TRL's `SFTTrainer`) or a process started."""
+    """The test function's code and that of the module's own helpers it calls by name (one level): where a Trainer is
+    built (`transformers.Trainer`, TRL's `SFTTrainer`) or a process started. A helper imported from elsewhere is not
+    read."""
     function = getattr(item, "function", None)
     try:
-        return inspect.getsource(function) if function is not None else ""
+        source = inspect.getsource(function) if function is not None else ""
     except (OSError, TypeError):
         return ""
+    module = getattr(item, "module", None)
+    for name in sorted(set(re.findall(r"\b(_\w+)\(", source))):
+        helper = getattr(module, name, None)
+        if inspect.isfunction(helper) and helper.__module__ == getattr(module, "__name__", None):
+            source += inspect.getsource(helper)
+    return source
 
 
 def training_args(default_dir, **overrides) -> tf.TrainingArguments:
