@@ -304,8 +304,9 @@ class Untier(RunViews):
         position: its groups now carry the checkpoint's role marks over the fresh start's parameters. Refuse it
         before anything changes."""
         optimizer = self.optimizer
-        loaded = optimizer is not None and bool(getattr(inner_optimizer(optimizer), "state", None))
-        wrong = misplaced_roles(optimizer, self.model) if optimizer is not None and loaded else ()
+        if optimizer is None or not getattr(inner_optimizer(optimizer), "state", None):
+            return  # nothing loaded yet: the run's state comes first, as it should
+        wrong = misplaced_roles(optimizer, self.model)
         if wrong:
             names = " and ".join(f"the {role.replace('_', ' ')}'s" for role in wrong)
             found = f"it already holds state, and {names} group holds another parameter (the checkpoint's layout)"

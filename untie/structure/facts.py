@@ -4,7 +4,6 @@ tokenizer's pairs, `pairs_for`), `model_facts` again when a plan changed the mod
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from torch import nn
@@ -76,8 +75,18 @@ def read_facts(
     if not facts.peft and not input_weight(model).requires_grad:
         blocked = "the input embedding is frozen"
     arrived_untied = not is_tied(model) and (not facts.peft or facts.config_says_untied)
-    read = Facts(facts, tied, reading, bool(pairs), because, replaceable, scale_blocked_by=blocked)
-    return dataclasses.replace(read, arrived_untied=arrived_untied, engine=engine), pairs
+    read = Facts(
+        facts,
+        tied,
+        reading,
+        pairs=bool(pairs),
+        no_pairs_because=because,
+        head_replaceable=replaceable,
+        scale_blocked_by=blocked,
+        arrived_untied=arrived_untied,
+        engine=engine,
+    )
+    return read, pairs
 
 
 def refuse_float8(model: nn.Module) -> None:
