@@ -289,6 +289,21 @@ def test_the_corpus_is_built_once_and_then_read_from_the_cache(tmp_path, monkeyp
     assert cached.tokenizer.get_vocab() == built.tokenizer.get_vocab()
 
 
+def test_two_processes_building_one_cache_write_their_own_partial_files(tmp_path, monkeypatch):
+    """The study's tied and untied sides start at once on one cache: a shared partial name let one process rename
+    the other's half-written file away (FileNotFoundError at its own rename, seen on a 2-process start)."""
+    monkeypatch.setattr(corpus_module, "documents", lambda sources, cache_dir: _texts(300, seed=3))
+    written: list[Path] = []
+    save = corpus_module.torch.save
+    monkeypatch.setattr(corpus_module.torch, "save", lambda obj, path: (written.append(Path(path)), save(obj, path)))
+    for pid in (111, 222):
+        monkeypatch.setattr(corpus_module.os, "getpid", lambda pid=pid: pid)
+        corpus_module.load_corpus(("shakespeare",), tmp_path)
+        next(tmp_path.rglob("blocks.pt")).unlink()  # the other process builds it too
+    assert len(written) == 2 and written[0] != written[1]
+    assert all(path.name.endswith(".partial") and path.parent == written[0].parent for path in written)
+
+
 def test_the_report_of_an_unfinished_map_covers_the_finished_seeds_only(recipe, tmp_path, capsys):
     recipe.main(_map_args(tmp_path))
     (tmp_path / "map" / "records" / "d32-s2-untie@8.json").unlink()

