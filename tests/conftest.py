@@ -98,3 +98,27 @@ def assert_reloads_untied(folder, final: dict) -> None:
     reloaded = tf.GPT2LMHeadModel.from_pretrained(folder)
     assert not untie.is_tied(reloaded)
     assert torch.equal(reloaded.lm_head.weight, final["lm_head.weight"])
+
+
+#: (steps, lr, freeze_embedding) -> the trained weights and torch's RNG state once training ended.
+_STEP_LLAMAS: dict[tuple[int, float, bool], tuple[dict[str, torch.Tensor], torch.Tensor]] = {}
+
+
+def trained_step_llama(steps: int, lr: float, freeze_embedding: bool = False) -> tf.LlamaForCausalLM:
+    """A tied Llama trained `steps` AdamW steps on the step task from seed 0 (`untie.testing.train_on_step_task`).
+    Each setting trains once per process; later calls build the model and load those weights, and leave torch's RNG
+    where training left it, so a test that draws after this call draws what it would after training."""
+    from untie.testing import step_llama_config, train_on_step_task
+
+    key = (steps, lr, freeze_embedding)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(step_llama_config())
+    if key not in _STEP_LLAMAS:
+        train_on_step_task(model, steps, lr, freeze_embedding)
+        state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+        _STEP_LLAMAS[key] = (state, torch.get_rng_state())
+        return model
+    state, rng = _STEP_LLAMAS[key]
+    model.load_state_dict(state)
+    torch.set_rng_state(rng)
+    return model

@@ -5,6 +5,7 @@ will do, in its own numbers."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import warnings
@@ -12,15 +13,17 @@ import warnings
 import pytest
 import torch
 import transformers as tf
+from conftest import trained_step_llama
 from script_modules import load_script
 
 import untie
 from untie.structure import policy
 from untie.structure.role_rates import role_groups
-from untie.testing import ToyLMDataset, step_llama_config, step_task, tiny_model, train_on_step_task
+from untie.testing import ToyLMDataset, step_task, tiny_model
 
 CASES = load_script("scripts", "default_cases")  # the task and the trained states the script prints cases with
-_StepTask, _config, _trained_state, _loss = CASES.StepTask, CASES.small_config, CASES.trained_state, CASES.task_loss
+_StepTask, _config, _loss = CASES.StepTask, CASES.small_config, CASES.task_loss
+_trained_state = functools.cache(CASES.trained_state)  # trained once per setting; load_state_dict copies it
 VOCAB = CASES.VOCAB
 
 
@@ -122,8 +125,7 @@ def test_the_line_at_train_begin_says_the_untie_step_in_the_runs_own_numbers(mak
 
 
 def _loaded_llama() -> tf.PreTrainedModel:
-    torch.manual_seed(0)
-    return train_on_step_task(tf.LlamaForCausalLM(step_llama_config()), 50, 1e-2)
+    return trained_step_llama(50, 1e-2)
 
 
 def _in_optimizer(optimizer: torch.optim.Optimizer, parameter: torch.Tensor) -> bool:

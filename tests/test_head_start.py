@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
+from conftest import trained_step_llama
 
 from untie import UntieCallback, Untier
 from untie.structure import head_start
@@ -35,10 +36,7 @@ llama_config = step_llama_config
 DRAWS = "untie-at-start"
 
 
-def trained_llama(steps: int, lr: float, freeze_embedding: bool = False) -> tf.LlamaForCausalLM:
-    """A tied Llama trained `steps` AdamW steps on the step task (seed 0; `untie.testing.train_on_step_task`)."""
-    torch.manual_seed(0)
-    return train_on_step_task(tf.LlamaForCausalLM(llama_config()), steps, lr, freeze_embedding)
+trained_llama = trained_step_llama  # a tied Llama trained on the step task (seed 0), trained once per setting
 
 
 # -- the verdict itself ------------------------------------------------------------------------------------------------

@@ -80,13 +80,21 @@ def test_a_complete_in_place_save_resumes_to_the_uninterrupted_run(tmp_path, uni
 KILL_POINTS = ["before-weights", "after-weights", "after-optimizer", "before-untie-state"]
 
 
+@pytest.fixture(scope="module")
+def tied_save(tmp_path_factory):
+    """A complete save at step 4 (tied), made once: each killed save below overwrites its own copy of it."""
+    folder = tmp_path_factory.mktemp("tied") / "ckpt"
+    _run(saves={4: folder}, stop=4)
+    return folder
+
+
 @pytest.mark.parametrize("save_step", [UNTIE_AT, UNTIE_AT + 2], ids=["at-the-untie", "after-the-untie"])
 @pytest.mark.parametrize("point", KILL_POINTS)
 def test_a_save_killed_while_overwriting_a_folder_is_refused_by_name_or_resumes_exactly(
-    point, save_step, tmp_path, monkeypatch, uninterrupted
+    point, save_step, tmp_path, monkeypatch, uninterrupted, tied_save
 ):
     folder = tmp_path / "ckpt"
-    _run(saves={4: folder}, stop=4)  # a complete save at step 4, tied
+    shutil.copytree(tied_save, folder)  # a complete save at step 4, tied
     writes = {"count": 0}
     save = accelerate.checkpointing.save
 
