@@ -73,6 +73,22 @@ def test_the_scale_arm_is_chosen_only_a_hundredth_of_a_nat_below_the_best_arm_wi
     assert round_two.round_two_table("B", no_scale)["choice"] is None
 
 
+def test_a_late_branch_enters_its_cells_table_only_once_every_development_seed_has_it():
+    """Cell B's untie@0.9 lands a seed at a time: one or two seeds of it must not turn the complete cell pending (and
+    the library's default with it); the report says how many it has. With all three it competes for T*."""
+    records = _cell_b((3.95, 3.95, 3.95))
+    complete = round_two.round_two_table("B", records)
+    part = round_two.round_two_table("B", records + [_record("B", "untie@0.9", 1, 3.90)])
+    assert part["choice"] == complete["choice"] == "untied-emb16" and part["seeds"] == [1, 2, 3]
+    assert part["arms"]["T*"]["arm"] == "untie@2/3" and part["waiting"] == {"untie@0.9": 1}
+    assert "untie@0.9 enters T* once all 3 seeds have it (1 so far)" in round_two.round_two_markdown(
+        {"cells": {"B": part}, "cross_kind": [], "share_default": round_two.share_bands({"B": part})}
+    )
+    every = round_two.round_two_table("B", records + [_record("B", "untie@0.9", s, 3.90) for s in (1, 2, 3)])
+    assert every["arms"]["T*"]["arm"] == "untie@0.9" and every["waiting"] == {}
+    assert every["choice"] == "untie@0.9"  # 0.05 below U_k: more than the 0.01 bar the scale must clear
+
+
 def test_only_records_of_one_corpus_build_pair_and_the_noise_between_cpu_kinds_is_measured():
     records = _cell_b((3.95, 3.95, 3.95))
     foreign = [dataclasses.replace(r, corpus_digest="d2") for r in records if r.arm == "untied-emb16"]

@@ -87,8 +87,9 @@ def _arms_and_seeds(cell: str, records: Sequence[StudyRecord]) -> tuple[dict, li
     digest = builds.most_common(1)[0][0] if builds else None
     arms = {(r.arm, r.seed): r for r in mine if r.corpus_digest == digest}
     seeds = sorted({s for a, s in arms if a == "untied"})
-    later = CELLS[cell].round_two  # round two's branches of a round-one cell enter once recorded (cell B's untie@0.9)
-    fixed = [a for a in _fixed_arms(cell) if a not in later or any((a, s) in arms for s in seeds)]
+    later = CELLS[cell].round_two  # round two's branches of a round-one cell (cell B's untie@0.9): they enter once
+    # every development seed has them, so a part of them never turns a complete cell pending (nor the default)
+    fixed = [a for a in _fixed_arms(cell) if a not in later or all((a, s) in arms for s in DEVELOPMENT_SEEDS)]
     wanted = ["untied", "tied", *fixed]
     if cell in SCALED_CELLS:
         k = scale_choice(list(records))
@@ -103,6 +104,8 @@ def round_two_table(cell: str, records: Sequence[StudyRecord]) -> dict:
     complete)."""
     arms, wanted, seeds = _arms_and_seeds(cell, records)
     table: dict = {"cell": cell, "seeds": seeds, "choice": None, "arms": {}}
+    waiting = {a: sum((a, s) in arms for s in DEVELOPMENT_SEEDS) for a in CELLS[cell].round_two if a not in wanted}
+    table["waiting"] = {a: n for a, n in waiting.items() if n}  # a late branch part-run: said, not yet read
     anyone = next((r for (a, _), r in arms.items() if a == "untied"), None)
     if anyone is not None:
         table["embedding_share"] = anyone.embedding_params / anyone.params
@@ -261,6 +264,8 @@ def round_two_markdown(result: dict) -> str:
         rows = table["arms"]
         cpus = "; ".join(f"{role}: {', '.join(row['cpus'])}" for role, row in rows.items())
         choice = f"{choice_text(table['choice'])} ({table['why']})" if table["choice"] else table["why"]
+        for arm, count in table.get("waiting", {}).items():
+            choice += f"; {arm} enters T* once all {len(DEVELOPMENT_SEEDS)} seeds have it ({count} so far)"
         lines.append(f"| {cell} | {share} | {seeds} | {_difference(rows.get('U_k'))} | {_difference(rows.get('T*'))} "
                      f"| {_difference(rows.get('tied'))} | {cpus or '-'} | {choice} |")  # fmt: skip
     lines += [
