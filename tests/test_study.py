@@ -19,7 +19,7 @@ import torch
 import untie
 from untie_recipes.tasks.decision_map import corpus as corpus_module
 from untie_recipes.tasks.decision_map.training import data_order, evaluate, train_steps
-from untie_recipes.tasks.study import finetune, protocol, report, runs, stats, sweep, training, verdict
+from untie_recipes.tasks.study import finetune, protocol, provenance, report, runs, stats, sweep, training, verdict
 from untie_recipes.tasks.study.model import build_model
 from untie_recipes.tasks.study.training import CurveRecorder, RunSpec, StudyRecord
 
@@ -419,7 +419,7 @@ def test_fine_tuning_starts_from_the_checked_tied_checkpoint_and_each_arm_unties
     assert len({r.target_loss for r in records.values()}) == len(records)  # the arms differ
 
 
-def test_a_lost_tied_checkpoint_is_trained_again_and_a_foreign_one_is_refused(recipe, tmp_path, tiny_cell):
+def test_a_lost_tied_checkpoint_is_trained_again_and_a_foreign_one_is_refused(recipe, tmp_path, tiny_cell, monkeypatch):
     """Where the final checkpoint is gone, the tied run is trained again and the fine-tuning records repeat; a
     checkpoint whose weights are not the tied run's final ones is refused before any fine-tuning."""
     recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--records_dir", ""))
@@ -442,6 +442,30 @@ def test_a_lost_tied_checkpoint_is_trained_again_and_a_foreign_one_is_refused(re
     (folder / "A-ft-s1-untie-now.json").unlink()
     with pytest.raises(RuntimeError, match="is not that run's final checkpoint"):
         recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--records_dir", ""))
+    # A record made on another kernel path: refused before the retraining (an AMD EPYC without AVX-512 trained cell
+    # A's tied run again for 21 minutes, then refused it), not after it.
+    final.unlink()
+    tied_record = tmp_path / "out" / "records" / "A-s1-tied.json"
+    record = json.loads(tied_record.read_text())
+    tied_record.write_text(json.dumps({**record, "machine": {**record["machine"], "kernel_path": "ANOTHER"}}))
+    trained = []
+    monkeypatch.setattr(finetune, "evaluate", lambda *a: trained.append(a) or pytest.fail("it trained again"))
+    with pytest.raises(RuntimeError, match="kernel_path 'ANOTHER' there"):
+        recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1", "--records_dir", ""))
+    assert not final.exists()
+
+
+def test_a_tied_run_recorded_on_another_kernel_path_is_refused_before_it_trains_again(monkeypatch):
+    """Cell B's untie@0.9 needs its tied run again; on an AMD EPYC without AVX-512 (the record's had it) the run
+    trained for 40 minutes before the final loss told. The machine facts tell at once."""
+    kept = _record(1, "tied", 4.0)
+    here = {**kept.machine, "kernel_path": "AVX512"}
+    monkeypatch.setattr(runs, "train_run", lambda *a: pytest.fail("it trained again"))
+    context = dataclasses.make_dataclass("Context", ["machine"])(here)
+    spec = dataclasses.make_dataclass("Spec", ["name"])("A-s1-tied")
+    with pytest.raises(RuntimeError, match="kernel_path 'AVX2' there, 'AVX512' here"):
+        runs._tied_again(context, spec, kept, lambda *a: None)
+    assert provenance.repeat_refusal(kept.machine, {**kept.machine, "threads": 2, "git_commit": "x"}, "r") is None
 
 
 def _finetune_table(target: dict[str, list[float]], source: dict[str, list[float]]) -> dict:

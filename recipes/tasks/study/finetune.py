@@ -24,7 +24,7 @@ from untie_recipes.tasks.decision_map.corpus import BLOCK, TokenizedCorpus
 from untie_recipes.tasks.decision_map.training import evaluate, train_steps
 from untie_recipes.tasks.study.model import build_model
 from untie_recipes.tasks.study.protocol import untie_step
-from untie_recipes.tasks.study.provenance import blocks_digest
+from untie_recipes.tasks.study.provenance import blocks_digest, repeat_refusal
 from untie_recipes.tasks.study.runs import StudyContext
 from untie_recipes.tasks.study.training import (
     JsonRecord,
@@ -118,6 +118,9 @@ def pretrained_state(ctx: StudyContext, tied: RunSpec, record: StudyRecord,
     validation loss. Where the checkpoint is gone, `retrain()` trains the tied run again (it saves the checkpoint)."""
     path = ctx.checkpoint_path(tied, "final")
     if not path.exists():
+        refusal = repeat_refusal(record.machine, ctx.machine, tied.name)
+        if refusal is not None:
+            raise RuntimeError(f"study: {path} is gone, and {refusal}")
         logger.warning("study: %s is gone; training %s again for the fine-tuning.", path, tied.name)
         retrain()
     state = torch.load(path, map_location=ctx.device, weights_only=True)["model"]

@@ -23,6 +23,23 @@ from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus, corpus_fold
 POOL_FIELDS = ("corpus_digest", "cpu", "kernel_path", "device", "torch")
 
 
+#: What a run trained again must share with its record to repeat its numbers exactly (one thread): the same CPU model
+#: name can hide two kernel paths (an AMD EPYC with AVX-512, another without).
+REPEAT_FIELDS = ("cpu", "kernel_path", "device", "torch")
+
+
+def repeat_refusal(recorded: dict, here: dict, name: str) -> str | None:
+    """Why run `name` (its record made on `recorded`, a record's `machine`) cannot be trained again here (`here`) to
+    the same numbers, or None where it can: checked before the hours a retraining takes, not after them."""
+    differ = [field for field in REPEAT_FIELDS if recorded.get(field) != here.get(field)]
+    if not differ:
+        return None
+    kinds = ", ".join(f"{field} {recorded.get(field)!r} there, {here.get(field)!r} here" for field in differ)
+    return (f"{name} must be trained again to the same numbers as its record, which this machine cannot ({kinds}): "
+            "run it where the record was made, or start a study of this machine's own (another --output_dir, "
+            "--records_dir '').")  # fmt: skip
+
+
 def cpu_kind() -> str:
     """The CPU's model name (/proc/cpuinfo), or the platform's processor where there is none."""
     try:

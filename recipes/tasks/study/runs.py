@@ -30,6 +30,7 @@ from untie_recipes.tasks.decision_map.training import (
 )
 from untie_recipes.tasks.study.model import build_model, parameter_counts
 from untie_recipes.tasks.study.protocol import CELLS, arm_spec, budget_steps, cooldown_start, half_budget, untie_step
+from untie_recipes.tasks.study.provenance import repeat_refusal
 from untie_recipes.tasks.study.training import (
     CurveRecorder,
     OutOfTime,
@@ -267,6 +268,9 @@ def _tied_again(ctx: StudyContext, spec: RunSpec, kept: StudyRecord, progress: P
     """The tied run trained again for branch checkpoints it no longer has (lost with a machine, or a branch added
     later: round two's `untie@0.9`); its committed record stays as it is, and the run must repeat its final loss
     exactly (one thread, the same CPU kind), or the branches would start from another run."""
+    refusal = repeat_refusal(kept.machine, ctx.machine, spec.name)
+    if refusal is not None:
+        raise RuntimeError(f"study: {spec.name}'s branch checkpoints are gone, and {refusal}")
     logger.warning("study: %s's branch checkpoints are gone; training it again for them (its record is kept).",
                    spec.name)  # fmt: skip
     again = train_run(ctx, spec, progress)
