@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     every test that takes a Trainer fixture (`TRAINER_FIXTURES`) or builds a Trainer in its own code `trainer`, every
     test whose own code starts a Python process (`subprocess`, `sys.executable`) `process` (its own code: with its
     module's helpers that it calls, `_own_source`), and every test none of
-    `NOT_QUICK` marks `quick`: the library's unit tests a change is checked with (about 2 minutes on 2 cores)."""
+    `NOT_QUICK` marks `quick`: the library's unit tests a change is checked with (about a minute on 2 cores)."""
     launch.COLLECTED.update((item.nodeid, item) for item in items)
     for item in items:
         source = _own_source(item)
