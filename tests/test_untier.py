@@ -203,6 +203,37 @@ def test_accelerate_load_state_without_the_untie_state_names_the_fix(tmp_path):
     accelerator.free_memory()
 
 
+def test_an_optimizer_from_accelerate_without_its_accelerator_is_refused_naming_the_fix():
+    """An independent tester's case: the guide's accumulate loop with `accelerator=` left out untied after optimizer
+    step 3 where untie_at=6 asked (every micro-batch counted), and save_state wrote no run state (a resume began again
+    at step 0). The optimizer says it came from accelerate: refused before anything is installed."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = tiny_model("llama")
+    prepared, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    fix = r"pass Untier\(model, optimizer, accelerator=accelerator"
+    with pytest.raises(ValueError, match=fix):
+        untie.Untier(prepared, optimizer, max_steps=12, untie_at=6, untie_when=None)
+    assert untie.is_tied(model) and not model.get_input_embeddings()._forward_pre_hooks
+    untier = untie.Untier(prepared, max_steps=12, untie_at=6, untie_when=None)
+    with pytest.raises(ValueError, match="micro-batch"):
+        untier.start(optimizer)
+    untier.close()
+    untier = untie.Untier(prepared, optimizer, max_steps=12, untie_at=6, untie_when=None, accelerator=accelerator)
+    for _micro in range(12):
+        with accelerator.accumulate(prepared):
+            accelerator.backward(
+                prepared(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss
+            )
+            optimizer.step()
+            optimizer.zero_grad()
+        untier.step()
+    assert untier.global_step == 6 and untier.untie_step == 6  # optimizer steps, not micro-batches
+    untier.close()
+    accelerator.free_memory()
+
+
 @pytest.mark.parametrize("per_node", [False, True], ids=["once", "save_on_each_node"])
 def test_accelerate_save_state_writes_the_untie_state_where_the_model_goes(per_node, tmp_path, monkeypatch):
     """On a node's first process that is not the global main one (multi-node), the untie state is written only if

@@ -181,6 +181,14 @@ def partial_state_exists() -> bool:
     return bool(PartialState._shared_state)
 
 
+def is_accelerated_optimizer(optimizer: object) -> bool:
+    """Whether `optimizer` is what `accelerator.prepare` returns for an optimizer (`AcceleratedOptimizer`, DeepSpeed's
+    wrapper included: a subclass). Checked: accelerate 1.13.0 and 1.15.0 (CI)."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    return isinstance(optimizer, AcceleratedOptimizer)
+
+
 # -- DeepSpeed: partitioned parameters ---------------------------------------------------------------------------------
 def is_deepspeed_partitioned(param: torch.Tensor) -> bool:
     """Whether `param` is a parameter DeepSpeed ZeRO-3 has partitioned: ZeRO-3 gives each one an `ds_id` attribute

@@ -13,8 +13,8 @@ The custom-loop adapter of `untie.core.run.UntieRun` (the run logic `untie.Untie
             optimizer.zero_grad()
         untier.step()                        # once per optimizer step: it ignores accumulation micro-batches
 
-On one device or under DDP with a model that is already tied, `Untier(model, optimizer, ...)` after `prepare` does
-both calls at once.
+On one device or under DDP with a model that is already tied, `Untier(model, optimizer, accelerator=accelerator, ...)`
+after `prepare` does both calls at once (an optimizer from `prepare` is refused without its accelerator).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch import nn
 
+from untie._compat import is_accelerated_optimizer
 from untie.adapters.views import RunViews
 from untie.checkpoints.saved_state import (
     STATE_FILE,
@@ -122,6 +123,8 @@ class Untier(RunViews):
         lr_scheduler: Any = None,
         **overrides: Any,
     ) -> None:
+        if optimizer is not None and accelerator is None and is_accelerated_optimizer(optimizer):
+            raise UntieValueError(lines.accelerator_missing_text("Untier"))
         self.model = _unwrap(model)
         self.accelerator = accelerator
         self.max_steps = max_steps
@@ -180,6 +183,8 @@ class Untier(RunViews):
         `start` arms the first step's measurement (it must be in place before the first forward) but neither changes
         the model's structure (attaching did, at `Untier()`) nor says anything: what the run has to say is said at its
         first optimizer step, about the run then under way, fresh or resumed."""
+        if self.accelerator is None and is_accelerated_optimizer(optimizer):
+            raise UntieValueError(lines.accelerator_missing_text("Untier"))
         self.run.check("Untier.start")  # once: a second call, or an optimizer passed to Untier() already, is refused
         self.optimizer = optimizer
         self.run.split_groups(optimizer, lr_scheduler)

@@ -258,3 +258,13 @@ def optimizer_state_first_text(owner: str, found: str) -> str:
         "state saved without untie cannot hold them: pass policy='off' and the schedule it was trained under, or start "
         "the optimizer afresh."
     )
+
+
+def accelerator_missing_text(owner: str) -> str:
+    """Refusal: an optimizer `accelerator.prepare` returned, given without its accelerator."""
+    return (
+        f"{owner}: the optimizer comes from accelerator.prepare, but no accelerator was given: pass "
+        f"{owner}(model, optimizer, accelerator=accelerator, ...). Without it, each micro-batch of gradient "
+        "accumulation counts as an optimizer step (the untie comes early), and accelerator.save_state / load_state do "
+        "not carry the run's state (untie_state.json), so a resume starts the run again from step 0."
+    )
