@@ -157,6 +157,27 @@ def test_metrics_every_0_with_a_trigger_names_the_fix():
         untie.UntieCallback(untie_at=10, metrics_every=0)
 
 
+def test_metrics_every_0_leaves_the_default_plan_as_it_is_and_refuses_where_a_plan_runs_the_trigger():
+    """An independent tester: `metrics_every=0` alone was refused, naming `untie_when=None`, which (a schedule setting)
+    turned a loaded model's untie at step 0 into a tied phase to 30%: the measurement knob changed the plan."""
+    from untie.testing import step_llama_config, train_on_step_task
+
+    def loaded():
+        torch.manual_seed(0)
+        return train_on_step_task(tf.LlamaForCausalLM(step_llama_config()), 20, 1e-2)
+
+    untie.UntieConfig(metrics_every=0)
+    untie.UntieConfig(untie_at=0, metrics_every=0)  # untied at step 0: no trigger to feed
+    quiet = untie.Untier(loaded(), max_steps=12, metrics_every=0)
+    measured = untie.Untier(loaded(), max_steps=12)
+    assert quiet.policy_choice.untied_from_start and measured.policy_choice.untied_from_start
+    assert (quiet.run.decision.untie_at, quiet.run.decision.rule) == (measured.run.decision.untie_at, None)
+    quiet.close()
+    measured.close()
+    with pytest.raises(ValueError, match=r"reads measurements, and metrics_every=0 takes none.*untie_when=None"):
+        untie.Untier(loaded(), max_steps=12, metrics_every=0, policy="fresh-untied")  # trained: the schedule as set
+
+
 # -- in Trainer ------------------------------------------------------------------------------------------------------
 
 

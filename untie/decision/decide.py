@@ -151,6 +151,12 @@ def decide(facts: Facts, settings: Settings, saved: SavedFacts | _Pending | None
     else:
         untie_at, rule = config.untie_at, config.rule(with_pairs=config.pairs != [])
     rule, notice, refusal = _rule_for_pairs(rule, facts, settings, trigger_runs=not choice.untied_from_start)
+    if rule is not None and config.metrics_every == 0:  # a policy's plan runs the schedule as set, trigger included
+        refusal = refusal or (
+            f"{owner}: {choice.reason or 'the schedule runs as set'}, with the trigger (untie_when="
+            f"{config.untie_when!r}), which reads measurements, and metrics_every=0 takes none: set metrics_every > 0 "
+            "(e.g. 50), or untie_when=None for a fixed schedule at untie_at."
+        )
     refusal = _engine_refusal(config, facts.engine, owner) or refusal
 
     scale, choice = _embedding_scale(config, choice, untied_now and known is None, facts)

@@ -249,7 +249,10 @@ class UntieConfig:
                 "a policy ('untie-at-start', 'fresh-untied'), or leave head_init at 'auto'."
             )
         rule = self.rule(with_pairs=self.pairs != [])  # refuses an unknown name or a bad rule now
-        if rule is not None and self.metrics_every == 0:
+        # A trigger asked for (untie_when set, or the default's with a schedule set) needs measurements; under a policy
+        # the plan decides whether a trigger runs at all (the default's never does): `decide` refuses it there.
+        asked = self.was_set("untie_when") or (self.chosen_policy()[0] == "off" and self.untie_at != 0)
+        if rule is not None and self.metrics_every == 0 and asked:
             raise UntieValueError(
                 f"untie_when={self.untie_when!r} reads measurements, and metrics_every=0 takes none: set "
                 "metrics_every > 0 (e.g. 50), or untie_when=None for a fixed schedule at untie_at."
