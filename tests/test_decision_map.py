@@ -304,6 +304,19 @@ def test_two_processes_building_one_cache_write_their_own_partial_files(tmp_path
     assert all(path.name.endswith(".partial") and path.parent == written[0].parent for path in written)
 
 
+def test_a_cache_write_that_fails_leaves_no_partial_file_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus_module, "documents", lambda sources, cache_dir: _texts(300, seed=3))
+
+    def full_disk(obj, path):
+        Path(path).write_bytes(b"half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(corpus_module.torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        corpus_module.load_corpus(("shakespeare",), tmp_path)
+    assert not list(tmp_path.rglob("*.partial")) and not list(tmp_path.rglob("blocks.pt"))
+
+
 def test_the_report_of_an_unfinished_map_covers_the_finished_seeds_only(recipe, tmp_path, capsys):
     recipe.main(_map_args(tmp_path))
     (tmp_path / "map" / "records" / "d32-s2-untie@8.json").unlink()

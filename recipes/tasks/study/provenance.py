@@ -23,9 +23,9 @@ from untie_recipes.tasks.decision_map.corpus import TokenizedCorpus, corpus_fold
 POOL_FIELDS = ("corpus_digest", "cpu", "kernel_path", "device", "torch")
 
 
-#: What a run trained again must share with its record to repeat its numbers exactly (one thread): the same CPU model
-#: name can hide two kernel paths (an AMD EPYC with AVX-512, another without).
-REPEAT_FIELDS = ("cpu", "kernel_path", "device", "torch")
+#: What a run trained again must share with its record to repeat its numbers exactly: the same CPU model name can hide
+#: two kernel paths (an AMD EPYC with AVX-512, another without), and torch's threads split its sums differently.
+REPEAT_FIELDS = ("cpu", "kernel_path", "device", "torch", "threads")
 
 
 def repeat_refusal(recorded: dict, here: dict, name: str) -> str | None:

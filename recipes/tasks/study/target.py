@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from untie_recipes.tasks.decision_map.corpus import CorpusUnavailable, TokenizedCorpus, cut_blocks, own_partial
+from untie_recipes.tasks.decision_map.corpus import CorpusUnavailable, TokenizedCorpus, cut_blocks, written_whole
 
 #: The Debian package that holds the target's text, and where in it.
 TARGET_PACKAGE = "fortunes"
@@ -77,10 +77,8 @@ def fetch_target_documents(cache_dir: Path) -> tuple[list[str], dict]:
         facts = {"package": debs[0].name, "sha256": hashlib.sha256(debs[0].read_bytes()).hexdigest(),
                  "documents": len(documents)}  # fmt: skip
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = own_partial(cached)
-    with gzip.open(partial, "wt", encoding="utf-8") as handle:
+    with written_whole(cached) as partial, gzip.open(partial, "wt", encoding="utf-8") as handle:
         handle.writelines(json.dumps(doc) + "\n" for doc in documents)
-    partial.replace(cached)
     facts_path.write_text(json.dumps(facts, indent=2) + "\n")
     return documents, facts
 
