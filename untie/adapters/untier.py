@@ -123,8 +123,8 @@ class Untier(RunViews):
         lr_scheduler: Any = None,
         **overrides: Any,
     ) -> None:
-        if optimizer is not None and accelerator is None and is_accelerated_optimizer(optimizer):
-            raise UntieValueError(lines.accelerator_missing_text("Untier"))
+        if optimizer is not None:
+            _refuse_prepared_without_accelerator(optimizer, accelerator)
         self.model = _unwrap(model)
         self.accelerator = accelerator
         self.max_steps = max_steps
@@ -183,8 +183,7 @@ class Untier(RunViews):
         `start` arms the first step's measurement (it must be in place before the first forward) but neither changes
         the model's structure (attaching did, at `Untier()`) nor says anything: what the run has to say is said at its
         first optimizer step, about the run then under way, fresh or resumed."""
-        if self.accelerator is None and is_accelerated_optimizer(optimizer):
-            raise UntieValueError(lines.accelerator_missing_text("Untier"))
+        _refuse_prepared_without_accelerator(optimizer, self.accelerator)
         self.run.check("Untier.start")  # once: a second call, or an optimizer passed to Untier() already, is refused
         self.optimizer = optimizer
         self.run.split_groups(optimizer, lr_scheduler)
@@ -411,6 +410,13 @@ class Untier(RunViews):
     def _model_index(self, models) -> int:
         """The index accelerate saves this Untier's model under (its `model_{i}` files)."""
         return next((i for i, model in enumerate(models) if _unwrap(model) is self.model), 0)
+
+
+def _refuse_prepared_without_accelerator(optimizer: torch.optim.Optimizer, accelerator: Any) -> None:
+    """An optimizer from `accelerator.prepare` needs its accelerator: without it the run would count micro-batches as
+    steps and `save_state` would not carry its state. Refused before anything is installed."""
+    if accelerator is None and is_accelerated_optimizer(optimizer):
+        raise UntieValueError(lines.accelerator_missing_text("Untier"))
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
