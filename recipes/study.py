@@ -8,6 +8,7 @@ seeds. The protocol and the rule that turns its tables into the default: docs/re
     python recipes/study.py --cells B --rates tied  # the tied sweep, run and branches; beside it, on another core,
     python recipes/study.py --cells B --rates untied  # the untied sweep and arms (the same --output_dir)
     python recipes/study.py --report_only           # results.json and results.md from the finished runs
+    python recipes/study.py --cells A --finetune_here  # cell A's fine-tuning table on this CPU kind's own tied runs
     python recipes/study.py --cells B --round_two --rates untied  # round two: the embedding-scale sweep and arm
     python recipes/study.py --cells B --round_two --rates tied    # round two: the branch at 0.9
     python recipes/study.py --preset share --plan                # round two's cell C (a 2,048-token vocabulary)
@@ -62,7 +63,8 @@ from untie_recipes.tasks.study.finetune import (
     ALL_FINETUNE_ARMS,
     FINETUNE_CELLS,
     FINETUNE_STEPS,
-    load_finetune_records,
+    KINDS,
+    load_all_finetune_records,
     run_finetune,
 )
 from untie_recipes.tasks.study.protocol import (
@@ -82,9 +84,9 @@ from untie_recipes.tasks.study.protocol import (
     scaled_arm,
     untie_step,
 )
-from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, machine_facts
+from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, kind_folder, machine_facts
 from untie_recipes.tasks.study.report import load_records, write_report
-from untie_recipes.tasks.study.runs import StudyContext, cell_plan, retrain_tied, run_seed, seed_specs
+from untie_recipes.tasks.study.runs import StudyContext, cell_plan, retrain_tied, run_or_reuse, run_seed, seed_specs
 from untie_recipes.tasks.study.sweep import PLAIN, run_scale_sweep, run_sweep, scale_choice
 from untie_recipes.tasks.study.target import fetch_target_documents, target_corpus
 
@@ -141,6 +143,12 @@ class StudyArguments:
     finetune: bool | None = field(
         default=None, metadata={"help": f"fine-tune cells {list(FINETUNE_CELLS)}' tied checkpoints"}
     )
+    finetune_here: bool = field(
+        default=False,
+        metadata={"help": "a fine-tuning table of this machine's CPU kind: each seed's tied run trained here at the "
+                          "study's swept rate, then every fine-tuning arm, all under kinds/<kind>/ (no branches, no "
+                          "other arm); for cells whose tied runs were recorded on another kind"},
+    )  # fmt: skip
     finetune_pin: str | None = field(
         default=None,
         metadata={"help": "the committed pin of the fine-tuning's target (one per vocabulary; default: the preset's)"},
@@ -177,6 +185,14 @@ class StudyArguments:
             check_seeds(cell, (*self.seeds, self.sweep_seed), self.held_out)
         if not self.rates or not set(self.rates) <= set(PLAIN):
             raise SystemExit(f"--rates {self.rates}: choose one or both of {list(PLAIN)}.")
+        if self.finetune_here and not self.report_only:
+            if not set(self.cells) <= set(FINETUNE_CELLS) or "tied" not in self.rates or not self.finetune:
+                raise SystemExit(
+                    f"--finetune_here fine-tunes the tied runs of cells {list(FINETUNE_CELLS)}: pass --cells among "
+                    "them, --rates tied (or both) and leave --finetune on."
+                )
+            if self.round_two:
+                raise SystemExit("--finetune_here runs no branch: drop --round_two (it adds branches).")
 
 
 def check_same_settings(output_dir: Path, args: StudyArguments, digest: str) -> None:
@@ -223,9 +239,15 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
     def extend(steps: int) -> None:
         bar.total += steps
 
+    if args.finetune_here:
+        per_seed = {cell: p["budget_steps"] + FINETUNE_STEPS * len(ALL_FINETUNE_ARMS) for cell, p in plans.items()}
+        bar.total = sum(p["sweep_steps"] // len(PLAIN) + len(args.seeds) * per_seed[c] for c, p in plans.items())
     try:
         for cell in args.cells:
             budget = plans[cell]["budget_steps"]
+            if args.finetune_here:
+                finetune_here(ctx, args, cell, budget, target, bar, progress, extend)
+                continue
             bar.set_description(f"Study {cell} sweep")
             sweep = run_sweep(ctx, cell, args.sweep_seed, budget, progress, args.max_extensions, extend, rates)
             for arm, summary in sweep.items():
@@ -243,6 +265,30 @@ def run_study(ctx: StudyContext, args: StudyArguments, target: TokenizedCorpus |
                     run_finetune(ctx, target, seed, tied, records["tied"], retrain, progress)
     finally:
         bar.close()
+
+
+def finetune_here(ctx: StudyContext, args: StudyArguments, cell: str, budget: int, target: TokenizedCorpus | None,
+                  bar, progress, extend) -> None:  # fmt: skip
+    """`--finetune_here`: the cell's fine-tuning table on this machine's CPU kind (docs/recipes/study.md, "A cell's
+    fine-tuning on a kind of its own"). The tied rate is the study's sweep's (its committed records, reused); each
+    seed's tied run is trained here under ``kinds/<kind>/`` of the records and checkpoints (its name is the study's
+    tied run's, its record this kind's own, never pooled with the pretraining tables), then every fine-tuning arm from
+    its final checkpoint. Float kernels differ between kinds: a tied checkpoint trained here is this kind's, and the
+    arms pair only with each other."""
+    if target is None:
+        raise SystemExit("--finetune_here: no fine-tuning target (--finetune false, or no tied rate).")
+    bar.set_description(f"Study {cell} sweep")
+    sweep = run_sweep(ctx, cell, args.sweep_seed, budget, progress, args.max_extensions, extend, ("tied",))
+    lrs = {"tied": sweep["tied"].best}
+    here = dataclasses.replace(ctx, subfolder=f"{KINDS}/{kind_folder(ctx.machine)}")  # its committed records: imported
+    for seed in args.seeds:
+        bar.set_description(f"Study {cell} seed {seed} tied, here")
+        tied = next(s for s in seed_specs(here, cell, seed, lrs, budget) if s.arm == "tied")
+        record = run_or_reuse(here, tied, progress)
+        for path in here.checkpoint_path(tied, "step").parent.glob("step*.pt"):  # no branch reads them
+            path.unlink()
+        bar.set_description(f"Study {cell} seed {seed} fine-tuning, here")
+        run_finetune(here, target, seed, tied, record, functools.partial(retrain_tied, here, tied, progress), progress)
 
 
 def round_two_arms(ctx, args: StudyArguments, cell: str, budget: int, lrs: dict, progress, extend) -> tuple[str, ...]:
@@ -342,7 +388,7 @@ def import_records(records_dir: Path | None, folder: Path) -> None:
 
 def report(output_dir: Path) -> dict:
     records = output_dir / "records"
-    results = write_report(output_dir, load_records(records), load_finetune_records(records / "finetune"))
+    results = write_report(output_dir, load_records(records), load_all_finetune_records(records))
     print((output_dir / "results.md").read_text())
     return results
 

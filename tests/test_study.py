@@ -455,6 +455,62 @@ def test_a_lost_tied_checkpoint_is_trained_again_and_a_foreign_one_is_refused(re
     assert not final.exists()
 
 
+def test_a_kinds_own_fine_tuning_trains_its_tied_runs_here_and_leaves_the_studys_records_alone(
+    recipe, tmp_path, tiny_cell, monkeypatch
+):
+    """Cell A's committed tied runs were made on a kind this machine is not (an AMD EPYC with AVX-512): refused for a
+    retraining, so `--finetune_here` trains each seed's tied run on this kind (at the study's swept rate, its sweep
+    reused), under kinds/<kind>/, then every fine-tuning arm from it; the study's own records stay as they were."""
+    recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
+    committed = tmp_path / "committed"
+    before = {p: p.read_text() for p in committed.rglob("*.json")}
+    machine = recipe.machine_facts
+    monkeypatch.setattr(recipe, "machine_facts", lambda *a: {**machine(*a), "kernel_path": "OTHER"})
+    trained: list[str] = []
+    train_run = runs.train_run
+    monkeypatch.setattr(runs, "train_run", lambda ctx, spec, *a: trained.append(spec.name) or train_run(ctx, spec, *a))
+    here = ["--cells", "A", "--seeds", "1", "--finetune_here", "--output_dir", str(tmp_path / "other")]
+    results = recipe.main(_args(tmp_path, *here))
+    assert trained == ["A-s1-tied"]  # the sweep reused, no branch, no untied arm
+    assert {p: p.read_text() for p in before} == before
+    kind = provenance.kind_folder({**machine(torch.device("cpu"), ROOT), "kernel_path": "OTHER"})
+    own = committed / finetune.KINDS / kind
+    assert sorted(p.name for p in own.glob("*.json")) == ["A-s1-tied.json"]
+    tied = StudyRecord.load(own / "A-s1-tied.json")
+    assert tied.machine["kernel_path"] == "OTHER" and not any(p.name.startswith("step") for p in
+                                                              (tmp_path / "other").rglob("*.pt"))  # fmt: skip
+    records = finetune.load_finetune_records(own / "finetune")
+    assert sorted(r.arm for r in records) == sorted(finetune.ALL_FINETUNE_ARMS)
+    assert all(r.source_before == pytest.approx(tied.final_validation_loss, abs=1e-6) for r in records)
+    loaded = results["round_two"]["loaded"]["A"]
+    assert loaded["groups"] == 2 and set(loaded["arms"]) == set(finetune.ALL_FINETUNE_ARMS)
+    assert "| A (1; " in (tmp_path / "other" / "round-two.md").read_text()  # the kind beside the cell
+    monkeypatch.setattr(runs, "train_run", lambda *a, **k: pytest.fail("a finished run ran again"))
+    monkeypatch.setattr(finetune, "finetune_run", lambda *a, **k: pytest.fail("a finished fine-tuning ran again"))
+    recipe.main(_args(tmp_path, *here))  # a rerun (another sitting) reuses every record
+    with pytest.raises(SystemExit, match="--finetune_here fine-tunes the tied runs of cells"):
+        recipe.main(_args(tmp_path, "--cells", "B", "--finetune_here"))
+
+
+def _tuned(seed: int, arm: str, cpu: str) -> finetune.FineTuneRecord:
+    return finetune.FineTuneRecord(
+        name=finetune.finetune_name("A", seed, arm), cell="A", arm=arm, seed=seed, lr=1e-3, steps=300, batch_size=8,
+        untie_step=None, untie_reason=None, pretrained_run=f"A-s{seed}-tied", target_before=6.0, source_before=5.0,
+        target_loss=4.0 + seed / 100, source_loss=5.0, train_loss_tail=4.0, wall_seconds=1.0, cpu_seconds=1.0,
+        machine={"cpu": cpu, "kernel_path": "AVX2", "device": "cpu", "torch": "2"}, corpus_digest="d",
+        target_digest="t", epochs=0.3,
+    )  # fmt: skip
+
+
+def test_the_loaded_rule_reads_the_cpu_kind_whose_table_has_every_arm_not_merely_the_most_records():
+    four = [_tuned(s, arm, "CPU X") for s in range(1, 6) for arm in finetune.FINETUNE_ARMS]  # 20 records, 4 arms
+    six = [_tuned(s, arm, "CPU Y") for s in (1, 2, 3) for arm in finetune.ALL_FINETUNE_ARMS]  # 18 records, 6 arms
+    chosen = report.loaded_group([*four, *six])
+    assert (chosen["cpu"], chosen["groups"], chosen["seeds"]) == ("CPU Y", 2, [1, 2, 3])
+    assert set(chosen["arms"]) == set(finetune.ALL_FINETUNE_ARMS)
+    assert report.loaded_group(four)["cpu"] == "CPU X"  # one kind: its table, whatever it holds
+
+
 def test_a_tied_run_recorded_on_another_kernel_path_is_refused_before_it_trains_again(monkeypatch):
     """Cell B's untie@0.9 needs its tied run again; on an AMD EPYC without AVX-512 (the record's had it) the run
     trained for 40 minutes before the final loss told. The machine facts tell at once."""

@@ -49,6 +49,8 @@ FINETUNE_ARMS = ("stay-tied", "untie-now", "default", "untie@1/2")
 #: rate (0: frozen), through the library's per-role groups (`UntieConfig.embedding_lr_scale`).
 SCALED_FINETUNE = {"untie-now-emb0.1": 0.1, "untie-now-frozen": 0.0}
 ALL_FINETUNE_ARMS = FINETUNE_ARMS + tuple(SCALED_FINETUNE)
+#: The folder under the records of each CPU kind's own fine-tuning table (`--finetune_here`).
+KINDS = "kinds"
 #: The step `untie@1/2` unties at (the library's rounding of 0.5 of the steps).
 HALF_STEP = untie_step(0.5, FINETUNE_STEPS)
 #: How far the loaded checkpoint's source loss may be from its tied record's final validation loss.
@@ -98,6 +100,13 @@ def load_finetune_records(folder: Path) -> list[FineTuneRecord]:
     return [FineTuneRecord.load(path) for path in sorted(folder.glob("*.json"))]
 
 
+def load_all_finetune_records(records: Path) -> list[FineTuneRecord]:
+    """The study's fine-tuning records under a records folder: its own (``finetune/``) and each CPU kind's own
+    (``kinds/<kind>/finetune/``, `--finetune_here`), which form pool groups of their own."""
+    kinds = sorted(records.glob(f"{KINDS}/*/finetune"))
+    return [record for folder in (records / "finetune", *kinds) for record in load_finetune_records(folder)]
+
+
 class _AfterStep:
     """`after_step` for `train_steps`: the arm's hooks, the progress line and the training loss's tail."""
 
@@ -127,7 +136,7 @@ def pretrained_state(ctx: StudyContext, tied: RunSpec, record: StudyRecord,
     model = _model(ctx, tied.cell, tied.setup.seed, state)
     loss = evaluate(model, ctx.corpus.validation)
     if abs(loss - record.final_validation_loss) > CHECKPOINT_TOLERANCE:
-        committed = ctx.records_dir / ctx.record_path(tied).name if ctx.records_dir else None
+        committed = ctx.committed_folder / ctx.record_path(tied).name if ctx.committed_folder else None
         raise RuntimeError(
             f"{path} gives a validation loss of {loss:.6f}, its record {tied.name} {record.final_validation_loss:.6f} "
             f"(made on {record.machine.get('cpu')}, kernels {record.machine.get('kernel_path')}; here: "
@@ -205,7 +214,7 @@ def run_finetune(ctx: StudyContext, target: TokenizedCorpus, seed: int, tied: Ru
     """Every fine-tuning arm of one seed, each recorded under ``<output_dir>/records/finetune`` (and copied to the
     committed folder) and skipped by a rerun when its record was made with the same settings, checkpoint, corpus and
     target (else run again, with a warning)."""
-    folder = ctx.output_dir / "records" / "finetune"
+    folder = ctx.records_folder / "finetune"
     expected = {"lr": record.lr / LR_DIVISOR, "steps": FINETUNE_STEPS, "batch_size": ctx.batch_size,
                 "pretrained_run": tied.name, "corpus_digest": ctx.corpus_digest,
                 "target_digest": blocks_digest(target)}  # fmt: skip
@@ -225,10 +234,11 @@ def run_finetune(ctx: StudyContext, target: TokenizedCorpus, seed: int, tied: Ru
         done = finetune_run(ctx, target, tied.cell, seed, arm, state, record.lr, tied.name, progress)
         logger.info("study: %s done (target %.4f, source %.4f)", done.name, done.target_loss, done.source_loss)
         done.save(path)
-        if ctx.records_dir is not None:
-            (ctx.records_dir / "finetune").mkdir(parents=True, exist_ok=True)
-            partial = ctx.records_dir / "finetune" / f"{path.name}.partial"
+        if ctx.committed_folder is not None:
+            committed = ctx.committed_folder / "finetune"
+            committed.mkdir(parents=True, exist_ok=True)
+            partial = committed / f"{path.name}.partial"
             shutil.copyfile(path, partial)
-            partial.replace(ctx.records_dir / "finetune" / path.name)
+            partial.replace(committed / path.name)
         out.append(done)
     return out

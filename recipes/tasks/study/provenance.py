@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
@@ -38,6 +39,15 @@ def repeat_refusal(recorded: dict, here: dict, name: str) -> str | None:
     return (f"{name} must be trained again to the same numbers as its record, which this machine cannot ({kinds}): "
             "run it where the record was made, or start a study of this machine's own (another --output_dir, "
             "--records_dir '').")  # fmt: skip
+
+
+def kind_folder(machine: dict) -> str:
+    """A folder name for a machine's kind: its CPU model name and kernel path (and device where not the CPU), in
+    lower case, runs of other characters as one "-" (e.g. ``amd-epyc-avx2``)."""
+    parts = [machine.get("cpu"), machine.get("kernel_path")]
+    if machine.get("device") not in (None, "cpu"):
+        parts.append(machine["device"])
+    return re.sub(r"[^a-z0-9]+", "-", " ".join(str(p) for p in parts).lower()).strip("-") or "unknown"
 
 
 def cpu_kind() -> str:

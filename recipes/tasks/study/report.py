@@ -156,6 +156,31 @@ def finetune_table(records: Sequence[FineTuneRecord]) -> dict:
     return table
 
 
+def loaded_group(records: Sequence[FineTuneRecord]) -> dict:
+    """The fine-tuning table round two's loaded-model rule reads for one cell: fine-tuning never pairs CPU kinds, so
+    of the cell's pool groups, the one whose table has every arm on the most complete seeds (then the most records;
+    then the first by kind), with its kind named (`cpu`, `kernel_path`)."""
+    groups = pool_groups(records)
+
+    def rank(item: tuple[tuple, list[FineTuneRecord]]) -> tuple:
+        key, group = item
+        table = finetune_table(group)
+        whole = len(table["seeds"]) if all(a in table["arms"] for a in ALL_FINETUNE_ARMS) else 0
+        return (-whole, -len(table["seeds"]), -len(group), str(key))
+
+    key, group = min(groups.items(), key=rank)
+    if len(groups) > 1:
+        logger.info(
+            "study: cell %s's fine-tuning records form %d pool groups (CPU kinds); round two reads %s, %s.",
+            group[0].cell,
+            len(groups),
+            group[0].machine.get("cpu"),
+            group[0].machine.get("kernel_path"),
+        )
+    return {**finetune_table(group), "cpu": group[0].machine.get("cpu"),
+            "kernel_path": group[0].machine.get("kernel_path"), "groups": len(groups)}  # fmt: skip
+
+
 def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequence[FineTuneRecord] = ()) -> dict:
     """`results.json` and `results.md` under `output_dir`: one table per (pool group, cell), the fine-tuning table of
     the group, and the verdict."""
@@ -163,8 +188,8 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
     tuned = pool_groups(finetune)
     pooled = pool_groups(records)
     for key in sorted(set(tuned) - set(pooled), key=str):
-        logger.warning("study: %d fine-tuning record(s) of %s match no pretraining records: not reported.",
-                       len(tuned[key]), key)  # fmt: skip
+        logger.info("study: %d fine-tuning record(s) of %s match no pretraining group (a kind's own fine-tuning, "
+                    "--finetune_here): in round two's loaded-model table only.", len(tuned[key]), key)  # fmt: skip
     # The largest group first: the one-screen summary's tables (docs/recipes/when-it-pays.md) are its.
     for key, group in sorted(pooled.items(), key=lambda kv: (-len(kv[1]), str(kv[0]))):
         cells = {c: cell_table(c, group) for c in CELLS if any(r.cell == c for r in group)}
@@ -173,13 +198,8 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
         groups.append({"corpus_digest": key[0], "cpu": machine.get("cpu"), "kernel_path": machine.get("kernel_path"),
                        "device": machine.get("device"), "torch": machine.get("torch"), "runs": len(group),
                        "cells": cells, "finetune": table, "verdict": verdict(cells, table)})  # fmt: skip
-    by_cell = {}
-    for cell in sorted({r.cell for r in finetune}):  # each cell's largest pool group: fine-tuning never pairs kinds
-        kinds = sorted(pool_groups([r for r in finetune if r.cell == cell]).values(), key=len, reverse=True)
-        by_cell[cell] = finetune_table(kinds[0])
-        if len(kinds) > 1:
-            logger.warning("study: cell %s's fine-tuning records form %d pool groups; round two reads the largest.",
-                           cell, len(kinds))  # fmt: skip
+    cells_tuned = sorted({r.cell for r in finetune})
+    by_cell = {cell: loaded_group([r for r in finetune if r.cell == cell]) for cell in cells_tuned}
     results = {"groups": groups, "round_two": round_two(records, by_cell)}
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -341,10 +341,12 @@ def _loaded_lines(loaded: dict) -> list[str]:
     """The loaded-model table: per fine-tuned cell and arm, the target and source losses against staying tied and
     where the arm stands under the rule."""
     lines = ["A loaded tied model: fine-tuning each cell's tied checkpoints on the target (each arm minus stay-tied, "
-             "paired, 95% t):", "", "| cell (seeds) | arm | target loss | vs stay-tied | source loss | vs stay-tied | "
-             "under the rule |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "paired, 95% t):", "", "| cell (seeds; CPU kind) | arm | target loss | vs stay-tied | source loss | "
+             "vs stay-tied | under the rule |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for cell, table in sorted(loaded.items()):
         seeds = ", ".join(map(str, table["seeds"])) or "none"
+        if table.get("cpu"):  # fine-tuning never pairs CPU kinds: the kind whose tied checkpoints these are
+            seeds += f"; {table['cpu']}, {table.get('kernel_path')}"
         if not table["arms"]:
             lines.append(f"| {cell} ({seeds}) | - | - | - | - | - | {table['why']} |")
         for arm, row in table["arms"].items():

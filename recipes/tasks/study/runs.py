@@ -67,6 +67,9 @@ class StudyContext:
     """A `training.CLOCK()` value after which a run saves its resume checkpoint and stops (`OutOfTime`)."""
     trigger_config: UntieConfig | None = field(default_factory=UntieConfig)
     """The trigger the tied run measures (the default, `UntieConfig()`); None measures nothing."""
+    subfolder: str = ""
+    """Where under the records, the committed records and the checkpoints this context's runs live: "" for the study's
+    own, ``kinds/<kind>`` for a CPU kind's own fine-tuning (`--finetune_here`), whose tied runs repeat names."""
 
     def __post_init__(self) -> None:
         self.curve_validation = curve_subset(self.corpus.validation, self.curve_blocks)
@@ -81,11 +84,21 @@ class StudyContext:
         return TrainingSetup(width=shape.width, layers=shape.layers, heads=heads, seed=seed,
                              batch_size=self.batch_size, learning_rate=lr, warmup=self.warmup)  # fmt: skip
 
+    @property
+    def records_folder(self) -> Path:
+        """This context's records under the output folder."""
+        return self.output_dir / "records" / self.subfolder
+
+    @property
+    def committed_folder(self) -> Path | None:
+        """Where this context's finished records are copied (None: nowhere)."""
+        return self.records_dir / self.subfolder if self.records_dir is not None else None
+
     def record_path(self, spec: RunSpec) -> Path:
-        return self.output_dir / "records" / f"{spec.name}.json"
+        return self.records_folder / f"{spec.name}.json"
 
     def checkpoint_path(self, spec: RunSpec, kind: str) -> Path:
-        return self.output_dir / "checkpoints" / spec.name / f"{kind}.pt"
+        return self.output_dir / "checkpoints" / self.subfolder / spec.name / f"{kind}.pt"
 
     def tied_of(self, spec: RunSpec) -> RunSpec:
         return RunSpec(spec.cell, "tied", spec.setup, spec.budget, spec.kind)
@@ -232,11 +245,12 @@ def run_or_reuse(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: Stu
                 record.final_validation_loss)  # fmt: skip
     path = ctx.record_path(spec)
     record.save(path)
-    if ctx.records_dir is not None:
-        ctx.records_dir.mkdir(parents=True, exist_ok=True)
-        partial = ctx.records_dir / f"{path.name}.partial"  # a copy cut short (a call's time out) is never a record
+    committed = ctx.committed_folder
+    if committed is not None:
+        committed.mkdir(parents=True, exist_ok=True)
+        partial = committed / f"{path.name}.partial"  # a copy cut short (a call's time out) is never a record
         shutil.copyfile(path, partial)
-        partial.replace(ctx.records_dir / path.name)
+        partial.replace(committed / path.name)
     ctx.checkpoint_path(spec, "resume").unlink(missing_ok=True)
     return record
 
