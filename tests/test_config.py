@@ -60,6 +60,7 @@ def test_a_pairs_file_is_read_into_the_config(tmp_path):
     ("argv", "message"),
     [
         (["--untie_at", "2.5"], "neither a whole step nor a fraction"),
+        (["--untie_at", "-3"], "untie_at=-3 is negative"),  # as typed, not "-3.0" (issue 78)
         (["--untie_when", "evidense"], "evidense"),
         (["--untie_when", '{"signal": "gap"'], "not valid JSON"),
         (["--pairs", "the/The"], "neither 'auto', 'none', a JSON list"),

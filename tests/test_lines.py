@@ -130,3 +130,16 @@ def test_at_the_first_step_the_plan_then_the_short_run_note_then_the_rules_notic
     notice = next(i for i, text in enumerate(said) if "reads no pairs" in text or "pair-free" in text)
     assert plan < short < notice, said
     untier.close()
+
+
+@pytest.mark.parametrize(
+    ("reason", "words"),
+    [("trigger", "when the divergence trigger fired"), ("deadline", "at its deadline"),
+     ("checkpoint", "as the checkpoint it resumed from was"), ("start", "before the first step")],
+)  # fmt: skip
+def test_a_resumed_untied_run_says_why_it_untied_in_words(reason, words):
+    """Issue 78: a resumed run's line read "(untied at step 0, checkpoint)", the reason's code name."""
+    from untie.decision.settings import UntieConfig
+
+    run = lines.RunSummary("Untier", UntieConfig(), None, None, untie_step=3, untie_reason=reason)
+    assert lines.plan_line(run, 10, 20) == f"untie: resumed at step 10: trains untied (untied at step 3, {words})"

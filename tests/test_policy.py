@@ -126,7 +126,8 @@ def test_trainer_says_the_plan_once_at_train_begin_in_full_and_keeps_it_in_the_c
         trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-4"))
     assert resumed.untie_step == 0 and not untie.is_tied(resumed_model)
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("untie: resumed")] == [
-        "untie: resumed at step 4: trains untied (untied at step 0, start); learning rates: input embedding at 16x, "
+        "untie: resumed at step 4: trains untied (untied at step 0, before the first step); learning rates: input "
+        "embedding at 16x, "
         "head at 1x the rate of the optimizer group each came from, from the untie on"  # the checkpoint's 16x goes on
     ]
     worst = max((p.detach() - final[n]).abs().max().item() for n, p in resumed_model.named_parameters())

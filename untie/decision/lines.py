@@ -115,6 +115,15 @@ def default_plan_text(choice: PolicyChoice, tied: bool) -> str:
     return tied_text(untie_when_text(deadline, rule_name(rule) if rule is not None else None), None)
 
 
+#: `RunSummary.untie_reason` in words, for a resumed run's line.
+UNTIE_REASON_WORDS = {
+    "trigger": "when the divergence trigger fired",
+    "deadline": "at its deadline",
+    "start": "before the first step",
+    "checkpoint": "as the checkpoint it resumed from was",
+}
+
+
 def plan_line(run: RunSummary, step: int, max_steps: int | None) -> str:
     """What the run begun at `step` of `max_steps` will do and why: "untie: trains untied from step 0; the head is
     drawn by the model's initialiser, because ..." / "untie: trains tied; unties when the divergence trigger fires,
@@ -123,7 +132,8 @@ def plan_line(run: RunSummary, step: int, max_steps: int | None) -> str:
     reason = run.decision.choice.reason if run.decision is not None else None
     if run.untied:
         if run.untie_step is not None and run.untie_step < step:
-            return f"untie: {start}trains untied (untied at step {run.untie_step:,}, {run.untie_reason})"
+            why = UNTIE_REASON_WORDS.get(run.untie_reason or "", run.untie_reason)
+            return f"untie: {start}trains untied (untied at step {run.untie_step:,}{f', {why}' if why else ''})"
         if step and run.untie_reason == "deadline":  # a tied phase resumed past its deadline (settings changed)
             passed = f"step {run.deadline_step:,}, untie_at={run.untie_at!r}"
             return (

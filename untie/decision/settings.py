@@ -478,7 +478,7 @@ def _parse_untie_at(at: Any) -> int | float | None:
             )
         step = int(value)
     if step < 0:
-        raise UntieValueError(f"untie_at={at} is negative: pass a global step >= 0 or a fraction in (0, 1).")
+        raise UntieValueError(f"untie_at={step} is negative: pass a global step >= 0 or a fraction in (0, 1).")
     return step
 
 
