@@ -204,8 +204,8 @@ def test_the_report_gives_each_fine_tuned_cells_arms_under_the_loaded_model_rule
     results = report.write_report(tmp_path, _cell_b((3.95, 3.95, 3.95)), tuned)
     assert results["round_two"]["loaded"]["C"]["choice"] == "untie-now-emb0.1"
     text = (tmp_path / "round-two.md").read_text()
-    assert "| C (1, 2, 3) | untie-now-emb0.1 | 4.7070 | -0.095 [-0.095, -0.095] | 4.1500 |" in text
-    assert "| C (1, 2, 3) | stay-tied | 4.8020 | reference |" in text
+    assert "| C (1, 2, 3; CPU Y, AVX2) | untie-now-emb0.1 | 4.7070 | -0.095 [-0.095, -0.095] | 4.1500 |" in text
+    assert "| C (1, 2, 3; CPU Y, AVX2) | stay-tied | 4.8020 | reference |" in text
 
 
 def test_the_trigger_statement_holds_only_once_every_cell_fires_early_and_unties_best_late():
