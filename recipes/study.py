@@ -64,7 +64,8 @@ from untie_recipes.tasks.study.finetune import (
     FINETUNE_CELLS,
     FINETUNE_STEPS,
     KINDS,
-    load_all_finetune_records,
+    load_finetune_records,
+    load_kinds_finetune_records,
     run_finetune,
 )
 from untie_recipes.tasks.study.protocol import (
@@ -84,9 +85,24 @@ from untie_recipes.tasks.study.protocol import (
     scaled_arm,
     untie_step,
 )
-from untie_recipes.tasks.study.provenance import blocks_digest, check_pin, corpus_pin, kind_folder, machine_facts
+from untie_recipes.tasks.study.provenance import (
+    blocks_digest,
+    check_pin,
+    corpus_pin,
+    kind_folder,
+    machine_facts,
+    repeat_refusal,
+)
 from untie_recipes.tasks.study.report import load_records, write_report
-from untie_recipes.tasks.study.runs import StudyContext, cell_plan, retrain_tied, run_or_reuse, run_seed, seed_specs
+from untie_recipes.tasks.study.runs import (
+    StudyContext,
+    cell_plan,
+    finished,
+    retrain_tied,
+    run_or_reuse,
+    run_seed,
+    seed_specs,
+)
 from untie_recipes.tasks.study.sweep import PLAIN, run_scale_sweep, run_sweep, scale_choice
 from untie_recipes.tasks.study.target import fetch_target_documents, target_corpus
 
@@ -282,8 +298,15 @@ def finetune_here(ctx: StudyContext, args: StudyArguments, cell: str, budget: in
     lrs = {"tied": sweep["tied"].best}
     here = dataclasses.replace(ctx, subfolder=f"{KINDS}/{kind_folder(ctx.machine)}")  # its committed records: imported
     for seed in args.seeds:
-        bar.set_description(f"Study {cell} seed {seed} tied, here")
         tied = next(s for s in seed_specs(here, cell, seed, lrs, budget) if s.arm == "tied")
+        own = finished(ctx, tied)  # the study's own tied run of the seed
+        if own is not None and repeat_refusal(own.machine, ctx.machine, tied.name) is None:
+            raise SystemExit(
+                f"--finetune_here: {tied.name} was recorded on this machine's kind ({own.machine.get('cpu')}, "
+                f"{own.machine.get('kernel_path')}, torch {own.machine.get('torch')}): its fine-tuning is the study's "
+                f"own; run it without --finetune_here (python recipes/study.py --cells {cell} --rates tied)."
+            )
+        bar.set_description(f"Study {cell} seed {seed} tied, here")
         record = run_or_reuse(here, tied, progress)
         for path in here.checkpoint_path(tied, "step").parent.glob("step*.pt"):  # no branch reads them
             path.unlink()
@@ -388,7 +411,8 @@ def import_records(records_dir: Path | None, folder: Path) -> None:
 
 def report(output_dir: Path) -> dict:
     records = output_dir / "records"
-    results = write_report(output_dir, load_records(records), load_all_finetune_records(records))
+    results = write_report(output_dir, load_records(records), load_finetune_records(records / "finetune"),
+                           load_kinds_finetune_records(records))  # fmt: skip
     print((output_dir / "results.md").read_text())
     return results
 

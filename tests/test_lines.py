@@ -143,3 +143,10 @@ def test_a_resumed_untied_run_says_why_it_untied_in_words(reason, words):
 
     run = lines.RunSummary("Untier", UntieConfig(), None, None, untie_step=3, untie_reason=reason)
     assert lines.plan_line(run, 10, 20) == f"untie: resumed at step 10: trains untied (untied at step 3, {words})"
+
+
+def test_the_untie_as_it_happens_says_why_in_the_same_words():
+    assert (
+        lines.untied_text(3, "deadline")
+        == "untie: untied the LM head from the input embedding at step 3 (at its deadline)"
+    )

@@ -464,12 +464,14 @@ def test_a_kinds_own_fine_tuning_trains_its_tied_runs_here_and_leaves_the_studys
     recipe.main(_args(tmp_path, "--cells", "A", "--seeds", "1"))
     committed = tmp_path / "committed"
     before = {p: p.read_text() for p in committed.rglob("*.json")}
+    here = ["--cells", "A", "--seeds", "1", "--finetune_here", "--output_dir", str(tmp_path / "other")]
+    with pytest.raises(SystemExit, match="was recorded on this machine's kind .* run it without --finetune_here"):
+        recipe.main(_args(tmp_path, *here))  # the study's own kind: its fine-tuning is the study's, not a kind's
     machine = recipe.machine_facts
     monkeypatch.setattr(recipe, "machine_facts", lambda *a: {**machine(*a), "kernel_path": "OTHER"})
     trained: list[str] = []
     train_run = runs.train_run
     monkeypatch.setattr(runs, "train_run", lambda ctx, spec, *a: trained.append(spec.name) or train_run(ctx, spec, *a))
-    here = ["--cells", "A", "--seeds", "1", "--finetune_here", "--output_dir", str(tmp_path / "other")]
     results = recipe.main(_args(tmp_path, *here))
     assert trained == ["A-s1-tied"]  # the sweep reused, no branch, no untied arm
     assert {p: p.read_text() for p in before} == before
@@ -484,6 +486,9 @@ def test_a_kinds_own_fine_tuning_trains_its_tied_runs_here_and_leaves_the_studys
     assert all(r.source_before == pytest.approx(tied.final_validation_loss, abs=1e-6) for r in records)
     loaded = results["round_two"]["loaded"]["A"]
     assert loaded["groups"] == 2 and set(loaded["arms"]) == set(finetune.ALL_FINETUNE_ARMS)
+    (group,) = results["groups"]  # the study's own pretraining group keeps its own fine-tuning table only
+    own_seconds = sum(finetune.FineTuneRecord.load(p).cpu_seconds for p in committed.glob("finetune/*.json"))
+    assert group["finetune"]["core_hours"] == pytest.approx(own_seconds / 3600)
     assert "| A (1; " in (tmp_path / "other" / "round-two.md").read_text()  # the kind beside the cell
     monkeypatch.setattr(runs, "train_run", lambda *a, **k: pytest.fail("a finished run ran again"))
     monkeypatch.setattr(finetune, "finetune_run", lambda *a, **k: pytest.fail("a finished fine-tuning ran again"))
@@ -509,6 +514,32 @@ def test_the_loaded_rule_reads_the_cpu_kind_whose_table_has_every_arm_not_merely
     assert (chosen["cpu"], chosen["groups"], chosen["seeds"]) == ("CPU Y", 2, [1, 2, 3])
     assert set(chosen["arms"]) == set(finetune.ALL_FINETUNE_ARMS)
     assert report.loaded_group(four)["cpu"] == "CPU X"  # one kind: its table, whatever it holds
+    # A seed stopped between its arms (a sitting's time limit) takes nothing from its kind: seeds 1-2 whole beat one.
+    partial = [_tuned(s, arm, "CPU Z") for s in (1, 2) for arm in finetune.ALL_FINETUNE_ARMS]
+    partial += [_tuned(3, arm, "CPU Z") for arm in finetune.FINETUNE_ARMS]
+    assert report.loaded_group([*partial, *six[:6]])["cpu"] == "CPU Z"
+    # As a kind's seeds land one arm at a time beside a complete four-arm kind, the choice moves once and stays.
+    landed, chosen_kinds = [], []
+    for record in six:
+        landed.append(record)
+        chosen_kinds.append(report.loaded_group([*four, *landed])["cpu"])
+    first = chosen_kinds.index("CPU Y")
+    assert first == len(finetune.ALL_FINETUNE_ARMS) - 1 and set(chosen_kinds[first:]) == {"CPU Y"}
+
+
+def test_a_kinds_own_fine_tuning_is_read_by_the_loaded_rule_only_never_by_a_pretraining_groups_table(tmp_path):
+    """A kind with pretraining records of its own (cell B's on a Xeon) and cell A's fine-tuning made there by
+    --finetune_here: the Xeon group's table and verdict must not take that fine-tuning in."""
+    pretraining = [_record(1, "tied", 5.0, cpu="CPU Y"), _record(1, "untied", 5.1, cpu="CPU Y")]
+    tuned = [dataclasses.replace(r, corpus_digest="d1") for r in
+             (_tuned(s, arm, "CPU Y") for s in (1, 2, 3) for arm in finetune.ALL_FINETUNE_ARMS)]  # fmt: skip
+    results = report.write_report(tmp_path, pretraining, (), tuned)
+    (group,) = results["groups"]
+    assert group["finetune"]["seeds"] == [] and group["finetune"]["arms"] == {}
+    assert results["round_two"]["loaded"]["A"]["seeds"] == [1, 2, 3]
+    machine = {"cpu": "AMD EPYC", "kernel_path": "AVX2", "device": "cpu", "torch": "2.13.0+cpu"}
+    assert provenance.kind_folder(machine) == "amd-epyc-avx2-torch-2-13-0-cpu"
+    assert provenance.kind_folder({**machine, "torch": "2.14.0+cpu"}) != provenance.kind_folder(machine)
 
 
 def test_a_tied_run_recorded_on_another_kernel_path_is_refused_before_it_trains_again(monkeypatch):

@@ -231,7 +231,9 @@ def short_run_notice(run: RunSummary, step: int, max_steps: int | None) -> tuple
 
 def untied_text(step: int, reason: str) -> str:
     """The untie, as it happens between steps (logged)."""
-    return f"untie: untied the LM head from the input embedding at step {step} ({reason})"
+    return (
+        f"untie: untied the LM head from the input embedding at step {step} ({UNTIE_REASON_WORDS.get(reason, reason)})"
+    )
 
 
 def kept_copy_text(detail: str) -> str:

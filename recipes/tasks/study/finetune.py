@@ -100,11 +100,10 @@ def load_finetune_records(folder: Path) -> list[FineTuneRecord]:
     return [FineTuneRecord.load(path) for path in sorted(folder.glob("*.json"))]
 
 
-def load_all_finetune_records(records: Path) -> list[FineTuneRecord]:
-    """The study's fine-tuning records under a records folder: its own (``finetune/``) and each CPU kind's own
-    (``kinds/<kind>/finetune/``, `--finetune_here`), which form pool groups of their own."""
-    kinds = sorted(records.glob(f"{KINDS}/*/finetune"))
-    return [record for folder in (records / "finetune", *kinds) for record in load_finetune_records(folder)]
+def load_kinds_finetune_records(records: Path) -> list[FineTuneRecord]:
+    """Each CPU kind's own fine-tuning records under a records folder (``kinds/<kind>/finetune/``, `--finetune_here`):
+    read by round two's loaded-model table only, never by a pretraining group's."""
+    return [r for folder in sorted(records.glob(f"{KINDS}/*/finetune")) for r in load_finetune_records(folder)]
 
 
 class _AfterStep:

@@ -42,11 +42,13 @@ def repeat_refusal(recorded: dict, here: dict, name: str) -> str | None:
 
 
 def kind_folder(machine: dict) -> str:
-    """A folder name for a machine's kind: its CPU model name and kernel path (and device where not the CPU), in
-    lower case, runs of other characters as one "-" (e.g. ``amd-epyc-avx2``)."""
+    """A folder name for a machine's kind, from what a pool group shares (`POOL_FIELDS` but the corpus: the CPU model
+    name, the kernel path, the device where not the CPU, and the torch build), in lower case, runs of other characters
+    as one "-" (e.g. ``amd-epyc-avx2-torch-2-13-0-cpu``)."""
     parts = [machine.get("cpu"), machine.get("kernel_path")]
     if machine.get("device") not in (None, "cpu"):
         parts.append(machine["device"])
+    parts.append(f"torch {machine.get('torch')}")
     return re.sub(r"[^a-z0-9]+", "-", " ".join(str(p) for p in parts).lower()).strip("-") or "unknown"
 
 

@@ -158,15 +158,18 @@ def finetune_table(records: Sequence[FineTuneRecord]) -> dict:
 
 def loaded_group(records: Sequence[FineTuneRecord]) -> dict:
     """The fine-tuning table round two's loaded-model rule reads for one cell: fine-tuning never pairs CPU kinds, so
-    of the cell's pool groups, the one whose table has every arm on the most complete seeds (then the most records;
-    then the first by kind), with its kind named (`cpu`, `kernel_path`)."""
+    of the cell's pool groups the one with the most seeds that have all six arms; then the most seeds with round
+    one's four; then the most records; then the first by kind. Its kind is named (`cpu`, `kernel_path`). A kind's
+    choice only moves forward as its seeds complete: a seed stopped between arms adds nothing until it is whole."""
     groups = pool_groups(records)
 
+    def seeds_with(group: list[FineTuneRecord], arms: tuple[str, ...]) -> int:
+        have = {(r.arm, r.seed) for r in group}
+        return sum(all((a, s) in have for a in arms) for s in {r.seed for r in group})
+
     def rank(item: tuple[tuple, list[FineTuneRecord]]) -> tuple:
-        key, group = item
-        table = finetune_table(group)
-        whole = len(table["seeds"]) if all(a in table["arms"] for a in ALL_FINETUNE_ARMS) else 0
-        return (-whole, -len(table["seeds"]), -len(group), str(key))
+        key, group = item  # a seed cut short between its arms counts for neither kind of complete seed it lacks
+        return (-seeds_with(group, ALL_FINETUNE_ARMS), -seeds_with(group, FINETUNE_ARMS), -len(group), str(key))
 
     key, group = min(groups.items(), key=rank)
     if len(groups) > 1:
@@ -181,15 +184,17 @@ def loaded_group(records: Sequence[FineTuneRecord]) -> dict:
             "kernel_path": group[0].machine.get("kernel_path"), "groups": len(groups)}  # fmt: skip
 
 
-def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequence[FineTuneRecord] = ()) -> dict:
+def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequence[FineTuneRecord] = (),
+                 kinds: Sequence[FineTuneRecord] = ()) -> dict:  # fmt: skip
     """`results.json` and `results.md` under `output_dir`: one table per (pool group, cell), the fine-tuning table of
-    the group, and the verdict."""
+    the group (the study's own fine-tuning, `finetune`), and the verdict; round two's loaded-model table reads those
+    and the CPU kinds' own fine-tuning (`kinds`, `--finetune_here`), which no pretraining group's table takes in."""
     groups = []
     tuned = pool_groups(finetune)
     pooled = pool_groups(records)
     for key in sorted(set(tuned) - set(pooled), key=str):
-        logger.info("study: %d fine-tuning record(s) of %s match no pretraining group (a kind's own fine-tuning, "
-                    "--finetune_here): in round two's loaded-model table only.", len(tuned[key]), key)  # fmt: skip
+        logger.warning("study: %d fine-tuning record(s) of %s match no pretraining records: not in the groups' "
+                       "tables (round two's loaded-model table reads them).", len(tuned[key]), key)  # fmt: skip
     # The largest group first: the one-screen summary's tables (docs/recipes/when-it-pays.md) are its.
     for key, group in sorted(pooled.items(), key=lambda kv: (-len(kv[1]), str(kv[0]))):
         cells = {c: cell_table(c, group) for c in CELLS if any(r.cell == c for r in group)}
@@ -198,8 +203,8 @@ def write_report(output_dir: Path, records: list[StudyRecord], finetune: Sequenc
         groups.append({"corpus_digest": key[0], "cpu": machine.get("cpu"), "kernel_path": machine.get("kernel_path"),
                        "device": machine.get("device"), "torch": machine.get("torch"), "runs": len(group),
                        "cells": cells, "finetune": table, "verdict": verdict(cells, table)})  # fmt: skip
-    cells_tuned = sorted({r.cell for r in finetune})
-    by_cell = {cell: loaded_group([r for r in finetune if r.cell == cell]) for cell in cells_tuned}
+    every = [*finetune, *kinds]
+    by_cell = {cell: loaded_group([r for r in every if r.cell == cell]) for cell in sorted({r.cell for r in every})}
     results = {"groups": groups, "round_two": round_two(records, by_cell)}
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
