@@ -195,3 +195,37 @@ def test_each_engine_has_its_tied_phase_from_one_table_behind_one_interface():
     tying = tied_phase_for("FSDP2", model)
     assert isinstance(tying, EmulatedTying) and tying.head is model.get_output_embeddings()
     tying.remove()
+
+
+def test_a_tied_baseline_under_emulated_tying_says_at_its_end_that_it_saves_two_equal_matrices_and_how_to_tie_them(
+    make_args, tmp_path, caplog
+):
+    """Issue 78: a run that never unties under emulated tying (a tied baseline under FSDP2 / DeepSpeed) ended with two
+    equal matrices that save untied, with no word. It now says so at its end, and the way it names ties them again."""
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback(untie_when=None, untie_at=None, tying_mode="emulated")
+    args = make_args(output_dir=str(tmp_path / "run"), max_steps=4)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=ToyLMDataset(64), callbacks=[callback])
+    with caplog.at_level("WARNING", logger="untie"):
+        trainer.train()
+    ended = [r.getMessage() for r in caplog.records if "ended tied under emulated tying" in r.getMessage()]
+    assert len(ended) == 1 and "untie convert SAVED OUT --tie" in ended[0]
+    assert not callback.untied and not untie.is_tied(model)
+    assert torch.equal(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    untie.tie_embeddings(reloaded, init="input")
+    assert untie.is_tied(reloaded)
+    batch = ToyLMDataset(n=2)[:]
+    with torch.no_grad():
+        assert torch.equal(reloaded(**batch).logits, model.eval()(**batch).logits)
+
+
+def test_a_run_that_unties_under_emulated_tying_says_nothing_of_equal_matrices(make_args, tmp_path, caplog):
+    model = tiny_model("gpt2")
+    callback = untie.UntieCallback(untie_when=None, untie_at=2, tying_mode="emulated")
+    trainer = tf.Trainer(model=model, args=make_args(output_dir=str(tmp_path / "run"), max_steps=4),
+                         train_dataset=ToyLMDataset(64), callbacks=[callback])  # fmt: skip
+    with caplog.at_level("INFO", logger="untie"):
+        trainer.train()
+    assert callback.untied and not any("ended tied" in r.getMessage() for r in caplog.records)

@@ -346,7 +346,12 @@ class UntieRun:
         return {**self.measurements.take_latest(self.untie_step), **self.rates.current()}
 
     def close(self) -> None:
-        """The run is over: take off every install; the model keeps the structure it was given. Idempotent."""
+        """The run is over: take off every install; the model keeps the structure it was given. Idempotent. A run
+        that ends in an emulated tied phase says that its model holds two equal matrices, and how to tie them."""
+        structure = self.structure
+        ended = self.phase in ("started", "stepping")
+        if structure is not None and structure.emulation is not None and not self.untied and ended:
+            messages.say_once(self.said, [(lines.ended_tied_emulated_text(self.owner), None)])
         self._teardown()
         if self.phase not in ("new", "expecting"):
             self.check("close")

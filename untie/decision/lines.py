@@ -229,6 +229,17 @@ def short_run_notice(run: RunSummary, step: int, max_steps: int | None) -> tuple
     return None
 
 
+def ended_tied_emulated_text(owner: str) -> str:
+    """A run that ends in its emulated tied phase (a tied baseline under FSDP2 or DeepSpeed): its model holds two
+    equal matrices, which save untied, and how to make them one again."""
+    return (
+        f"untie: the run ended tied under emulated tying ({owner}): the model holds the input embedding and an equal "
+        "LM head, two matrices, and saves untied (tie_word_embeddings=False); it reloads to the same function. For one "
+        "shared matrix, tie the saved model: `untie convert SAVED OUT --tie`, or untie.tie_embeddings(model, "
+        "init='input') on the model loaded unsharded."
+    )
+
+
 def untied_text(step: int, reason: str) -> str:
     """The untie, as it happens between steps (logged)."""
     return (
