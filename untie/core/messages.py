@@ -52,3 +52,10 @@ def warn_changed_settings(run: RunSummary, saved_config: dict, step: int) -> Non
     changed = lines.changed_settings(run, saved_config, step)
     if changed is not None:
         _compat.warn_in_user_code(changed)
+
+
+def end_of_run(run: RunSummary, said: set[str], trained: bool) -> None:
+    """At the run's end (`trained`: it started): a run that ends in an emulated tied phase says that its model holds two
+    equal matrices, which save untied, and how to tie them (`lines.ended_tied_emulated_text`), once."""
+    if trained and run.emulated and not run.untied:
+        say_once(said, [(lines.ended_tied_emulated_text(run.owner), None)])

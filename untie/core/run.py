@@ -346,12 +346,8 @@ class UntieRun:
         return {**self.measurements.take_latest(self.untie_step), **self.rates.current()}
 
     def close(self) -> None:
-        """The run is over: take off every install; the model keeps the structure it was given. Idempotent. A run
-        that ends in an emulated tied phase says that its model holds two equal matrices, and how to tie them."""
-        structure = self.structure
-        ended = self.phase in ("started", "stepping")
-        if structure is not None and structure.emulation is not None and not self.untied and ended:
-            messages.say_once(self.said, [(lines.ended_tied_emulated_text(self.owner), None)])
+        """The run is over: take off every install; the model keeps the structure it was given. Idempotent."""
+        messages.end_of_run(self.summary(), self.said, trained=self.phase in ("started", "stepping"))
         self._teardown()
         if self.phase not in ("new", "expecting"):
             self.check("close")
@@ -399,6 +395,5 @@ class UntieRun:
         self.divergence = DivergenceTrigger(self.divergence.rule) if self.divergence is not None else None
         if self.divergence is not None and attributes.get("trigger_state"):
             self.divergence.load_state_dict(attributes["trigger_state"])
-        untied = bool(attributes.get("untied"))
-        self.untie_step = attributes.get("untie_step") if untied else None
-        self.untie_reason = attributes.get("untie_reason") if untied else None
+        kept = attributes if attributes.get("untied") else {}  # an untie's step and reason, where the run had untied
+        self.untie_step, self.untie_reason = kept.get("untie_step"), kept.get("untie_reason")
