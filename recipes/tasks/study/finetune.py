@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -233,11 +232,6 @@ def run_finetune(ctx: StudyContext, target: TokenizedCorpus, seed: int, tied: Ru
         done = finetune_run(ctx, target, tied.cell, seed, arm, state, record.lr, tied.name, progress)
         logger.info("study: %s done (target %.4f, source %.4f)", done.name, done.target_loss, done.source_loss)
         done.save(path)
-        if ctx.committed_folder is not None:
-            committed = ctx.committed_folder / "finetune"
-            committed.mkdir(parents=True, exist_ok=True)
-            partial = committed / f"{path.name}.partial"
-            shutil.copyfile(path, partial)
-            partial.replace(committed / path.name)
+        ctx.commit(path, "finetune")
         out.append(done)
     return out

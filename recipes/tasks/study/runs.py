@@ -94,6 +94,17 @@ class StudyContext:
         """Where this context's finished records are copied (None: nowhere)."""
         return self.records_dir / self.subfolder if self.records_dir is not None else None
 
+    def commit(self, path: Path, under: str = "") -> None:
+        """Copy the finished record `path` to the committed folder (``under`` it), whole or not at all: a copy cut
+        short (a call's time out) is a ``.partial`` file, never a record."""
+        if self.committed_folder is None:
+            return
+        folder = self.committed_folder / under
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f"{path.name}.partial"
+        shutil.copyfile(path, partial)
+        partial.replace(folder / path.name)
+
     def record_path(self, spec: RunSpec) -> Path:
         return self.records_folder / f"{spec.name}.json"
 
@@ -245,12 +256,7 @@ def run_or_reuse(ctx: StudyContext, spec: RunSpec, progress: Progress, tied: Stu
                 record.final_validation_loss)  # fmt: skip
     path = ctx.record_path(spec)
     record.save(path)
-    committed = ctx.committed_folder
-    if committed is not None:
-        committed.mkdir(parents=True, exist_ok=True)
-        partial = committed / f"{path.name}.partial"  # a copy cut short (a call's time out) is never a record
-        shutil.copyfile(path, partial)
-        partial.replace(committed / path.name)
+    ctx.commit(path)
     ctx.checkpoint_path(spec, "resume").unlink(missing_ok=True)
     return record
 
